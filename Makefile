@@ -1,0 +1,25 @@
+# Two entry points for a fresh machine with only Python: `make bench` and `make test`.
+# Both create .venv (seeing system packages, so an installed torch is reused, never replaced),
+# install the CPU build torch==2.13.0 only when no torch is importable, then install vpipe.
+PYTHON ?= python3
+VENV ?= .venv
+PY := $(VENV)/bin/python
+STAMP := $(VENV)/.vpipe-installed
+
+$(STAMP): pyproject.toml
+	test -x $(PY) || $(PYTHON) -m venv --system-site-packages $(VENV)
+	$(PY) -c "import torch" 2>/dev/null || $(PY) -m pip install -q torch==2.13.0
+	$(PY) -m pip install -q -e ".[test,asv]"
+	touch $(STAMP)
+
+.PHONY: install test bench lint
+install: $(STAMP)
+
+test: $(STAMP)
+	$(PY) -m pytest -q
+
+bench: $(STAMP)
+	$(VENV)/bin/vpipe compare --ranks 4 --microbatches 8
+
+lint: $(STAMP)
+	$(PY) -m ruff check vpipe tests bench

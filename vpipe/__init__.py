@@ -1,0 +1,35 @@
+"""vpipe: trace-driven benchmarking of pipeline-parallel schedules, with a compact runtime.
+
+Imports are lazy so that the schedule IR, passes and simulator work without importing torch.
+"""
+
+from __future__ import annotations
+
+from importlib import import_module
+from typing import Any
+
+from vpipe.ir import Action, Kind, Schedule, ScheduleError, format_action, parse_action
+
+__version__ = "0.1.0"
+
+_LAZY = {
+    "make_schedule": "vpipe.schedules",
+    "schedule_names": "vpipe.schedules",
+    "lower": "vpipe.passes",
+    "validate": "vpipe.passes",
+    "simulate": "vpipe.sim",
+    "CostModel": "vpipe.sim",
+    "SimResult": "vpipe.sim",
+    "Pipeline": "vpipe.runtime",
+}
+
+__all__ = ["Action", "Kind", "Schedule", "ScheduleError", "format_action", "parse_action", *_LAZY]
+
+
+def __getattr__(name: str) -> Any:
+    module = _LAZY.get(name)
+    if module is None:
+        raise AttributeError(f"module 'vpipe' has no attribute {name!r}")
+    value = getattr(import_module(module), name)
+    globals()[name] = value
+    return value

@@ -1,0 +1,5 @@
+"""`python -m vpipe` (also what torchrun launches)."""
+
+from vpipe.cli import main
+
+raise SystemExit(main())

@@ -1,0 +1,3 @@
+"""CLI subcommands: each module here defines ``register(subparsers)``, adding its commands
+with ``set_defaults(func=handler)`` where ``handler(args) -> int``. Modules must import
+quickly (no torch at import time): heavy imports go inside handlers."""

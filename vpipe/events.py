@@ -1,0 +1,68 @@
+"""The one event schema shared by simulated and measured runs.
+
+Every producer (simulator, profiler-trace converter) emits a DataFrame with exactly
+``EVENT_COLUMNS`` (see :func:`events_frame`), so analysis, plots and reports work on both, and
+"how well does the simulator predict the machine" is one join on (rank, step, stage,
+microbatch, kind).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable, Mapping
+from typing import Any
+
+import pandas as pd
+
+SCHEMA_VERSION = 1
+
+# Column -> pandas dtype. Strings are categoricals (dictionary-encoded in Parquet).
+# stage and microbatch are -1 where they do not apply (WAIT spans, "other").
+EVENT_COLUMNS: dict[str, str] = {
+    "run_id": "category",
+    "source": "category",  # measured | simulated
+    "impl": "category",  # vpipe | torch | sim
+    "schedule": "category",
+    "rank": "int32",
+    "step": "int32",
+    "stage": "int32",
+    "microbatch": "int32",
+    "kind": "category",  # F B I W SEND_F RECV_F SEND_B RECV_B WAIT other
+    "name": "category",  # the action string (e.g. 2F3) or span name
+    "start_ns": "int64",
+    "end_ns": "int64",
+}
+
+EVENT_KINDS = ("F", "B", "I", "W", "SEND_F", "RECV_F", "SEND_B", "RECV_B", "WAIT", "other")
+
+MEMORY_COLUMNS: dict[str, str] = {
+    "run_id": "category",
+    "source": "category",
+    "rank": "int32",
+    "step": "int32",
+    "t_ns": "int64",
+    "bytes": "int64",
+    "what": "category",  # allocated | reserved | rss | activations
+}
+
+
+def _frame(
+    columns: Mapping[str, str], data: Mapping[str, Any] | Iterable[Mapping[str, Any]]
+) -> pd.DataFrame:
+    df = pd.DataFrame(data)
+    if df.empty:
+        df = pd.DataFrame({c: pd.Series(dtype=t) for c, t in columns.items()})
+        return df
+    missing = [c for c in columns if c not in df.columns]
+    if missing:
+        raise ValueError(f"event data lacks columns {missing}")
+    return df[list(columns)].astype(dict(columns))
+
+
+def events_frame(data: Mapping[str, Any] | Iterable[Mapping[str, Any]]) -> pd.DataFrame:
+    """Coerce column data (dict of lists) or records to the event schema, columns in order."""
+    return _frame(EVENT_COLUMNS, data)
+
+
+def memory_frame(data: Mapping[str, Any] | Iterable[Mapping[str, Any]]) -> pd.DataFrame:
+    """Coerce memory samples to the memory schema."""
+    return _frame(MEMORY_COLUMNS, data)
