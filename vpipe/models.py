@@ -1,0 +1,342 @@
+"""Benchmark models split into pipeline stages: an MLP block stack, a small GPT-style decoder,
+and a model that passes a tuple of tensors between stages.
+
+Every model is built as an ordered list of *pieces* (embedding, blocks, head) from one seeded
+RNG, then the pieces are grouped into contiguous stages. Parameters therefore depend only on the
+seed and sizes, never on the number of stages, and the unsplit reference model is the stages run
+one after another.
+
+Stage modules accept their input either as one argument or unpacked (``stage(h, skip)`` and
+``stage((h, skip))`` are the same), so any runtime convention for tuples works.
+
+This module imports torch; command modules import it lazily.
+"""
+
+from __future__ import annotations
+
+import copy
+import math
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from vpipe.errors import VpipeError
+
+__all__ = ["BenchModel", "ModelError", "build_model", "model_names"]
+
+
+class ModelError(VpipeError, ValueError):
+    """An unknown model name or sizes that cannot be split as asked."""
+
+
+DEFAULT_SIZES: dict[str, dict[str, int]] = {
+    # The issue's benchmark MLP: 4 blocks of 512 -> 2048 -> 512.
+    "mlp": {"d_model": 512, "d_hidden": 2048, "n_blocks": 4},
+    "gpt": {"vocab": 512, "d_model": 128, "n_heads": 4, "n_layers": 4, "seq_len": 64},
+    "tuple": {"d_model": 64, "d_hidden": 128, "n_blocks": 4, "n_buckets": 4},
+}
+
+_DESCRIPTIONS = {
+    "mlp": "residual MLP blocks (LayerNorm, Linear, GELU, Linear); MSE loss",
+    "gpt": "GPT-style decoder (embedding on the first stage, LM head + cross-entropy on the last)",
+    "tuple": "MLP blocks passing (hidden, skip, int64 bucket ids) between stages; MSE loss",
+}
+
+
+def model_names() -> dict[str, str]:
+    """Model name -> one-line description."""
+    return dict(_DESCRIPTIONS)
+
+
+@dataclass
+class BenchModel:
+    """A model split into stages, with its loss, batch maker and unsplit reference.
+
+    ``stages[i]`` is stage i's module. ``loss_fn(output, target)`` is mean-reduced over the
+    batch. ``tokens_per_sample`` is set for token models (for tokens/s) and None otherwise.
+    """
+
+    name: str
+    stages: list[nn.Module]
+    loss_fn: Callable[[Any, torch.Tensor], torch.Tensor]
+    sizes: dict[str, int]
+    seed: int
+    batch_fn: Callable[[int, int], tuple[torch.Tensor, torch.Tensor]] = field(repr=False)
+    tokens_per_sample: int | None = None
+
+    @property
+    def n_stages(self) -> int:
+        return len(self.stages)
+
+    @property
+    def n_params(self) -> int:
+        """Total parameter count over all stages."""
+        return sum(p.numel() for m in self.stages for p in m.parameters())
+
+    def make_batch(self, batch: int, seed: int = 0) -> tuple[torch.Tensor, torch.Tensor]:
+        """A deterministic (inputs, targets) pair of ``batch`` samples."""
+        if batch < 1:
+            raise ModelError(f"batch must be >= 1, got {batch}")
+        return self.batch_fn(batch, seed)
+
+    def reference_model(self) -> nn.Module:
+        """The unsplit model: copies of the stages (current parameter values, no grads) run in
+        order. Its parameter ``stages.{i}.{name}`` is stage i's parameter ``{name}``."""
+        clones = [copy.deepcopy(m) for m in self.stages]
+        for m in clones:
+            for p in m.parameters():
+                p.grad = None
+        return Sequential(clones)
+
+
+def build_model(name: str, n_stages: int, seed: int = 0, **sizes: int) -> BenchModel:
+    """Build model ``name`` ("mlp", "gpt" or "tuple") split into ``n_stages`` stages.
+
+    Sizes default to ``DEFAULT_SIZES[name]``, except that ``n_blocks`` ("mlp", "tuple") and
+    ``n_layers`` ("gpt") grow to fit ``n_stages`` when not given. Pass sizes explicitly when
+    comparing different splits of one model.
+    """
+    if name not in DEFAULT_SIZES:
+        raise ModelError(f"unknown model {name!r}: choose one of {', '.join(DEFAULT_SIZES)}")
+    if n_stages < 1:
+        raise ModelError(f"n_stages must be >= 1, got {n_stages}")
+    unknown = sorted(set(sizes) - set(DEFAULT_SIZES[name]))
+    if unknown:
+        raise ModelError(
+            f"model {name!r} has no size {unknown[0]!r}: sizes are {', '.join(DEFAULT_SIZES[name])}"
+        )
+    full = dict(DEFAULT_SIZES[name])
+    if "n_blocks" in full:
+        full["n_blocks"] = max(full["n_blocks"], n_stages)
+    if "n_layers" in full:
+        full["n_layers"] = max(full["n_layers"], n_stages - 2)
+    full.update({k: int(v) for k, v in sizes.items()})
+    for key, value in full.items():
+        if value < 1:
+            raise ModelError(f"model {name!r}: size {key} must be >= 1, got {value}")
+    return _BUILDERS[name](n_stages, seed, full)
+
+
+# ---------------------------------------------------------------------------------------------
+# Stage plumbing
+
+
+def _unpack(inputs: tuple[Any, ...]) -> Any:
+    return inputs[0] if len(inputs) == 1 else tuple(inputs)
+
+
+class Stage(nn.Module):
+    """One pipeline stage: runs its pieces in order; takes its input packed or unpacked."""
+
+    def __init__(self, pieces: Sequence[nn.Module]) -> None:
+        super().__init__()
+        self.pieces = nn.ModuleList(pieces)
+
+    def forward(self, *inputs: Any) -> Any:
+        x = _unpack(inputs)
+        for piece in self.pieces:
+            x = piece(x)
+        return x
+
+
+class Sequential(nn.Module):
+    """The unsplit reference model: the stages one after another."""
+
+    def __init__(self, stages: Sequence[nn.Module]) -> None:
+        super().__init__()
+        self.stages = nn.ModuleList(stages)
+
+    def forward(self, *inputs: Any) -> Any:
+        x = _unpack(inputs)
+        for stage in self.stages:
+            x = stage(x)
+        return x
+
+
+def _split(pieces: Sequence[nn.Module], n_stages: int, what: str) -> list[nn.Module]:
+    """Group pieces into n_stages contiguous stages whose sizes differ by at most one (earlier
+    stages take the extra piece)."""
+    n = len(pieces)
+    if n < n_stages:
+        raise ModelError(
+            f"cannot split {n} {what} into {n_stages} stages: every stage needs at least one; "
+            "use more layers/blocks or fewer stages"
+        )
+    base, extra = divmod(n, n_stages)
+    out, start = [], 0
+    for i in range(n_stages):
+        size = base + (1 if i < extra else 0)
+        out.append(Stage(pieces[start : start + size]))
+        start += size
+    return out
+
+
+def _random_pair(d: int) -> Callable[[int, int], tuple[torch.Tensor, torch.Tensor]]:
+    def make_batch(batch: int, seed: int) -> tuple[torch.Tensor, torch.Tensor]:
+        g = torch.Generator().manual_seed(seed)
+        return torch.randn(batch, d, generator=g), torch.randn(batch, d, generator=g)
+
+    return make_batch
+
+
+# ---------------------------------------------------------------------------------------------
+# MLP
+
+
+class MLPBlock(nn.Module):
+    """x + Linear(GELU(Linear(LayerNorm(x))))."""
+
+    def __init__(self, d: int, h: int) -> None:
+        super().__init__()
+        self.norm = nn.LayerNorm(d)
+        self.fc1 = nn.Linear(d, h)
+        self.act = nn.GELU()
+        self.fc2 = nn.Linear(h, d)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return x + self.fc2(self.act(self.fc1(self.norm(x))))
+
+
+def _build_mlp(n_stages: int, seed: int, sizes: dict[str, int]) -> BenchModel:
+    d, h, n = sizes["d_model"], sizes["d_hidden"], sizes["n_blocks"]
+    with torch.random.fork_rng(devices=[]):
+        torch.manual_seed(seed)
+        blocks = [MLPBlock(d, h) for _ in range(n)]
+    stages = _split(blocks, n_stages, "MLP blocks")
+    return BenchModel("mlp", stages, F.mse_loss, sizes, seed, _random_pair(d))
+
+
+# ---------------------------------------------------------------------------------------------
+# GPT
+
+
+class Embed(nn.Module):
+    """Token plus learned position embedding (the first stage's first piece)."""
+
+    def __init__(self, vocab: int, d: int, seq_len: int) -> None:
+        super().__init__()
+        self.tok = nn.Embedding(vocab, d)
+        self.pos = nn.Parameter(torch.randn(seq_len, d) * 0.02)
+
+    def forward(self, tokens: torch.Tensor) -> torch.Tensor:
+        t = tokens.shape[1]
+        if t > self.pos.shape[0]:
+            raise ModelError(f"model 'gpt': {t} tokens exceed seq_len {self.pos.shape[0]}")
+        return self.tok(tokens) + self.pos[:t]
+
+
+class DecoderBlock(nn.Module):
+    """Pre-norm causal self-attention and MLP, both residual."""
+
+    def __init__(self, d: int, n_heads: int, n_layers: int) -> None:
+        super().__init__()
+        self.n_heads = n_heads
+        self.ln1 = nn.LayerNorm(d)
+        self.qkv = nn.Linear(d, 3 * d)
+        self.proj = nn.Linear(d, d)
+        self.ln2 = nn.LayerNorm(d)
+        self.fc1 = nn.Linear(d, 4 * d)
+        self.fc2 = nn.Linear(4 * d, d)
+        for lin in (self.proj, self.fc2):  # GPT-2 style scaled init of residual projections
+            nn.init.normal_(lin.weight, std=0.02 / math.sqrt(2 * n_layers))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        b, t, d = x.shape
+        q, k, v = self.qkv(self.ln1(x)).split(d, dim=2)
+        q, k, v = (z.view(b, t, self.n_heads, d // self.n_heads).transpose(1, 2) for z in (q, k, v))
+        a = F.scaled_dot_product_attention(q, k, v, is_causal=True)
+        x = x + self.proj(a.transpose(1, 2).reshape(b, t, d))
+        return x + self.fc2(F.gelu(self.fc1(self.ln2(x))))
+
+
+class LMHead(nn.Module):
+    """Final LayerNorm and LM head (the last stage's last piece); returns logits."""
+
+    def __init__(self, d: int, vocab: int) -> None:
+        super().__init__()
+        self.ln = nn.LayerNorm(d)
+        self.out = nn.Linear(d, vocab, bias=False)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.out(self.ln(x))
+
+
+def lm_loss(logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
+    """Token-mean cross-entropy of (batch, seq, vocab) logits against (batch, seq) ids."""
+    return F.cross_entropy(logits.reshape(-1, logits.shape[-1]), targets.reshape(-1))
+
+
+def _build_gpt(n_stages: int, seed: int, sizes: dict[str, int]) -> BenchModel:
+    vocab, d, heads = sizes["vocab"], sizes["d_model"], sizes["n_heads"]
+    layers, seq = sizes["n_layers"], sizes["seq_len"]
+    if d % heads:
+        raise ModelError(f"model 'gpt': d_model ({d}) must be divisible by n_heads ({heads})")
+    with torch.random.fork_rng(devices=[]):
+        torch.manual_seed(seed)
+        pieces = [
+            Embed(vocab, d, seq),
+            *(DecoderBlock(d, heads, layers) for _ in range(layers)),
+            LMHead(d, vocab),
+        ]
+
+    def make_batch(batch: int, bseed: int) -> tuple[torch.Tensor, torch.Tensor]:
+        g = torch.Generator().manual_seed(bseed)
+        tokens = torch.randint(vocab, (batch, seq + 1), generator=g)
+        return tokens[:, :-1].contiguous(), tokens[:, 1:].contiguous()
+
+    stages = _split(pieces, n_stages, "GPT pieces (embedding, n_layers blocks, head)")
+    return BenchModel("gpt", stages, lm_loss, sizes, seed, make_batch, tokens_per_sample=seq)
+
+
+# ---------------------------------------------------------------------------------------------
+# Tuple
+
+
+class TupleBlock(nn.Module):
+    """(h, skip, bucket) -> (h', skip', bucket).
+
+    The first block builds the tuple from a plain tensor (bucket: a data-dependent int64 id per
+    sample); the last returns the single tensor h + skip. The int tensor crosses every stage
+    boundary and selects a learned per-bucket bias, so it must arrive intact.
+    """
+
+    def __init__(self, d: int, h: int, n_buckets: int, first: bool, last: bool) -> None:
+        super().__init__()
+        self.first, self.last, self.n_buckets = first, last, n_buckets
+        self.norm = nn.LayerNorm(d)
+        self.fc1 = nn.Linear(d, h)
+        self.fc2 = nn.Linear(h, d)
+        self.bias = nn.Embedding(n_buckets, d)
+        self.gate = nn.Parameter(torch.full((d,), 0.5))
+
+    def forward(self, x: Any) -> Any:
+        if self.first:
+            hid, skip = x, x
+            bucket = (x[:, 0].detach() * 1000).floor().long().remainder(self.n_buckets)
+        else:
+            hid, skip, bucket = x
+        hid = hid + self.fc2(F.gelu(self.fc1(self.norm(hid)))) + self.bias(bucket)
+        skip = skip * self.gate + hid * 0.1
+        if self.last:
+            return hid + skip
+        return hid, skip, bucket
+
+
+def _build_tuple(n_stages: int, seed: int, sizes: dict[str, int]) -> BenchModel:
+    d, h, n, k = sizes["d_model"], sizes["d_hidden"], sizes["n_blocks"], sizes["n_buckets"]
+    with torch.random.fork_rng(devices=[]):
+        torch.manual_seed(seed)
+        blocks = [TupleBlock(d, h, k, i == 0, i == n - 1) for i in range(n)]
+    stages = _split(blocks, n_stages, "tuple blocks")
+    return BenchModel("tuple", stages, F.mse_loss, sizes, seed, _random_pair(d))
+
+
+_BUILDERS: dict[str, Callable[[int, int, dict[str, int]], BenchModel]] = {
+    "mlp": _build_mlp,
+    "gpt": _build_gpt,
+    "tuple": _build_tuple,
+}
