@@ -1,0 +1,48 @@
+"""StepProfiler writes one Kineto JSON per rank with the run metadata and memory samples."""
+
+import json
+
+import pytest
+
+from vpipe.trace.record import StepProfiler
+
+
+def _fake_steps(prof: StepProfiler, n: int) -> None:
+    import torch
+    from torch.profiler import record_function
+
+    for k in range(n):
+        with record_function(f"PP:STEP:{k}"):
+            with record_function("PP:0F0"):
+                x = torch.randn(32, 32, requires_grad=True)
+                y = (x @ x).sum()
+            with record_function("PP:0B0"):
+                y.backward()
+        prof.step(memory={"activations": 100 + k})
+
+
+def test_writes_trace_with_metadata_and_samples(tmp_path):
+    meta = {"run_id": "r1", "schedule": "1f1b", "impl": "vpipe", "ranks": 2}
+    with StepProfiler(tmp_path, 1, wait=1, warmup=1, active=2, metadata=meta) as prof:
+        _fake_steps(prof, 6)
+    assert prof.written
+    trace = json.loads((tmp_path / "rank1.json").read_text())
+    assert trace["vpipe"]["run_id"] == "r1" and trace["vpipe"]["rank"] == 1
+    steps = sorted({s["step"] for s in trace["vpipe_samples"]})
+    assert steps == [2, 3]  # only the active window is sampled
+    acts = [s["bytes"] for s in trace["vpipe_samples"] if s["what"] == "activations"]
+    assert acts == [102, 103]
+    names = {e.get("name") for e in trace["traceEvents"]}
+    assert {"PP:STEP:2", "PP:STEP:3", "PP:0F0", "PP:0B0"} <= names
+    assert "PP:STEP:1" not in names  # warmup is discarded
+    assert not list(tmp_path.glob(".*"))  # no temp file left behind
+
+
+def test_none_is_noop_and_short_run_warns(tmp_path):
+    with StepProfiler(None, 0) as prof:
+        prof.step()
+    assert not prof.enabled and not prof.written
+    with pytest.warns(UserWarning, match="no profiler trace written"):
+        with StepProfiler(tmp_path, 0, wait=1, warmup=1, active=1) as prof:
+            prof.step()
+    assert not (tmp_path / "rank0.json").exists()

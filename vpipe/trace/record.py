@@ -1,0 +1,152 @@
+"""Record a pipeline run with torch.profiler, one Kineto JSON file per rank.
+
+:class:`StepProfiler` wraps ``torch.profiler.profile`` with a wait/warmup/active schedule and
+writes ``out_dir/rank{rank}.json`` (opens in Perfetto or chrome://tracing). The run metadata
+(run_id, schedule, impl, ranks, microbatches, model, ...) is embedded in the trace under the
+top-level key ``"vpipe"`` so that :mod:`vpipe.trace.kineto` can label the events without side
+files. Memory figures that the profiler does not record itself (process RSS, the CUDA
+allocator's per-step peak, the runtime's live-activation bytes) are sampled after every active
+step and embedded under ``"vpipe_samples"``, with wall-clock times on the trace's own clock.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import time
+import warnings
+from collections.abc import Mapping
+from pathlib import Path
+from typing import Any
+
+META_KEY = "vpipe"
+SAMPLES_KEY = "vpipe_samples"
+
+
+def current_rss_bytes() -> int | None:
+    """Resident set size of this process (Linux /proc), or None where unavailable."""
+    try:
+        with open("/proc/self/statm", "rb") as f:
+            pages = int(f.read().split()[1])
+        return pages * os.sysconf("SC_PAGE_SIZE")
+    except (OSError, ValueError, IndexError, AttributeError):
+        return None
+
+
+class StepProfiler:
+    """Context manager profiling a window of pipeline steps; call :meth:`step` after each.
+
+    ``wait`` steps are skipped, ``warmup`` steps are traced and discarded, ``active`` steps are
+    recorded; the trace is written when the active window closes (or at exit, if the run ends
+    inside it). With ``out_dir=None`` every method is a no-op, so callers need no branches.
+    """
+
+    def __init__(
+        self,
+        out_dir: str | os.PathLike[str] | None,
+        rank: int,
+        *,
+        wait: int = 1,
+        warmup: int = 1,
+        active: int = 3,
+        record_shapes: bool = False,
+        profile_memory: bool = False,
+        with_stack: bool = False,
+        metadata: Mapping[str, Any] | None = None,
+    ) -> None:
+        if min(wait, warmup) < 0 or active < 1:
+            raise ValueError(
+                f"need wait, warmup >= 0 and active >= 1, got {wait}/{warmup}/{active}"
+            )
+        self.out_dir = None if out_dir is None else Path(out_dir)
+        self.rank = rank
+        self.path = None if self.out_dir is None else self.out_dir / f"rank{rank}.json"
+        self.written = False
+        self._window = (wait, warmup, active)
+        self._options = dict(
+            record_shapes=record_shapes, profile_memory=profile_memory, with_stack=with_stack
+        )
+        self._meta: dict[str, Any] = dict(metadata or {})
+        self._meta.update(
+            rank=rank,
+            profiler_wait=wait,
+            profiler_warmup=warmup,
+            profiler_active=active,
+            **self._options,
+        )
+        self._samples: list[dict[str, Any]] = []
+        self._steps = 0
+        self._prof: Any = None
+        self._cuda = False
+
+    @property
+    def enabled(self) -> bool:
+        return self.out_dir is not None
+
+    def __enter__(self) -> StepProfiler:
+        if not self.enabled:
+            return self
+        import torch
+        from torch.profiler import ProfilerActivity, profile, schedule
+
+        self.out_dir.mkdir(parents=True, exist_ok=True)
+        self._cuda = torch.cuda.is_available()
+        activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if self._cuda else [])
+        wait, warmup, active = self._window
+        self._prof = profile(
+            activities=activities,
+            schedule=schedule(wait=wait, warmup=warmup, active=active, repeat=1),
+            on_trace_ready=self._write,
+            **self._options,
+        )
+        self._prof.preset_metadata_json(META_KEY, json.dumps(self._meta, default=str))
+        self._prof.start()
+        return self
+
+    def step(self, memory: Mapping[str, int] | None = None) -> None:
+        """Mark the end of one pipeline step.
+
+        ``memory`` adds named byte counts for this step (e.g. ``{"activations":
+        pipe.stats["peak_live_activation_bytes"]}``) to the memory samples.
+        """
+        if self._prof is None:
+            return
+        if self._prof.current_action.name.startswith("RECORD"):
+            self._sample(memory or {})
+            self._prof.add_metadata_json(SAMPLES_KEY, json.dumps(self._samples))
+        self._steps += 1
+        self._prof.step()
+
+    def _sample(self, memory: Mapping[str, int]) -> None:
+        t_ns = time.time_ns()  # Kineto's clock: baseTimeNanoseconds + ts is wall-clock ns
+        values: dict[str, int | None] = {"rss": current_rss_bytes()}
+        if self._cuda:
+            import torch
+
+            values["cuda_peak"] = int(torch.cuda.max_memory_allocated())
+            torch.cuda.reset_peak_memory_stats()
+        values.update({k: int(v) for k, v in memory.items() if v is not None})
+        for what, value in values.items():
+            if value is not None:
+                self._samples.append(
+                    {"step": self._steps, "t_ns": t_ns, "what": what, "bytes": value}
+                )
+
+    def _write(self, prof: Any) -> None:
+        tmp = self.path.with_name(f".{self.path.name}.tmp{os.getpid()}")
+        prof.export_chrome_trace(str(tmp))
+        os.replace(tmp, self.path)
+        self.written = True
+
+    def __exit__(self, *exc: object) -> None:
+        if self._prof is None:
+            return
+        prof, self._prof = self._prof, None
+        prof.stop()
+        if not self.written and exc[0] is None:
+            wait, warmup, _ = self._window
+            warnings.warn(
+                f"rank {self.rank}: no profiler trace written: the run had {self._steps} steps, "
+                f"fewer than wait+warmup+1 = {wait + warmup + 1}",
+                stacklevel=2,
+            )
