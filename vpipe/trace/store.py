@@ -1,0 +1,239 @@
+"""The results store: a runs table plus event and memory datasets, in Parquet, append-only.
+
+Layout under a root directory (``results/`` by default)::
+
+    ROOT/
+      runs/run_id=<RUN>.parquet                    one file per run: its row(s) of the runs table
+      events/run_id=<RUN>/rank=<R>/part-0.parquet  the run's event table (vpipe.events schema)
+      memory/run_id=<RUN>/rank=<R>/part-0.parquet  the run's memory samples
+
+- **Runs table** (``Store.runs()``, or ``pandas.read_parquet("ROOT/runs")``): one row per run
+  (one launch of one config). Standard columns (:data:`RUN_COLUMNS`): metadata ``run_id``,
+  ``created``, ``commit``, ``host``, ``torch``, ``device``, ``backend``, ``ranks``, ``stages``,
+  ``microbatches``, ``model``, ``batch``, ``impl``, ``schedule``, ``source``, and metrics
+  ``step_time_s`` (median over steps), ``step_time_q1_s`` / ``step_time_q3_s`` (interquartile
+  range), ``samples_per_s``, ``tokens_per_s``, ``bubble_ratio`` (whole step),
+  ``bubble_ratio_excl_skew``, ``peak_memory_bytes``, ``status``. Extra columns are kept.
+- **Events and memory** are Hive-partitioned by run and rank, so
+  ``pandas.read_parquet("ROOT/events")`` reads them all and ``Store.events(run_ids=[...])``
+  reads only the runs asked for. Strings are dictionary-encoded, files zstd-compressed.
+- **Schema version**: every file carries ``{"schema_version": N, ...}`` under the Parquet
+  key-value metadata key ``vpipe``; reading a file written by a newer version is a TraceError.
+- **Atomic, append-only**: every file is written to a hidden temp file in its own directory and
+  renamed into place (``os.replace``). A run's events and memory are written first and its runs
+  file last, as the commit point: readers only see runs whose runs file exists, so a run killed
+  mid-write leaves earlier results intact and nothing half-written visible. Appending a run
+  never touches another run's files; appending a run id that is already committed is an error.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import shutil
+import uuid
+from collections.abc import Iterable, Mapping
+from pathlib import Path
+from typing import Any
+
+import pandas as pd
+import pyarrow as pa
+import pyarrow.parquet as pq
+
+from vpipe.errors import TraceError
+from vpipe.events import EVENT_COLUMNS, MEMORY_COLUMNS, SCHEMA_VERSION, events_frame, memory_frame
+
+META_KEY = b"vpipe"
+
+RUN_COLUMNS: dict[str, str] = {
+    "run_id": "string",
+    "created": "string",  # ISO 8601 UTC
+    "commit": "string",
+    "host": "string",
+    "torch": "string",
+    "device": "string",
+    "backend": "string",
+    "ranks": "Int64",
+    "stages": "Int64",
+    "microbatches": "Int64",
+    "model": "string",
+    "batch": "Int64",
+    "impl": "string",
+    "schedule": "string",
+    "source": "string",
+    "step_time_s": "Float64",
+    "step_time_q1_s": "Float64",
+    "step_time_q3_s": "Float64",
+    "samples_per_s": "Float64",
+    "tokens_per_s": "Float64",
+    "bubble_ratio": "Float64",
+    "bubble_ratio_excl_skew": "Float64",
+    "peak_memory_bytes": "Int64",
+    "status": "string",
+}
+
+_RUN_ID_RE = re.compile(r"[A-Za-z0-9][A-Za-z0-9._+-]{0,199}")
+
+
+def check_run_id(run_id: str) -> str:
+    """Return ``run_id`` if it is safe as a directory name, else raise TraceError."""
+    if not isinstance(run_id, str) or not _RUN_ID_RE.fullmatch(run_id):
+        raise TraceError(
+            f"invalid run id {run_id!r}: use letters, digits, '.', '_', '+', '-' "
+            "(up to 200 characters, starting with a letter or digit)"
+        )
+    return run_id
+
+
+def write_parquet(df: pd.DataFrame, path: str | os.PathLike[str], meta: Mapping[str, Any]) -> None:
+    """Write ``df`` atomically to ``path`` (zstd, dictionary-encoded strings) with ``meta`` and
+    the schema version in the file's key-value metadata."""
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    table = pa.Table.from_pandas(df, preserve_index=False)
+    kv = dict(table.schema.metadata or {})
+    kv[META_KEY] = json.dumps({**meta, "schema_version": SCHEMA_VERSION}, default=str).encode()
+    table = table.replace_schema_metadata(kv)
+    tmp = path.with_name(f".{path.name}.{uuid.uuid4().hex}.tmp")
+    try:
+        pq.write_table(table, tmp, compression="zstd", use_dictionary=True)
+        with open(tmp, "rb+") as f:
+            os.fsync(f.fileno())
+        os.replace(tmp, path)
+    finally:
+        if tmp.exists():
+            tmp.unlink()
+
+
+def read_parquet(path: str | os.PathLike[str]) -> tuple[pd.DataFrame, dict[str, Any]]:
+    """Read one vpipe Parquet file; return (frame, vpipe metadata). Checks the schema version."""
+    try:
+        table = pq.read_table(path)
+    except (OSError, pa.ArrowException) as e:
+        raise TraceError(f"{path}: unreadable Parquet file: {e}") from None
+    meta = parquet_meta(table.schema, path)
+    return table.to_pandas(), meta
+
+
+def parquet_meta(schema: pa.Schema, path: str | os.PathLike[str]) -> dict[str, Any]:
+    """The vpipe metadata of a Parquet schema, checked against this version."""
+    raw = (schema.metadata or {}).get(META_KEY)
+    meta = json.loads(raw) if raw else {}
+    version = meta.get("schema_version", SCHEMA_VERSION)
+    if version > SCHEMA_VERSION:
+        raise TraceError(
+            f"{path}: written with vpipe schema version {version}, this vpipe reads up to "
+            f"{SCHEMA_VERSION}; upgrade vpipe to read it"
+        )
+    return meta
+
+
+def runs_frame(
+    rows: pd.DataFrame | Mapping[str, Any] | Iterable[Mapping[str, Any]],
+) -> pd.DataFrame:
+    """Rows of the runs table with the standard columns first (missing ones are NA)."""
+    if isinstance(rows, Mapping):
+        rows = [dict(rows)]
+    df = pd.DataFrame(rows).copy()
+    for col, dtype in RUN_COLUMNS.items():
+        df[col] = (
+            df[col].astype(dtype)
+            if col in df.columns
+            else pd.Series(pd.NA, index=df.index, dtype=dtype)
+        )
+    extra = [c for c in df.columns if c not in RUN_COLUMNS]
+    return df[list(RUN_COLUMNS) + extra]
+
+
+class Store:
+    """A results directory; see the module docstring for the layout and guarantees."""
+
+    def __init__(self, root: str | os.PathLike[str] = "results") -> None:
+        self.root = Path(root)
+
+    # -- writing -----------------------------------------------------------------------------
+    def append_run(
+        self,
+        run: pd.DataFrame | Mapping[str, Any],
+        events: pd.DataFrame | None = None,
+        memory: pd.DataFrame | None = None,
+    ) -> str:
+        """Add one run: its runs-table row(s), event table and memory samples. Returns its id."""
+        rows = runs_frame(run)
+        ids = set(rows["run_id"].dropna())
+        if len(ids) != 1 or rows["run_id"].isna().any():
+            raise TraceError(f"a run's rows need exactly one run_id, got {sorted(ids) or 'none'}")
+        run_id = check_run_id(ids.pop())
+        if self._run_file(run_id).exists():
+            raise TraceError(f"{self.root}: run {run_id!r} is already in the store")
+        for table, frame, coerce in (
+            ("events", events, events_frame),
+            ("memory", memory, memory_frame),
+        ):
+            shutil.rmtree(self.root / table / f"run_id={run_id}", ignore_errors=True)  # orphans
+            if frame is not None and len(frame):
+                self._write_partitions(table, run_id, coerce(frame))
+        write_parquet(rows, self._run_file(run_id), {"table": "runs", "run_id": run_id})
+        return run_id
+
+    def _write_partitions(self, table: str, run_id: str, df: pd.DataFrame) -> None:
+        found = set(df["run_id"].astype(str).unique())
+        if found != {run_id}:
+            raise TraceError(f"{table} rows belong to runs {sorted(found)}, expected {run_id!r}")
+        part = df.drop(columns=["run_id"])
+        for rank, group in part.groupby("rank", observed=True, sort=True):
+            path = self.root / table / f"run_id={run_id}" / f"rank={int(rank)}" / "part-0.parquet"
+            write_parquet(
+                group.drop(columns=["rank"]).reset_index(drop=True),
+                path,
+                {"table": table, "run_id": run_id, "rank": int(rank)},
+            )
+
+    def _run_file(self, run_id: str) -> Path:
+        return self.root / "runs" / f"run_id={run_id}.parquet"
+
+    # -- reading -----------------------------------------------------------------------------
+    def run_ids(self) -> list[str]:
+        """Committed runs, sorted."""
+        runs_dir = self.root / "runs"
+        if not runs_dir.is_dir():
+            return []
+        return sorted(
+            p.name[len("run_id=") : -len(".parquet")]
+            for p in runs_dir.glob("run_id=*.parquet")
+            if not p.name.startswith(".")
+        )
+
+    def runs(self) -> pd.DataFrame:
+        """The runs table, one row per committed run (empty with the standard columns if none)."""
+        frames = [read_parquet(self._run_file(r))[0] for r in self.run_ids()]
+        return runs_frame(pd.concat(frames, ignore_index=True) if frames else [])
+
+    def events(self, run_ids: Iterable[str] | None = None) -> pd.DataFrame:
+        """Event table of the given committed runs (all by default)."""
+        return events_frame(self._read_table("events", run_ids))
+
+    def memory(self, run_ids: Iterable[str] | None = None) -> pd.DataFrame:
+        """Memory samples of the given committed runs (all by default)."""
+        return memory_frame(self._read_table("memory", run_ids))
+
+    def _read_table(self, table: str, run_ids: Iterable[str] | None) -> pd.DataFrame | dict:
+        committed = self.run_ids()
+        wanted = committed if run_ids is None else list(run_ids)
+        unknown = [r for r in wanted if r not in committed]
+        if unknown:
+            raise TraceError(f"{self.root}: no run {unknown[0]!r} in the store")
+        columns = EVENT_COLUMNS if table == "events" else MEMORY_COLUMNS
+        frames = []
+        for run_id in wanted:
+            for path in sorted(
+                (self.root / table / f"run_id={run_id}").glob("rank=*/part-0.parquet")
+            ):
+                df, meta = read_parquet(path)
+                df["run_id"] = run_id
+                df["rank"] = int(meta.get("rank", path.parent.name.split("=", 1)[1]))
+                frames.append(df)
+        if not frames:
+            return {c: [] for c in columns}
+        return pd.concat(frames, ignore_index=True)
