@@ -319,7 +319,12 @@ class TupleBlock(nn.Module):
             bucket = (x[:, 0].detach() * 1000).floor().long().remainder(self.n_buckets)
         else:
             hid, skip, bucket = x
-        hid = hid + self.fc2(F.gelu(self.fc1(self.norm(hid)))) + self.bias(bucket)
+        # remainder keeps ids valid even when a runtime probes shapes with uninitialised tensors
+        hid = (
+            hid
+            + self.fc2(F.gelu(self.fc1(self.norm(hid))))
+            + self.bias(bucket.remainder(self.n_buckets))
+        )
         skip = skip * self.gate + hid * 0.1
         if self.last:
             return hid + skip
