@@ -1,0 +1,98 @@
+"""Helpers shared by the schedule generators: argument checks and Schedule assembly."""
+
+from __future__ import annotations
+
+from collections.abc import Iterable
+
+from vpipe.errors import ScheduleError
+from vpipe.ir import Action, Kind, Schedule, overlap
+
+
+def check_counts(name: str, ranks: object, microbatches: object) -> tuple[int, int]:
+    """Require positive integer rank and microbatch counts; return them as ints."""
+    for what, value in (("ranks", ranks), ("microbatches", microbatches)):
+        if isinstance(value, bool) or not isinstance(value, int):
+            raise ScheduleError(f"{name}: {what} must be an integer, got {value!r}")
+        if value < 1:
+            raise ScheduleError(f"{name}: {what} must be at least 1, got {value}")
+    return int(ranks), int(microbatches)  # type: ignore[call-overload]
+
+
+def resolve_stages_per_rank(
+    name: str, value: object, *, default: int, fixed: str = "", hint: str = ""
+) -> int:
+    """Resolve the stages-per-rank argument: ``None`` means ``default``.
+
+    A family with a non-empty ``fixed`` reason accepts only ``default``; ``hint`` says what to
+    use instead.
+    """
+    if value is None:
+        return default
+    if isinstance(value, bool) or not isinstance(value, int):
+        raise ScheduleError(f"{name}: stages per rank must be an integer, got {value!r}")
+    if fixed and value != default:
+        plural = "s" if default > 1 else ""
+        raise ScheduleError(
+            f"{name} needs exactly {default} stage{plural} per rank ({fixed}); got {value}"
+            + (f"; {hint}" if hint else "")
+        )
+    if value < 1:
+        raise ScheduleError(f"{name}: stages per rank must be at least 1, got {value}")
+    return value
+
+
+def F(stage: int, mb: int) -> Action:
+    return Action(stage, Kind.F, mb)
+
+
+def B(stage: int, mb: int) -> Action:
+    return Action(stage, Kind.B, mb)
+
+
+def I(stage: int, mb: int) -> Action:  # noqa: E743
+    return Action(stage, Kind.I, mb)
+
+
+def W(stage: int, mb: int) -> Action:
+    return Action(stage, Kind.W, mb)
+
+
+def keep_microbatches(actions: Iterable[Action], microbatches: int) -> list[Action]:
+    """Drop every part that touches a microbatch >= ``microbatches``.
+
+    A schedule built for more microbatches stays valid and deadlock free when some
+    microbatches are removed (removing work never adds a dependency), so families whose
+    shape needs a minimum count build that many and keep the first ``microbatches``.
+    An overlap left with one part becomes that plain action.
+    """
+    out = []
+    for a in actions:
+        if a.kind is Kind.OVERLAP_F_B:
+            parts = [p for p in a.parts if p.microbatch < microbatches]
+            if len(parts) >= 2:
+                out.append(overlap(*parts) if len(parts) < len(a.parts) else a)
+            elif parts:
+                out.append(parts[0])
+        elif a.microbatch < microbatches:
+            out.append(a)
+    return out
+
+
+def build(
+    name: str,
+    ranks: int,
+    microbatches: int,
+    placement: dict[int, int],
+    actions: list[list[Action]],
+    **meta: object,
+) -> Schedule:
+    """Assemble the compute-only Schedule returned by every generator."""
+    return Schedule(
+        n_ranks=ranks,
+        n_stages=len(placement),
+        n_microbatches=microbatches,
+        placement=placement,
+        actions=actions,
+        name=name,
+        meta=dict(meta),
+    )
