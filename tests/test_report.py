@@ -1,0 +1,263 @@
+"""Reports and plots from synthetic tables: ratios, comparisons, self-contained HTML, and a
+headless-Chromium screenshot of a report (skipped where Chromium is not installed)."""
+
+from __future__ import annotations
+
+import re
+import shutil
+import subprocess
+
+import numpy as np
+import pandas as pd
+import pytest
+
+from vpipe.cli import main
+from vpipe.events import events_frame, memory_frame
+from vpipe.plots import (
+    plot_gantt,
+    plot_memory,
+    plot_memory_timeline,
+    plot_throughput,
+    schedule_order,
+    to_png,
+)
+from vpipe.report import (
+    ReportError,
+    Section,
+    comparison_table,
+    impl_table,
+    render_html,
+    summary_table,
+    v_vs_baseline,
+)
+from vpipe.trace.store import Store
+
+
+def _runs(scale: float = 1.0, commit: str = "aaaa", host: str = "h1") -> pd.DataFrame:
+    rows = []
+    for sched, t, mem in (
+        ("interleaved-1f1b", 0.10, 400),
+        ("zbv", 0.08, 300),
+        ("dualpipev", 0.09, 600),
+    ):
+        for impl, f in (("vpipe", 1.0), ("torch", 1.25)):
+            st = t * f * scale
+            rows.append(
+                dict(
+                    run_id=f"b-{sched}-m4-{impl}",
+                    source="measured",
+                    commit=commit,
+                    host=host,
+                    bench_id=f"b{commit}",
+                    schedule=sched,
+                    microbatches=4,
+                    impl=impl,
+                    step_time_s=st,
+                    step_time_q1_s=st * 0.95,
+                    step_time_q3_s=st * 1.1,
+                    samples_per_s=32 / st,
+                    peak_memory_bytes=mem * 2**20,
+                    bubble_ratio=0.2,
+                )
+            )
+    return pd.DataFrame(rows)
+
+
+def _steps(rng: np.random.Generator) -> pd.DataFrame:
+    rows = []
+    for sched in ("interleaved-1f1b", "zbv"):
+        for r in range(2):
+            for k in range(3):
+                for impl, f in (("vpipe", 1.0), ("torch", 2.0)):
+                    t = 0.05 * f * (1 + 0.01 * rng.random())
+                    rows.append(
+                        dict(
+                            schedule=sched,
+                            microbatches=4,
+                            impl=impl,
+                            round=r,
+                            step=k,
+                            step_time_s=t,
+                            samples_per_s=16 / t,
+                        )
+                    )
+    return pd.DataFrame(rows)
+
+
+def _events() -> pd.DataFrame:
+    rows = []
+    for rank in range(2):
+        t = 1000 * rank
+        for mb in range(3):
+            for kind in ("F", "I", "W"):
+                rows.append(
+                    dict(
+                        run_id="r",
+                        source="measured",
+                        impl="vpipe",
+                        schedule="zbv",
+                        rank=rank,
+                        step=0,
+                        stage=rank,
+                        microbatch=mb,
+                        kind=kind,
+                        name=f"{rank}{kind}{mb}",
+                        start_ns=t,
+                        end_ns=t + 800,
+                    )
+                )
+                t += 1000
+    return events_frame(rows)
+
+
+def test_schedule_order_puts_baselines_first():
+    assert schedule_order(["zbv", "custom", "interleaved-1f1b", "1f1b"]) == [
+        "1f1b",
+        "interleaved-1f1b",
+        "zbv",
+        "custom",
+    ]
+
+
+def test_summary_and_v_ratios():
+    runs = _runs()
+    table = summary_table(runs)
+    assert len(table) == 6
+    zbv = table[(table["schedule"] == "zbv") & (table["impl"] == "vpipe")].iloc[0]
+    assert zbv["thru vs interleaved-1f1b"] == "1.25"  # 0.10 / 0.08
+    assert zbv["mem vs interleaved-1f1b"] == "0.75"
+    vv = v_vs_baseline(runs).set_index(["impl", "schedule"])
+    assert vv.loc[("torch", "dualpipev"), "peak memory ratio"] == "1.50"
+    assert vv.loc[("vpipe", "dualpipev"), "throughput ratio"] == "1.11"
+
+
+def test_impl_table_pairs_steps(tmp_path):
+    table = impl_table(_steps(np.random.default_rng(0)))
+    assert list(table["schedule"]) == ["interleaved-1f1b", "zbv"]
+    assert (table["pairs"] == 6).all()
+    assert all(abs(float(v) - 2.0) < 0.05 for v in table["torch/vpipe step time"])
+
+
+def test_comparison_speedup_and_spread():
+    base, fast = _runs(1.0, "aaaa"), _runs(0.5, "bbbb")
+    table = comparison_table([("aaaa", base), ("bbbb", fast)])
+    assert len(table) == 6
+    assert set(table["speedup"]) == {"2.00"}
+    lo, hi = (float(x) for x in table["spread"].iloc[0].split("-"))
+    assert lo == pytest.approx(0.95 / 1.1 * 2, abs=0.01) and hi == pytest.approx(
+        1.1 / 0.95 * 2, abs=0.01
+    )
+    with pytest.raises(ReportError, match="at least two"):
+        comparison_table([("aaaa", base)])
+    other = base.assign(schedule="gpipe")
+    with pytest.raises(ReportError, match="share no"):
+        comparison_table([("aaaa", base), ("x", other)])
+
+
+def _store(path, runs: pd.DataFrame) -> None:
+    store = Store(path)
+    for row in runs.to_dict("records"):
+        store.append_run(row)
+
+
+def test_report_cli_compares_two_stores(tmp_path, capsys):
+    _store(tmp_path / "a", _runs(1.0, "aaaa", "h1"))
+    _store(tmp_path / "b", _runs(0.8, "bbbb", "h2"))
+    out = tmp_path / "cmp.html"
+    assert main(["report", str(tmp_path / "a"), str(tmp_path / "b"), "-o", str(out)]) == 0
+    text = out.read_text()
+    assert "Speedup over aaaa@h1" in text and "bbbb@h2" in text and "1.25" in text
+    assert "1.25" in out.with_suffix(".md").read_text()
+    # one run: its summary
+    assert main(["report", str(tmp_path / "a"), "-o", str(tmp_path / "one.html")]) == 0
+    assert "Summary" in (tmp_path / "one.html").read_text()
+
+
+def test_report_cli_bad_input_is_one_line_error(tmp_path, capsys):
+    (tmp_path / "junk.parquet").write_bytes(b"not parquet")
+    assert main(["report", str(tmp_path / "junk.parquet"), "-o", str(tmp_path / "x.html")]) == 2
+    err = capsys.readouterr().err.strip()
+    assert "junk.parquet" in err and "\n" not in err
+    assert main(["report", str(tmp_path / "nowhere"), "-o", str(tmp_path / "x.html")]) == 2
+    assert "no runs table" in capsys.readouterr().err
+
+
+def _report_html() -> str:
+    rng = np.random.default_rng(1)
+    steps = _steps(rng)
+    ranks = pd.DataFrame(
+        [
+            dict(schedule=s, microbatches=4, impl=i, rank=r, peak_bytes=(r + 1) * 2**20)
+            for s in ("interleaved-1f1b", "zbv")
+            for i in ("vpipe", "torch")
+            for r in range(2)
+        ]
+    )
+    mem = memory_frame(
+        [
+            dict(
+                run_id="r-vpipe",
+                source="measured",
+                rank=r,
+                step=0,
+                t_ns=i * 1000,
+                bytes=(i % 7) * 10**6,
+                what="saved_activations",
+            )
+            for r in range(2)
+            for i in range(30)
+        ]
+    )
+    sec = Section("Figures")
+    sec.images["throughput"] = to_png(plot_throughput(steps))
+    sec.images["memory"] = to_png(plot_memory(ranks))
+    sec.images["gantt"] = to_png(plot_gantt([("measured", _events()), ("simulated", _events())]))
+    sec.images["memory over time"] = to_png(plot_memory_timeline(mem))
+    return render_html("test report", [Section("Summary", "<p>hello</p>", "hello"), sec])
+
+
+def test_html_is_self_contained():
+    text = _report_html()
+    assert text.count('src="data:image/png;base64,') == 4
+    assert not re.search(r"https?://", text)
+    assert "<link" not in text and "<script" not in text
+
+
+def _chromium() -> str | None:
+    return (
+        shutil.which("chromium")
+        or shutil.which("chromium-browser")
+        or shutil.which("google-chrome")
+    )
+
+
+@pytest.mark.skipif(_chromium() is None, reason="chromium not installed (apt-get install chromium)")
+def test_html_renders_in_headless_chromium(tmp_path):
+    page = tmp_path / "report.html"
+    page.write_text(_report_html())
+    shot = tmp_path / "shot.png"
+    cmd = [
+        _chromium(),
+        "--headless",
+        "--no-sandbox",
+        "--disable-gpu",
+        "--disable-quic",
+        "--no-first-run",
+        "--disable-background-networking",
+        "--disable-component-update",
+        "--disable-sync",
+        f"--user-data-dir={tmp_path / 'profile'}",
+        "--proxy-server=127.0.0.1:9",
+        "--window-size=1200,2400",
+        f"--screenshot={shot}",
+        page.as_uri(),
+    ]
+    subprocess.run(cmd, capture_output=True, timeout=90, check=False)
+    assert shot.exists(), "chromium wrote no screenshot"
+    import matplotlib.image as mpimg
+
+    img = mpimg.imread(shot)[..., :3]
+    # the embedded plots (colored bars) must be visible: many non-gray pixels, high variance
+    colorful = (img.max(axis=2) - img.min(axis=2)) > 0.2
+    assert img.std() > 0.05
+    assert colorful.mean() > 0.01, f"screenshot looks blank ({colorful.mean():.4f} colored)"

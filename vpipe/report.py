@@ -1,0 +1,342 @@
+"""Self-contained reports of benchmark sweeps: one HTML file (inline CSS, PNGs as data URIs,
+nothing fetched from the network) and a Markdown summary; plus comparisons of runs from
+different commits or machines (speedup tables with spreads).
+
+Works from the sweep's runs table alone (one row per config with step-time median and
+quartiles), so it reads both a ``vpipe bench`` output directory and a results store.
+"""
+
+from __future__ import annotations
+
+import base64
+import html
+import json
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import pandas as pd
+
+from vpipe.errors import VpipeError
+from vpipe.plots import BASELINE, schedule_order
+
+CSS = """
+body{font-family:system-ui,-apple-system,Segoe UI,Helvetica,Arial,sans-serif;margin:2em auto;
+max-width:1200px;color:#222;line-height:1.4;padding:0 1em}
+h1{font-size:1.6em}h2{font-size:1.25em;border-bottom:1px solid #ddd;padding-bottom:.2em;
+margin-top:1.6em}table{border-collapse:collapse;margin:.6em 0;font-size:.85em}
+th,td{border:1px solid #ccc;padding:.25em .55em;text-align:right}
+th{background:#f3f3f3}td:first-child,th:first-child{text-align:left}
+img{max-width:100%;border:1px solid #eee;margin:.4em 0}.note{color:#555;font-size:.9em}
+code{background:#f6f6f6;padding:0 .2em}
+"""
+
+
+class ReportError(VpipeError, ValueError):
+    """A run or store given to ``vpipe report`` cannot be read."""
+
+
+@dataclass
+class Section:
+    """A heading with HTML and Markdown bodies, and images (title -> PNG bytes)."""
+
+    title: str
+    html: str = ""
+    markdown: str = ""
+    images: dict[str, bytes] = field(default_factory=dict)
+
+
+def data_uri(png: bytes) -> str:
+    """A PNG as a ``data:`` URI, so the HTML needs no side files."""
+    return "data:image/png;base64," + base64.b64encode(png).decode("ascii")
+
+
+def table_html(df: pd.DataFrame) -> str:
+    return df.to_html(index=False, border=0, na_rep="", escape=True)
+
+
+def table_markdown(df: pd.DataFrame) -> str:
+    cols = [str(c) for c in df.columns]
+    lines = ["| " + " | ".join(cols) + " |", "|" + "---|" * len(cols)]
+    for row in df.itertuples(index=False):
+        lines.append("| " + " | ".join("" if pd.isna(v) else str(v) for v in row) + " |")
+    return "\n".join(lines)
+
+
+def table_section(title: str, df: pd.DataFrame, note: str = "") -> Section:
+    """A section holding one table (and an optional note)."""
+    note_html = f'<p class="note">{html.escape(note)}</p>' if note else ""
+    return Section(
+        title, note_html + table_html(df), (note + "\n\n" if note else "") + table_markdown(df)
+    )
+
+
+def render_html(title: str, sections: Sequence[Section]) -> str:
+    """One self-contained HTML document."""
+    body = [f"<h1>{html.escape(title)}</h1>"]
+    for s in sections:
+        body.append(f"<h2>{html.escape(s.title)}</h2>")
+        body.append(s.html)
+        for name, png in s.images.items():
+            alt = html.escape(name)
+            body.append(
+                f'<figure><img alt="{alt}" src="{data_uri(png)}">'
+                f"<figcaption>{alt}</figcaption></figure>"
+            )
+    return (
+        '<!DOCTYPE html>\n<html lang="en"><head><meta charset="utf-8">'
+        f"<title>{html.escape(title)}</title><style>{CSS}</style></head><body>\n"
+        + "\n".join(body)
+        + "\n</body></html>\n"
+    )
+
+
+def render_markdown(title: str, sections: Sequence[Section], image_dir: str | None = None) -> str:
+    """A Markdown summary; images are linked from ``image_dir`` when given."""
+    out = [f"# {title}", ""]
+    for s in sections:
+        out += [f"## {s.title}", "", s.markdown, ""]
+        if image_dir is not None:
+            for name in s.images:
+                out += [f"![{name}]({image_dir}/{slug(name)}.png)", ""]
+    return "\n".join(out)
+
+
+def slug(name: str) -> str:
+    keep = [c if c.isalnum() else "-" for c in name.lower()]
+    return "-".join(p for p in "".join(keep).split("-") if p)
+
+
+# ---------------------------------------------------------------------------------------------
+# Tables from a runs table
+
+
+def _fmt(v: Any, digits: int = 2) -> str:
+    return "" if v is None or pd.isna(v) else f"{v:.{digits}f}"
+
+
+def _ratio(a: Any, b: Any) -> str:
+    ok = a is not None and b is not None and pd.notna(a) and pd.notna(b) and b != 0
+    return f"{a / b:.2f}" if ok else ""
+
+
+def summary_table(runs: pd.DataFrame) -> pd.DataFrame:
+    """Per config: step time (median, IQR), throughput and memory, with ratios to the
+    interleaved-1f1b config of the same implementation and microbatch count."""
+    rows = []
+    base = runs[runs["schedule"] == BASELINE].set_index(["impl", "microbatches"])
+    order = {s: i for i, s in enumerate(schedule_order(runs["schedule"].unique()))}
+    d = runs.assign(_o=runs["schedule"].map(order)).sort_values(["microbatches", "impl", "_o"])
+    for r in d.itertuples():
+        b = base.loc[(r.impl, r.microbatches)] if (r.impl, r.microbatches) in base.index else None
+        rows.append(
+            {
+                "M": r.microbatches,
+                "impl": r.impl,
+                "schedule": r.schedule,
+                "step ms (median)": _fmt(r.step_time_s * 1e3),
+                "step ms IQR": f"{r.step_time_q1_s * 1e3:.2f}-{r.step_time_q3_s * 1e3:.2f}",
+                "samples/s": _fmt(r.samples_per_s, 1),
+                f"thru vs {BASELINE}": _ratio(r.samples_per_s, b.samples_per_s)
+                if b is not None
+                else "",
+                "peak MiB": _fmt(r.peak_memory_bytes / 2**20),
+                f"mem vs {BASELINE}": _ratio(r.peak_memory_bytes, b.peak_memory_bytes)
+                if b is not None
+                else "",
+                "bubble": _fmt(getattr(r, "bubble_ratio", float("nan")), 3),
+                "sim step ms": _fmt(getattr(r, "sim_step_time_s", float("nan")) * 1e3),
+                "sim err %": _fmt(getattr(r, "sim_error", float("nan")) * 100, 1),
+            }
+        )
+    return pd.DataFrame(rows)
+
+
+def impl_table(steps: pd.DataFrame) -> pd.DataFrame:
+    """vpipe vs torch per schedule and M: the median of pairwise step-time ratios torch/vpipe
+    (pairs are the same round and step index, measured back to back), with its IQR."""
+    rows = []
+    for (sched, m), d in steps.groupby(["schedule", "microbatches"], observed=True):
+        v = d[d["impl"] == "vpipe"].set_index(["round", "step"])["step_time_s"]
+        t = d[d["impl"] == "torch"].set_index(["round", "step"])["step_time_s"]
+        ratio = (t / v).dropna()
+        if ratio.empty:
+            continue
+        rows.append(
+            {
+                "schedule": sched,
+                "M": m,
+                "pairs": len(ratio),
+                "torch/vpipe step time": _fmt(ratio.median()),
+                "IQR": f"{ratio.quantile(0.25):.2f}-{ratio.quantile(0.75):.2f}",
+            }
+        )
+    df = pd.DataFrame(rows)
+    if df.empty:
+        return df
+    order = {s: i for i, s in enumerate(schedule_order(df["schedule"].unique()))}
+    return df.assign(_o=df["schedule"].map(order)).sort_values(["M", "_o"]).drop(columns="_o")
+
+
+def v_vs_baseline(
+    runs: pd.DataFrame, schedules: Sequence[str] = ("zbv", "dualpipev")
+) -> pd.DataFrame:
+    """Throughput and peak-memory ratios of the V-schedules to interleaved-1f1b."""
+    rows = []
+    for (impl, m), d in runs.groupby(["impl", "microbatches"], observed=True):
+        d = d.set_index("schedule")
+        if BASELINE not in d.index:
+            continue
+        b = d.loc[BASELINE]
+        for s in schedules:
+            if s in d.index:
+                r = d.loc[s]
+                rows.append(
+                    {
+                        "impl": impl,
+                        "M": m,
+                        "schedule": s,
+                        "throughput ratio": _ratio(r.samples_per_s, b.samples_per_s),
+                        "peak memory ratio": _ratio(r.peak_memory_bytes, b.peak_memory_bytes),
+                        "samples/s": _fmt(r.samples_per_s, 1),
+                        f"{BASELINE} samples/s": _fmt(b.samples_per_s, 1),
+                        "peak MiB": _fmt(r.peak_memory_bytes / 2**20),
+                        f"{BASELINE} peak MiB": _fmt(b.peak_memory_bytes / 2**20),
+                    }
+                )
+    return pd.DataFrame(rows)
+
+
+def meta_table(meta: Mapping[str, Any]) -> pd.DataFrame:
+    items = [(k, v if isinstance(v, str) else json.dumps(v, default=str)) for k, v in meta.items()]
+    return pd.DataFrame(items, columns=["field", "value"])
+
+
+# ---------------------------------------------------------------------------------------------
+# Comparing runs across commits / machines
+
+
+def run_label(runs: pd.DataFrame, fallback: str) -> str:
+    """A short label for one sweep: commit and host when recorded."""
+    parts = []
+    for col in ("commit", "host"):
+        if col in runs.columns and runs[col].notna().any():
+            parts.append(str(runs[col].dropna().iloc[0])[:12])
+    return "@".join(parts) or fallback
+
+
+def comparison_table(sweeps: Sequence[tuple[str, pd.DataFrame]]) -> pd.DataFrame:
+    """Speedup of each sweep over the first, per (schedule, M, impl) present in both.
+
+    speedup = base median step time / this median step time; the spread is the range the
+    quartiles allow (base p25 / this p75 .. base p75 / this p25).
+    """
+    if len(sweeps) < 2:
+        raise ReportError("a comparison needs at least two runs")
+    key = ["schedule", "microbatches", "impl"]
+    base_label, base = sweeps[0]
+    b = base.set_index(key)
+    rows = []
+    for label, runs in sweeps[1:]:
+        r = runs.set_index(key)
+        for idx in b.index.intersection(r.index):
+            x, y = b.loc[idx], r.loc[idx]
+            rows.append(
+                {
+                    "schedule": idx[0],
+                    "M": idx[1],
+                    "impl": idx[2],
+                    "run": label,
+                    f"{base_label} ms": _fmt(x.step_time_s * 1e3),
+                    "run ms": _fmt(y.step_time_s * 1e3),
+                    "speedup": _fmt(x.step_time_s / y.step_time_s),
+                    "spread": f"{x.step_time_q1_s / y.step_time_q3_s:.2f}-"
+                    f"{x.step_time_q3_s / y.step_time_q1_s:.2f}",
+                }
+            )
+    if not rows:
+        raise ReportError(
+            f"the runs share no (schedule, microbatches, impl) config with {base_label}"
+        )
+    return pd.DataFrame(rows)
+
+
+RUNS_COLUMNS = (
+    "schedule",
+    "microbatches",
+    "impl",
+    "step_time_s",
+    "step_time_q1_s",
+    "step_time_q3_s",
+    "samples_per_s",
+    "peak_memory_bytes",
+)
+
+
+def load_runs(path: str | Path) -> pd.DataFrame:
+    """Measured rows of the runs table of a ``vpipe bench`` output directory or results store,
+    or of a runs Parquet file."""
+    from vpipe.trace.store import Store, runs_frame
+
+    p = Path(path)
+    try:
+        if p.is_file():
+            df = runs_frame(pd.read_parquet(p))
+        elif (p / "runs").is_dir():
+            df = Store(p).runs()
+        else:
+            raise ReportError(f"{p}: not a vpipe bench output or results store (no runs table)")
+    except VpipeError:
+        raise
+    except Exception as e:  # pyarrow raises several types for corrupt files
+        raise ReportError(f"{p}: cannot read runs table: {e}") from None
+    if df.empty:
+        raise ReportError(f"{p}: the runs table is empty")
+    missing = [c for c in RUNS_COLUMNS if df[c].isna().all()] if len(df) else []
+    if missing:
+        raise ReportError(f"{p}: runs table has no values for {missing}")
+    return df[df["source"].fillna("measured") == "measured"].reset_index(drop=True)
+
+
+def comparison_report(paths: Sequence[str | Path]) -> tuple[str, str]:
+    """HTML and Markdown comparing several runs (first = baseline); runs tables that hold
+    several sweeps (a store) are split by their ``bench_id``."""
+    sweeps: list[tuple[str, pd.DataFrame]] = []
+    for p in paths:
+        runs = load_runs(p)
+        groups = (
+            runs.groupby("bench_id", sort=True) if "bench_id" in runs.columns else [(None, runs)]
+        )
+        for bench_id, d in groups:
+            label = run_label(d, str(bench_id or Path(p).name))
+            if any(label == s[0] for s in sweeps):
+                label = f"{label}#{len(sweeps)}"
+            sweeps.append((label, d))
+    sections = [
+        table_section(
+            "Runs",
+            pd.DataFrame(
+                [
+                    {
+                        "label": lbl,
+                        "configs": len(d),
+                        "bench_id": d["bench_id"].iloc[0] if "bench_id" in d.columns else "",
+                    }
+                    for lbl, d in sweeps
+                ]
+            ),
+        )
+    ]
+    if len(sweeps) == 1:
+        sections.append(table_section("Summary", summary_table(sweeps[0][1])))
+    else:
+        sections.append(
+            table_section(
+                f"Speedup over {sweeps[0][0]}",
+                comparison_table(sweeps),
+                "speedup > 1: the run is faster than the baseline; spread from step-time quartiles",
+            )
+        )
+    title = "vpipe benchmark comparison"
+    return render_html(title, sections), render_markdown(title, sections)
