@@ -41,20 +41,30 @@ def resolve_stages_per_rank(
     return value
 
 
+_new = tuple.__new__  # Action(...) without NamedTuple's keyword handling: generators make
+# hundreds of thousands of actions for large P and M.
+_F, _B, _I, _W, _OV = Kind.F, Kind.B, Kind.I, Kind.W, Kind.OVERLAP_F_B
+
+
 def F(stage: int, mb: int) -> Action:
-    return Action(stage, Kind.F, mb)
+    return _new(Action, (stage, _F, mb, ()))
 
 
 def B(stage: int, mb: int) -> Action:
-    return Action(stage, Kind.B, mb)
+    return _new(Action, (stage, _B, mb, ()))
 
 
 def I(stage: int, mb: int) -> Action:  # noqa: E743
-    return Action(stage, Kind.I, mb)
+    return _new(Action, (stage, _I, mb, ()))
 
 
 def W(stage: int, mb: int) -> Action:
-    return Action(stage, Kind.W, mb)
+    return _new(Action, (stage, _W, mb, ()))
+
+
+def overlap_fb(forward: Action, backward: Action) -> Action:
+    """The compound ``(F;B)OVERLAP_F_B`` action (parts known valid, so no checks)."""
+    return _new(Action, (-1, _OV, -1, (forward, backward)))
 
 
 def keep_microbatches(actions: Iterable[Action], microbatches: int) -> list[Action]:
@@ -67,10 +77,12 @@ def keep_microbatches(actions: Iterable[Action], microbatches: int) -> list[Acti
     """
     out = []
     for a in actions:
-        if a.kind is Kind.OVERLAP_F_B:
+        if a.kind is _OV:
             parts = [p for p in a.parts if p.microbatch < microbatches]
-            if len(parts) >= 2:
-                out.append(overlap(*parts) if len(parts) < len(a.parts) else a)
+            if len(parts) == len(a.parts):
+                out.append(a)
+            elif len(parts) >= 2:
+                out.append(overlap(*parts))
             elif parts:
                 out.append(parts[0])
         elif a.microbatch < microbatches:

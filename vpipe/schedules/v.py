@@ -5,7 +5,7 @@ from __future__ import annotations
 
 from collections import deque
 
-from vpipe.ir import Action, Schedule, overlap, v_placement
+from vpipe.ir import Action, Schedule, v_placement
 from vpipe.schedules._common import (
     B,
     F,
@@ -14,6 +14,7 @@ from vpipe.schedules._common import (
     build,
     check_counts,
     keep_microbatches,
+    overlap_fb,
     resolve_stages_per_rank,
 )
 
@@ -99,7 +100,9 @@ def zbv(ranks: int, microbatches: int, stages_per_rank: int | None = None) -> Sc
     p, m = check_counts(name, ranks, microbatches)
     resolve_stages_per_rank(name, stages_per_rank, default=2, fixed=_V)
     n = max(m, 2 * p - 1)
-    actions = [keep_microbatches(_zbv_rank(p, n, r), m) for r in range(p)]
+    actions = [_zbv_rank(p, n, r) for r in range(p)]
+    if n > m:
+        actions = [keep_microbatches(acts, m) for acts in actions]
     return build(name, p, m, v_placement(p), actions, stages_per_rank=2)
 
 
@@ -118,17 +121,17 @@ def _dualpipev_rank(ranks: int, n: int, rank: int) -> list[Action]:
     # 4: steady state, forward of one chunk overlapped with the backward of the other
     for k in range(n - 2 * ranks + rank + 1):
         if k == 0 and last:
-            acts += [c.fwd(0), c.bwd(1)]  # the turn of the V: no partner to overlap with yet
+            acts += [c.fwd(0), c.bwd(1)]  # not overlapped, as in DualPipeV
         else:
             f = c.fwd(0)
-            acts.append(overlap(f, c.bwd(1)))
+            acts.append(overlap_fb(f, c.bwd(1)))
         f = c.fwd(1)
-        acts.append(overlap(f, c.bwd(0)))
+        acts.append(overlap_fb(f, c.bwd(0)))
     # 5: B1 then (F1; B0)
     for _ in range(ranks - rank - 1):
         acts.append(c.bwd(1))
         f = c.fwd(1)
-        acts.append(overlap(f, c.bwd(0)))
+        acts.append(overlap_fb(f, c.bwd(0)))
     # 6: B1 B0 pairs; from the middle on, split (W deferred)
     split = False
     half = (rank + 1) // 2
@@ -170,5 +173,7 @@ def dualpipev(ranks: int, microbatches: int, stages_per_rank: int | None = None)
     p, m = check_counts(name, ranks, microbatches)
     resolve_stages_per_rank(name, stages_per_rank, default=2, fixed=_V)
     n = max(m, 2 * p - 1)
-    actions = [keep_microbatches(_dualpipev_rank(p, n, r), m) for r in range(p)]
+    actions = [_dualpipev_rank(p, n, r) for r in range(p)]
+    if n > m:
+        actions = [keep_microbatches(acts, m) for acts in actions]
     return build(name, p, m, v_placement(p), actions, stages_per_rank=2)
