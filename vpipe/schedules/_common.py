@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import operator
 from collections.abc import Iterable
 
 from vpipe.errors import ScheduleError
@@ -10,12 +11,19 @@ from vpipe.ir import Action, Kind, Schedule, overlap
 
 def check_counts(name: str, ranks: object, microbatches: object) -> tuple[int, int]:
     """Require positive integer rank and microbatch counts; return them as ints."""
-    for what, value in (("ranks", ranks), ("microbatches", microbatches)):
-        if isinstance(value, bool) or not isinstance(value, int):
-            raise ScheduleError(f"{name}: {what} must be an integer, got {value!r}")
-        if value < 1:
-            raise ScheduleError(f"{name}: {what} must be at least 1, got {value}")
-    return int(ranks), int(microbatches)  # type: ignore[call-overload]
+    return _positive(name, "ranks", ranks), _positive(name, "microbatches", microbatches)
+
+
+def _positive(name: str, what: str, value: object) -> int:
+    if isinstance(value, bool):
+        raise ScheduleError(f"{name}: {what} must be an integer, got {value!r}")
+    try:
+        n = operator.index(value)  # ints and integer-like numbers (numpy), not floats
+    except TypeError:
+        raise ScheduleError(f"{name}: {what} must be an integer, got {value!r}") from None
+    if n < 1:
+        raise ScheduleError(f"{name}: {what} must be at least 1, got {n}")
+    return n
 
 
 def resolve_stages_per_rank(
@@ -28,16 +36,13 @@ def resolve_stages_per_rank(
     """
     if value is None:
         return default
-    if isinstance(value, bool) or not isinstance(value, int):
-        raise ScheduleError(f"{name}: stages per rank must be an integer, got {value!r}")
+    value = _positive(name, "stages per rank", value)
     if fixed and value != default:
         plural = "s" if default > 1 else ""
         raise ScheduleError(
             f"{name} needs exactly {default} stage{plural} per rank ({fixed}); got {value}"
             + (f"; {hint}" if hint else "")
         )
-    if value < 1:
-        raise ScheduleError(f"{name}: stages per rank must be at least 1, got {value}")
     return value
 
 

@@ -5,7 +5,7 @@ from __future__ import annotations
 from vpipe.ir import Schedule, loop_placement
 from vpipe.schedules._common import B, F, build, check_counts, resolve_stages_per_rank
 
-_ONE_STAGE = "one stage per rank, loop placement"
+_ONE_STAGE = "loop placement: stage s on rank s"
 _MORE = "use looped-bfs or interleaved-1f1b for several stages per rank"
 
 
