@@ -162,7 +162,7 @@ def dualpipev(ranks: int, microbatches: int, stages_per_rank: int | None = None)
     after the other, not overlapped, as DualPipeV does to shorten the bubble; P-r-1
     pairs (B1, (F1;B0)); r+1 pairs (B1, B0) whose second half split I/W; P-r-1 pairs (W, I0);
     the remaining W's (the W queue is first-in first-out).
-    With zero comm, f = b = w and M >= 2P-1 the per-rank bubble is DualPipe's
+    With zero comm, f = b, w <= b and M >= 2P-1 the per-rank bubble is DualPipe's
     (P-1)(F&B + B - 3W) with F&B the overlap's time (f+b+w here, as the simulator runs the
     parts one after another), B = b+w and W = w: 2(P-1)f at f = b = w.
     Constraints: exactly 2 stages per rank; any P >= 1; any M >= 1: rank 0 runs 2P-1 forwards
