@@ -1,0 +1,297 @@
+"""Kineto (torch.profiler) JSON traces -> the vpipe event and memory tables.
+
+What becomes a row of the event table (:mod:`vpipe.events` schema, ``source="measured"``):
+
+- ``PP:{action}`` spans (vpipe's runtime and torch.distributed.pipelining both name executed
+  actions so): ``kind``, ``stage`` and ``microbatch`` from the action string, ``name`` the action
+  string (``2F3``). An overlap action ``PP:(0F3;3B1)OVERLAP_F_B`` becomes one row per compute
+  part, each with the compound's interval (its parts' split is not observable) and the compound
+  string as ``name``; where the trace also has the parts' own ``PP:`` spans inside it, those
+  rows are used instead. So every executed plain compute action has exactly one compute row.
+- ``PP:WAIT:{comm action}`` spans: ``kind="WAIT"`` with the stage and microbatch of that comm
+  action, ``name="WAIT:{comm action}"``.
+- Step spans, ``PP:STEP:{k}`` (vpipe's ``Pipeline.step``) or else ``ProfilerStep#N`` (the
+  profiler's own, e.g. for torch.distributed.pipelining programs): ``kind="other"``,
+  ``name="STEP"``, step k or N. Every row's ``step`` is the step span that contains its start,
+  per rank; rows outside every step span are dropped. A trace with neither is one step, 0.
+- Other ``PP:`` spans (e.g. torch's ``PP:0UNSHARD``): ``kind="other"``, stage/microbatch -1.
+
+Times are wall-clock nanoseconds (Kineto's ``baseTimeNanoseconds`` + ``ts``), comparable across
+the ranks of one host. The rank comes from vpipe's embedded metadata, else the trace's
+``distributedInfo``, else a ``rank<N>`` file name.
+
+Memory table rows: ``[memory]`` instant events (``profile_memory=True``) give ``what`` =
+``cpu_allocated`` or ``cuda_allocated`` (allocator's bytes in use after each allocation or
+free) and ``cuda_reserved``; :class:`vpipe.trace.record.StepProfiler`'s per-step samples add
+``rss``, ``cuda_peak`` and whatever the caller passed (``activations``: the runtime's live
+activation bytes). Each sample's step is the last step span that started before it.
+"""
+
+from __future__ import annotations
+
+import os
+import re
+from collections.abc import Iterable, Mapping, Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import pandas as pd
+
+from vpipe.errors import ScheduleError, TraceError
+from vpipe.events import EVENT_COLUMNS, MEMORY_COLUMNS, events_frame, memory_frame
+from vpipe.ir import Kind, parse_action
+from vpipe.trace.kineto_json import RawTrace, read_trace
+
+_RANK_IN_NAME = re.compile(r"rank[_-]?(\d+)", re.IGNORECASE)
+_STEP_MARK, _PROF_STEP_MARK = "STEP", "PROFSTEP"
+
+
+@dataclass
+class Trace:
+    """A converted trace: the event table, the memory table and the run metadata."""
+
+    events: pd.DataFrame
+    memory: pd.DataFrame
+    meta: dict[str, Any] = field(default_factory=dict)
+    n_trace_events: int = 0  # events in the JSON files (for speed figures)
+
+
+def trace_files(paths: Iterable[str | os.PathLike[str]]) -> list[Path]:
+    """Expand directories to the trace files in them (``*.json``, ``*.json.gz``), sorted."""
+    out: list[Path] = []
+    for p in map(Path, paths):
+        if p.is_dir():
+            found = sorted(q for q in p.iterdir() if q.name.endswith((".json", ".json.gz")))
+            if not found:
+                raise TraceError(f"{p}: no trace files (*.json, *.json.gz) in this directory")
+            out.extend(q for q in found if not q.name.startswith("."))
+        elif p.exists():
+            out.append(p)
+        else:
+            raise TraceError(f"{p}: no such trace file or directory")
+    return out
+
+
+def _classify(name: str) -> tuple[str, int, int, str, tuple]:
+    """(kind, stage, microbatch, row name, overlap parts) of one span name."""
+    if name.startswith("ProfilerStep#"):
+        return _PROF_STEP_MARK, -1, int(name[13:] or 0), "STEP", ()
+    body = name[3:]
+    if body.startswith("STEP:"):
+        return _STEP_MARK, -1, int(body[5:]), "STEP", ()
+    try:
+        if body.startswith("WAIT:"):
+            a = parse_action(body[5:])
+            return "WAIT", a.stage, a.microbatch, body, ()
+        a = parse_action(body)
+    except (ScheduleError, ValueError):
+        return "other", -1, -1, body, ()
+    if a.kind is Kind.OVERLAP_F_B:
+        return (
+            "overlap",
+            -1,
+            -1,
+            body,
+            tuple((p.kind.value, p.stage, p.microbatch) for p in a.parts),
+        )
+    return a.kind.value, a.stage, a.microbatch, body, ()
+
+
+def _to_ns(ts: Sequence[float], base: int) -> np.ndarray:
+    return base + np.rint(np.asarray(ts, dtype=np.float64) * 1000.0).astype(np.int64)
+
+
+def _rank_of(path: Path, header: Mapping[str, Any], n_files: int) -> int:
+    meta = header.get("vpipe") or {}
+    if isinstance(meta, dict) and "rank" in meta:
+        return int(meta["rank"])
+    dist = header.get("distributedInfo")
+    if isinstance(dist, dict) and "rank" in dist:
+        return int(dist["rank"])
+    m = _RANK_IN_NAME.search(path.name)
+    if m:
+        return int(m.group(1))
+    if n_files == 1:
+        return 0
+    raise TraceError(f"{path}: cannot tell its rank (no metadata, no rank<N> in the file name)")
+
+
+def _assign_steps(starts: np.ndarray, marks: pd.DataFrame) -> tuple[np.ndarray, np.ndarray]:
+    """Step of each start by containment in a step span; (steps, inside mask)."""
+    if marks.empty:
+        return np.zeros(len(starts), np.int64), np.ones(len(starts), bool)
+    m = marks.sort_values("start_ns")
+    ms, me, mk = (m[c].to_numpy() for c in ("start_ns", "end_ns", "step"))
+    idx = np.searchsorted(ms, starts, side="right") - 1
+    ok = idx >= 0
+    safe = np.where(ok, idx, 0)
+    ok &= starts < me[safe]
+    return mk[safe], ok
+
+
+def _convert_file(raw: RawTrace, rank: int) -> tuple[pd.DataFrame, pd.DataFrame, bool]:
+    base = int(raw.header.get("baseTimeNanoseconds") or 0)
+    spans = raw.spans
+    names = pd.Categorical(spans["name"])
+    table = [_classify(n) for n in names.categories]
+    codes = names.codes
+    kinds = np.array([t[0] for t in table] + ["x"], dtype=object)[codes]
+    df = pd.DataFrame(
+        {
+            "kind": kinds,
+            "stage": np.array([t[1] for t in table] + [0], np.int64)[codes],
+            "microbatch": np.array([t[2] for t in table] + [0], np.int64)[codes],
+            "name": np.array([t[3] for t in table] + [""], dtype=object)[codes],
+            "start_ns": _to_ns(spans["ts"], base),
+        }
+    )
+    df["end_ns"] = df["start_ns"] + np.rint(np.asarray(spans["dur"]) * 1000.0).astype(np.int64)
+    parts_of = {t[3]: t[4] for t in table if t[0] == "overlap"}
+
+    # Step spans: vpipe's own if present, else the profiler's.
+    is_vstep, is_pstep = df["kind"] == _STEP_MARK, df["kind"] == _PROF_STEP_MARK
+    marks = df[is_vstep] if is_vstep.any() else df[is_pstep]
+    rest = df[~(is_vstep | is_pstep)]
+    marks = marks.assign(kind="other", step=marks["microbatch"], microbatch=-1)
+    df = pd.concat([marks.assign(part=False), _expand_overlaps(rest, parts_of)], ignore_index=True)
+    steps, inside = _assign_steps(df["start_ns"].to_numpy(), marks)
+    df["step"] = steps
+    df = df[inside]
+    df = _drop_shadowed_parts(df)
+    df["rank"] = rank
+
+    mdf = _memory_rows(raw.memory, raw.header.get("vpipe_samples") or [], base)
+    mdf["step"] = _last_started(mdf["t_ns"].to_numpy(), marks)
+    mdf["rank"] = rank
+    return df, mdf, bool(is_vstep.any())
+
+
+def _last_started(times: np.ndarray, marks: pd.DataFrame) -> np.ndarray:
+    """Step of the last step span started at or before each time (-1 before the first)."""
+    if marks.empty:
+        return np.zeros(len(times), np.int64)
+    m = marks.sort_values("start_ns")
+    idx = np.searchsorted(m["start_ns"].to_numpy(), times, side="right") - 1
+    return np.where(idx >= 0, m["step"].to_numpy()[np.maximum(idx, 0)], -1)
+
+
+def _expand_overlaps(df: pd.DataFrame, parts_of: Mapping[str, tuple]) -> pd.DataFrame:
+    """One row per compute part of each overlap span, flagged ``part=True``."""
+    df = df.assign(part=False)
+    ov = df["kind"] == "overlap"
+    if not ov.any():
+        return df
+    rows = []
+    for name, group in df[ov].groupby("name", sort=False):
+        for kind, stage, mb in parts_of[name]:
+            rows.append(group.assign(kind=kind, stage=stage, microbatch=mb, part=True))
+    return pd.concat([df[~ov], *rows], ignore_index=True)
+
+
+def _drop_shadowed_parts(df: pd.DataFrame) -> pd.DataFrame:
+    """Drop overlap-part rows whose action also has its own span in the same step."""
+    if not df["part"].any():
+        return df.drop(columns="part")
+    key = ["step", "stage", "microbatch", "kind"]
+    own = df.loc[~df["part"], key].drop_duplicates()
+    merged = df.merge(own.assign(_own=True), on=key, how="left")
+    keep = ~(merged["part"].to_numpy() & merged["_own"].fillna(False).to_numpy(bool))
+    return df[keep].drop(columns="part")
+
+
+def _memory_rows(
+    mem: Mapping[str, np.ndarray], samples: list[dict[str, Any]], base: int
+) -> pd.DataFrame:
+    t = _to_ns(mem["ts"], base)
+    dev = np.asarray(mem["device"], np.int64)
+    cuda = dev != 0
+    parts = [
+        pd.DataFrame(
+            {
+                "t_ns": t,
+                "bytes": np.asarray(mem["alloc"], np.int64),
+                "what": np.where(cuda, "cuda_allocated", "cpu_allocated"),
+            }
+        ),
+        pd.DataFrame(
+            {
+                "t_ns": t[cuda],
+                "bytes": np.asarray(mem["reserved"], np.int64)[cuda],
+                "what": "cuda_reserved",
+            }
+        ),
+    ]
+    if samples:
+        s = pd.DataFrame(samples)
+        parts.append(s[["t_ns", "bytes", "what"]].astype({"t_ns": "int64", "bytes": "int64"}))
+    return pd.concat(parts, ignore_index=True)
+
+
+def convert(
+    paths: Iterable[str | os.PathLike[str]],
+    *,
+    run_id: str | None = None,
+    impl: str | None = None,
+    schedule: str | None = None,
+) -> Trace:
+    """Convert the per-rank trace files of one run (files or directories) to tables.
+
+    ``run_id``, ``impl`` and ``schedule`` override the trace's embedded metadata; without
+    either, the run id is the directory name, impl is ``vpipe`` when the trace has vpipe's
+    ``PP:STEP`` spans and ``torch`` otherwise, and the schedule is ``unknown``.
+    """
+    files = trace_files(paths)
+    if not files:
+        raise TraceError("no trace files given")
+    ev_parts, mem_parts, metas, ranks = [], [], [], {}
+    n_raw = 0
+    for path in files:
+        raw = read_trace(path)
+        n_raw += raw.n_events
+        rank = _rank_of(path, raw.header, len(files))
+        if rank in ranks:
+            raise TraceError(f"{path}: rank {rank} also comes from {ranks[rank]}")
+        ranks[rank] = path
+        ev, mem, vpipe_steps = _convert_file(raw, rank)
+        ev_parts.append(ev)
+        mem_parts.append(mem)
+        meta = raw.header.get("vpipe")
+        meta = meta if isinstance(meta, dict) else {}
+        metas.append((path, meta, vpipe_steps))
+    meta = _merge_meta(metas)
+    meta["run_id"] = run_id or meta.get("run_id") or files[0].resolve().parent.name
+    meta["impl"] = impl or meta.get("impl") or ("vpipe" if all(m[2] for m in metas) else "torch")
+    meta["schedule"] = schedule or meta.get("schedule") or "unknown"
+    meta["ranks_in_trace"] = sorted(ranks)
+    events = pd.concat(ev_parts, ignore_index=True).sort_values(["rank", "start_ns", "end_ns"])
+    const = {"run_id": meta["run_id"], "source": "measured"}
+    events = events_frame(
+        {
+            **{c: events[c].to_numpy() for c in EVENT_COLUMNS if c in events},
+            **const,
+            "impl": meta["impl"],
+            "schedule": meta["schedule"],
+        }
+    )
+    memory = pd.concat(mem_parts, ignore_index=True).sort_values(["rank", "t_ns"], kind="stable")
+    memory = memory_frame(
+        {**{c: memory[c].to_numpy() for c in MEMORY_COLUMNS if c in memory}, **const}
+    )
+    return Trace(events.reset_index(drop=True), memory.reset_index(drop=True), meta, n_raw)
+
+
+def _merge_meta(metas: Sequence[tuple[Path, Mapping[str, Any], bool]]) -> dict[str, Any]:
+    """Combine per-rank metadata; a disagreeing run_id is an error (files of different runs)."""
+    out: dict[str, Any] = {}
+    for path, meta, _ in metas:
+        for k, v in meta.items():
+            if k == "rank":
+                continue
+            if k == "run_id" and "run_id" in out and out["run_id"] != v:
+                raise TraceError(
+                    f"{path}: run_id {v!r} differs from {out['run_id']!r} of the other files"
+                )
+            out.setdefault(k, v)
+    return out

@@ -1,0 +1,134 @@
+"""Synthetic Kineto traces shaped like the runtime's, for tests and the conversion benchmark.
+
+:func:`synthetic_trace` lays out given per-rank action programs back to back on a fake clock,
+with the spans the runtime records (``ProfilerStep#N`` > ``PP:STEP:k`` > ``PP:{action}``, a
+``PP:WAIT:{recv}`` before each receive's consumer), ``ops_per_action`` nested ``aten::`` CPU ops
+per action and a ``[memory]`` instant event per op, as torch.profiler writes them.
+
+``python -m vpipe.trace.synth [--mb 30]`` writes a ~30 MB two-rank trace to a temp directory
+and prints the end-to-end conversion speed (trace events per second, JSON to event table).
+"""
+
+from __future__ import annotations
+
+import argparse
+import tempfile
+import time
+from collections.abc import Mapping, Sequence
+from pathlib import Path
+from typing import Any
+
+import orjson
+
+from vpipe.ir import Action, Kind
+
+_BASE_NS = 1_700_000_000_000_000_000
+_OPS = ("aten::linear", "aten::addmm", "aten::relu", "aten::mm", "aten::add_", "aten::sum")
+
+
+def synthetic_trace(
+    programs: Sequence[Sequence[Action]],
+    rank: int,
+    *,
+    steps: Sequence[int] = (0,),
+    ops_per_action: int = 2,
+    wait_us: float = 3.0,
+    meta: Mapping[str, Any] | None = None,
+) -> dict[str, Any]:
+    """The Kineto JSON document of rank ``rank`` running ``programs[rank]`` for ``steps``."""
+    events: list[dict[str, Any]] = []
+    pid = 1000 + rank
+    ts = 10_000.0 + 7.0 * rank  # microseconds since baseTimeNanoseconds; ranks skewed a bit
+    ext = 0
+
+    def span(name: str, start: float, dur: float, cat: str = "user_annotation") -> None:
+        nonlocal ext
+        ext += 1
+        events.append(
+            {"ph": "X", "cat": cat, "name": name, "pid": pid, "tid": pid, "ts": round(start, 3),
+             "dur": round(dur, 3), "args": {"External id": ext, "Record function id": 0, "Ev Idx": ext}}
+        )  # fmt: skip
+
+    for k in steps:
+        step_start = ts
+        body: list[tuple[str, float, float]] = []
+        t = ts + 1.0
+        for a in programs[rank]:
+            if a.kind in (Kind.RECV_F, Kind.RECV_B):
+                body.append((f"PP:WAIT:{a}", t, wait_us))
+                t += wait_us + 0.5
+            dur = 2.0 + 3.0 * ops_per_action
+            body.append((f"PP:{a}", t, dur))
+            for j in range(ops_per_action):
+                op_t = t + 0.5 + 3.0 * j
+                span(_OPS[j % len(_OPS)], op_t, 2.5, cat="cpu_op")
+                events.append(
+                    {"ph": "i", "cat": "cpu_instant_event", "s": "t", "name": "[memory]",
+                     "pid": pid, "tid": pid, "ts": round(op_t + 0.1, 3),
+                     "args": {"Total Reserved": 0, "Total Allocated": 4096 * (j + 1),
+                              "Bytes": 4096, "Device Id": -1, "Device Type": 0, "Addr": 1 + j,
+                              "Ev Idx": ext}}
+                )  # fmt: skip
+            t += dur + 0.5
+        span(f"ProfilerStep#{k}", step_start, t - step_start + 1.0)
+        span(f"PP:STEP:{k}", step_start + 0.2, t - step_start)
+        for name, start, dur in body:
+            span(name, start, dur)
+        ts = t + 2.0
+    return {
+        "schemaVersion": 1,
+        "deviceProperties": [],
+        "distributedInfo": {"backend": "gloo", "rank": rank, "world_size": len(programs)},
+        "vpipe": {**(meta or {}), "rank": rank},
+        "baseTimeNanoseconds": _BASE_NS,
+        "displayTimeUnit": "ms",
+        "traceEvents": events,
+    }
+
+
+def write_synthetic_run(
+    out_dir: str | Path, programs: Sequence[Sequence[Action]], **kwargs: Any
+) -> list[Path]:
+    """Write ``rank{r}.json`` for every rank of ``programs``; return the paths."""
+    out = Path(out_dir)
+    out.mkdir(parents=True, exist_ok=True)
+    paths = []
+    for r in range(len(programs)):
+        path = out / f"rank{r}.json"
+        doc = synthetic_trace(programs, r, **kwargs)
+        path.write_bytes(orjson.dumps(doc, option=orjson.OPT_INDENT_2))  # Kineto-like layout
+        paths.append(path)
+    return paths
+
+
+def _bench(megabytes: float) -> None:
+    from vpipe.ir import actions_from_strings
+    from vpipe.trace.kineto import convert
+
+    programs = actions_from_strings(
+        [
+            ["0F0", "0SEND_F0", "0F1", "0SEND_F1", "0RECV_B0", "0B0", "0RECV_B1", "0B1"],
+            ["1RECV_F0", "1F0", "1B0", "1SEND_B0", "1RECV_F1", "1F1", "1B1", "1SEND_B1"],
+        ]
+    )
+    with tempfile.TemporaryDirectory() as tmp:
+        one = write_synthetic_run(tmp, programs, steps=range(1), ops_per_action=40)
+        per_step = sum(p.stat().st_size for p in one)
+        n_steps = max(1, round(megabytes * 1e6 / per_step))
+        paths = write_synthetic_run(tmp, programs, steps=range(n_steps), ops_per_action=40)
+        size = sum(p.stat().st_size for p in paths)
+        t0, c0 = time.perf_counter(), time.process_time()
+        trace = convert(paths)
+        dt, cpu = time.perf_counter() - t0, time.process_time() - c0
+    print(
+        f"{size / 1e6:.1f} MB, {trace.n_trace_events} trace events -> {len(trace.events)} event "
+        f"rows + {len(trace.memory)} memory rows in {dt:.2f} s: "
+        f"{trace.n_trace_events / dt / 1e3:.0f}k trace events/s "
+        f"({cpu:.2f} s CPU: {trace.n_trace_events / cpu / 1e3:.0f}k/s)"
+    )
+
+
+if __name__ == "__main__":
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--mb", type=float, default=30.0, help="trace size in MB (default 30)")
+    _bench(parser.parse_args().mb)
