@@ -1,0 +1,190 @@
+"""Metrics from event tables (measured or simulated alike) and memory tables.
+
+Definitions (per run, step and rank; a step's figures are then combined over ranks):
+
+- **window** (whole step): the rank's ``STEP`` span (``kind="other"``, ``name="STEP"``) when the
+  table has one (measured runs), else the step's extent over all ranks, first event start to
+  last event end (simulated runs, where every rank starts at the step's time 0).
+- **step time**: the longest window over the ranks.
+- **busy**: the union of the rank's compute spans (F, B, I, W) in the step; communication and
+  waiting are not busy. **idle** = window - busy.
+- **bubble ratio** (whole step) = idle / (idle + busy) = 1 - busy / window.
+- **bubble ratio excluding start-up skew** = 1 - busy / span, where span runs from the rank's
+  first compute start to its last compute end, so the wait before a rank's first action and
+  after its last one are not counted.
+- A step's bubble ratios over ranks are 1 - sum(busy) / sum(window or span).
+- **comm wait**: the union of the rank's ``WAIT`` spans (time blocked on communication).
+
+Spread over steps is given as the interquartile range (``*_q1``/``*_q3``) next to the median.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from typing import Any
+
+import numpy as np
+import pandas as pd
+
+COMPUTE_KINDS = ("F", "B", "I", "W")
+KEYS = ["run_id", "step", "rank"]
+# Headline peak memory, first present wins: CUDA allocator peak, CUDA allocated, profiler's
+# CPU allocation tracking, process RSS.
+PEAK_MEMORY_ORDER = ("cuda_peak", "cuda_allocated", "cpu_allocated", "rss")
+
+
+def _union_ns(df: pd.DataFrame, keys: list[str]) -> pd.Series:
+    """Total length of the union of [start_ns, end_ns) intervals per group of ``keys``."""
+    if df.empty:
+        return pd.Series(dtype="int64", index=pd.MultiIndex.from_tuples([], names=keys))
+    d = df.sort_values([*keys, "start_ns"])
+    groups = [d[k] for k in keys]
+    prev_end = d.groupby(groups, observed=True, sort=False)["end_ns"].cummax()
+    prev_end = prev_end.groupby(groups, observed=True, sort=False).shift(1)
+    start = d["start_ns"].to_numpy()
+    eff_start = np.maximum(start, prev_end.fillna(-(2**62)).to_numpy(np.int64))
+    contrib = np.maximum(0, d["end_ns"].to_numpy() - eff_start)
+    return pd.Series(contrib, index=d.index).groupby(groups, observed=True).sum()
+
+
+def rank_metrics(events: pd.DataFrame) -> pd.DataFrame:
+    """One row per (run_id, step, rank): window, busy, idle, bubble ratios, comm wait (seconds)."""
+    ev = events[events["step"] >= 0]
+    kind = ev["kind"].astype(str)
+    compute = ev[kind.isin(COMPUTE_KINDS)]
+    is_step = (kind == "other") & (ev["name"].astype(str) == "STEP")
+    steps = (
+        ev[is_step].groupby(KEYS, observed=True).agg(w0=("start_ns", "min"), w1=("end_ns", "max"))
+    )
+    whole = ev.groupby(["run_id", "step"], observed=True).agg(
+        g0=("start_ns", "min"), g1=("end_ns", "max")
+    )
+    span = compute.groupby(KEYS, observed=True).agg(
+        c0=("start_ns", "min"), c1=("end_ns", "max"), n_compute=("start_ns", "size")
+    )
+    out = span.join(steps, how="outer")
+    out = out.join(whole, on=["run_id", "step"])
+    window = (out["w1"] - out["w0"]).fillna(out["g1"] - out["g0"])
+    busy = _union_ns(compute, KEYS).reindex(out.index).fillna(0)
+    wait = _union_ns(ev[kind == "WAIT"], KEYS).reindex(out.index).fillna(0)
+    span_ns = (out["c1"] - out["c0"]).fillna(0)
+    res = pd.DataFrame(
+        {
+            "window_s": window / 1e9,
+            "busy_s": busy / 1e9,
+            "idle_s": (window - busy) / 1e9,
+            "bubble_ratio": 1 - busy / window,
+            "span_s": span_ns / 1e9,
+            "bubble_ratio_excl_skew": (1 - busy / span_ns.where(span_ns > 0)),
+            "comm_wait_s": wait / 1e9,
+            "n_compute": out["n_compute"].fillna(0).astype(int),
+        },
+        index=out.index,
+    )
+    return res.reset_index()
+
+
+def step_metrics(events: pd.DataFrame) -> pd.DataFrame:
+    """One row per (run_id, step): step time, busy, bubble ratios over ranks, comm wait (max
+    over ranks), in seconds."""
+    r = rank_metrics(events)
+    if r.empty:
+        cols = ["run_id", "step", "step_time_s", "busy_s", "bubble_ratio", "bubble_ratio_excl_skew",
+                "comm_wait_s", "ranks"]  # fmt: skip
+        return pd.DataFrame({c: [] for c in cols})
+    g = r.groupby(["run_id", "step"], observed=True)
+    out = pd.DataFrame(
+        {
+            "step_time_s": g["window_s"].max(),
+            "busy_s": g["busy_s"].sum(),
+            "bubble_ratio": 1 - g["busy_s"].sum() / g["window_s"].sum(),
+            "bubble_ratio_excl_skew": 1 - g["busy_s"].sum() / g["span_s"].sum(),
+            "comm_wait_s": g["comm_wait_s"].max(),
+            "ranks": g["rank"].nunique(),
+        }
+    )
+    return out.reset_index()
+
+
+def peak_memory(memory: pd.DataFrame) -> pd.DataFrame:
+    """Peak bytes per (run_id, rank) and kind of sample (columns: cpu_allocated, rss, ...)."""
+    if memory is None or memory.empty:
+        return pd.DataFrame()
+    m = memory.assign(what=memory["what"].astype(str))
+    return m.pivot_table(
+        index=["run_id", "rank"], columns="what", values="bytes", aggfunc="max", observed=True
+    )
+
+
+def headline_peak_bytes(memory: pd.DataFrame | None) -> int | None:
+    """The run's peak memory in bytes (max over ranks) by :data:`PEAK_MEMORY_ORDER`, or None."""
+    peaks = peak_memory(memory) if memory is not None else pd.DataFrame()
+    for what in PEAK_MEMORY_ORDER:
+        if what in peaks.columns and peaks[what].notna().any():
+            return int(peaks[what].max())
+    return None
+
+
+def _quartiles(s: pd.Series) -> tuple[float, float, float]:
+    q = s.dropna().quantile([0.25, 0.5, 0.75]) if s.notna().any() else None
+    return (float("nan"),) * 3 if q is None else (float(q[0.25]), float(q[0.5]), float(q[0.75]))
+
+
+def summarize(
+    events: pd.DataFrame,
+    memory: pd.DataFrame | None = None,
+    *,
+    batch: int | None = None,
+    tokens_per_sample: int | None = None,
+) -> dict[str, Any]:
+    """Run-level metrics of one run (medians over steps, IQR as spread), with the names of the
+    runs table (see :data:`vpipe.trace.store.RUN_COLUMNS`)."""
+    s = step_metrics(events)
+    q1, med, q3 = _quartiles(s["step_time_s"])
+    out: dict[str, Any] = {
+        "step_time_s": med,
+        "step_time_q1_s": q1,
+        "step_time_q3_s": q3,
+        "steps": int(len(s)),
+        "bubble_ratio": _quartiles(s["bubble_ratio"])[1],
+        "bubble_ratio_excl_skew": _quartiles(s["bubble_ratio_excl_skew"])[1],
+        "comm_wait_s": _quartiles(s["comm_wait_s"])[1],
+        "samples_per_s": batch / med if batch and med > 0 else float("nan"),
+        "tokens_per_s": batch * tokens_per_sample / med
+        if batch and tokens_per_sample and med > 0
+        else float("nan"),
+        "peak_memory_bytes": headline_peak_bytes(memory),
+    }
+    if memory is not None and not memory.empty:
+        peaks = peak_memory(memory)
+        for what in peaks.columns:
+            out[f"peak_{what}_bytes"] = int(peaks[what].max())
+    return out
+
+
+def kind_durations(events: pd.DataFrame) -> pd.DataFrame:
+    """Median, q1, q3 and count of span durations (seconds) per (stage, kind)."""
+    ev = events[
+        events["kind"]
+        .astype(str)
+        .isin([*COMPUTE_KINDS, "SEND_F", "RECV_F", "SEND_B", "RECV_B", "WAIT"])
+    ]
+    d = ev.assign(dur_s=(ev["end_ns"] - ev["start_ns"]) / 1e9, kind=ev["kind"].astype(str))
+    g = d.groupby(["stage", "kind"])["dur_s"]
+    return pd.DataFrame(
+        {"median_s": g.median(), "q1_s": g.quantile(0.25), "q3_s": g.quantile(0.75), "n": g.size()}
+    ).reset_index()
+
+
+def compare(
+    measured: Mapping[str, Any], simulated: Mapping[str, Any], keys: list[str]
+) -> pd.DataFrame:
+    """Side-by-side table of metrics with the relative error (simulated / measured - 1)."""
+    rows = []
+    for k in keys:
+        m, s = measured.get(k), simulated.get(k)
+        err = (
+            (s / m - 1) if m not in (None, 0) and s is not None and not pd.isna(m) else float("nan")
+        )
+        rows.append({"metric": k, "measured": m, "simulated": s, "error": err})
+    return pd.DataFrame(rows)
