@@ -17,7 +17,8 @@ def rounds(ranks: int, microbatches: int) -> list[range]:
     before moving to its next stage; a round of at least P microbatches keeps the rank busy
     until the round's first microbatch comes back around the ring, which is all the
     interleaved shape needs. So M need not be a multiple of P (Megatron's and older torch's
-    limit): only rounds of at least P matter.
+    limit): only rounds of at least P matter. Rounds of P with a short last round are not
+    enough: with the 1F1B alternation below they can even deadlock (v=3, P=4, M=5 as 4+1).
     """
     n = max(1, microbatches // ranks)
     base, extra = divmod(microbatches, n)
