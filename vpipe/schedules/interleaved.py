@@ -120,7 +120,9 @@ def zb_h1(ranks: int, microbatches: int, stages_per_rank: int | None = None) -> 
     f = b = w. v > 1 is the interleaved zero-bubble variant (torch's InterleavedZeroBubble
     shape): interleaved 1F1B's rounds with warm-up (v-1)*g + (P-1-r), I/W split and the same
     deferral; its bubble is (P-1)(f+b-w) in per-stage times, i.e. (P-1)(F+B-W)/v in a rank's
-    per-microbatch totals. Constraints: any P >= 1, M >= 1 (M < P adds bubble), v >= 1.
+    per-microbatch totals. The warm-up uses P-1-r where interleaved-1f1b uses 2(P-1-r): fewer
+    live activations (P=4, M=8, v=2: 8 instead of 11) but less slack when communication
+    takes time. Constraints: any P >= 1, M >= 1 (M < P adds bubble), v >= 1.
     """
     name = "zb-h1"
     p, m = check_counts(name, ranks, microbatches)

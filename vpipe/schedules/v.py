@@ -164,7 +164,9 @@ def dualpipev(ranks: int, microbatches: int, stages_per_rank: int | None = None)
     the remaining W's (the W queue is first-in first-out).
     With zero comm, f = b, w <= b and M >= 2P-1 the per-rank bubble is DualPipe's
     (P-1)(F&B + B - 3W) with F&B the overlap's time (f+b+w here, as the simulator runs the
-    parts one after another), B = b+w and W = w: 2(P-1)f at f = b = w.
+    parts one after another), B = b+w and W = w: 2(P-1)f at f = b = w. Peak live
+    activations for M >= 2P: 2P+1 stage-units on every rank (ZB-V's 2P plus one, because an
+    overlap's forward allocates before its backward frees).
     Constraints: exactly 2 stages per rank; any P >= 1; any M >= 1: rank 0 runs 2P-1 forwards
     of stage 0 before its first backward, so the shape needs M >= 2P-1; for fewer it is built
     for 2P-1 and the missing microbatches are dropped (valid, more bubble).
