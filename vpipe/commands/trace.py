@@ -6,6 +6,7 @@ from __future__ import annotations
 import argparse
 import time
 from pathlib import Path
+from typing import Any
 
 from vpipe.errors import TraceError
 
@@ -101,7 +102,134 @@ def _run_columns(meta: dict) -> dict:
 
 
 def analyze_command(args: argparse.Namespace) -> int:
-    from vpipe.calibrate import analyze_report
-
     print(analyze_report(args.source, run=args.run, predict=args.predict, batch=args.batch))
     return 0
+
+
+def _load(source: str, run: str | None) -> tuple[Any, Any, dict]:
+    """(events, memory, metadata) of one measured run from a store, trace or events file."""
+    import pandas as pd
+
+    from vpipe.trace.kineto import convert
+    from vpipe.trace.store import Store, read_parquet
+
+    path = Path(source)
+    if (path / "runs").is_dir():
+        store = Store(path)
+        runs = store.runs()
+        if run is None:
+            if len(runs) != 1:
+                raise TraceError(f"{path}: the store holds {len(runs)} runs: choose one with --run")
+            run = str(runs["run_id"].iloc[0])
+        row = runs[runs["run_id"] == run]
+        if row.empty:
+            raise TraceError(f"{path}: no run {run!r} in the store")
+        meta = {k: v for k, v in row.iloc[0].items() if not pd.isna(v)}
+        return store.events([run]), store.memory([run]), meta
+    if path.suffix == ".parquet":
+        events, meta = read_parquet(path)
+        mem = memory_path(path)
+        memory = read_parquet(mem)[0] if mem.exists() else None
+        return events, memory, meta
+    tr = convert([path], run_id=run)
+    return tr.events, tr.memory, tr.meta
+
+
+def _counterpart(source: str, meta: dict, schedule: str) -> Any:
+    """Measured events of ``schedule`` on the same config, from the same store (or None)."""
+    from vpipe.trace.store import Store
+
+    path = Path(source)
+    if not (path / "runs").is_dir():
+        return None
+    runs = Store(path).runs()
+    same = runs["schedule"] == schedule
+    for key in ("ranks", "microbatches", "model", "batch", "impl"):
+        if key in meta and key in runs:
+            same &= runs[key] == meta[key]
+    if not same.any():
+        return None
+    return Store(path).events([str(runs.loc[same, "run_id"].iloc[0])])
+
+
+def analyze_report(source: str, *, run: str | None, predict: list[str], batch: int | None) -> str:
+    """The text `vpipe analyze` prints."""
+    from vpipe.analysis import kind_durations, summarize
+
+    events, memory, meta = _load(source, run)
+    batch = batch or _int(meta.get("batch"))
+    tps = _int(meta.get("tokens_per_sample")) or (
+        _int(meta.get("seq_len")) if meta.get("model") == "gpt" else None
+    )
+    s = summarize(events, memory, batch=batch, tokens_per_sample=tps)
+    run_id = str(meta.get("run_id") or (events["run_id"].iloc[0] if len(events) else "?"))
+    desc = ", ".join(
+        f"{k} {meta[k]}"
+        for k in ("impl", "schedule", "ranks", "stages", "microbatches", "model", "batch")
+        if k in meta
+    )
+    lines = [f"run {run_id} ({desc}): {s['steps']} profiled steps"]
+    lines.append(
+        f"  step time      {s['step_time_s'] * 1e3:.3f} ms median (IQR {s['step_time_q1_s'] * 1e3:.3f}-{s['step_time_q3_s'] * 1e3:.3f} ms)"
+    )
+    if s["samples_per_s"] == s["samples_per_s"]:
+        lines.append(
+            f"  throughput     {s['samples_per_s']:.1f} samples/s"
+            + (f", {s['tokens_per_s']:.0f} tokens/s" if tps else "")
+        )
+    lines.append(
+        f"  bubble ratio   {s['bubble_ratio']:.3f} whole step, {s['bubble_ratio_excl_skew']:.3f} excluding start-up skew"
+    )
+    lines.append(f"  comm wait      {s['comm_wait_s'] * 1e3:.3f} ms (longest rank, median step)")
+    peaks = {
+        k[5:-6]: v
+        for k, v in s.items()
+        if k.startswith("peak_") and k.endswith("_bytes") and k != "peak_memory_bytes"
+    }
+    if peaks:
+        lines.append(
+            "  peak memory    " + ", ".join(f"{k} {v / 2**20:.1f} MiB" for k, v in peaks.items())
+        )
+    kd = kind_durations(events)
+    if not kd.empty:
+        table = kd.pivot(index="stage", columns="kind", values="median_s") * 1e3
+        lines.append("  median span (ms) per stage and kind:")
+        lines.extend("    " + ln for ln in table.round(3).to_string().splitlines())
+    if predict:
+        lines.extend(_fidelity(source, events, meta, predict))
+    return "\n".join(lines)
+
+
+def _fidelity(source: str, events: Any, meta: dict, predict: list[str]) -> list[str]:
+    from vpipe.calibrate import calibrate, fidelity_table, model_units
+    from vpipe.schedules import make_schedule
+
+    ranks, mbs = _int(meta.get("ranks")), _int(meta.get("microbatches"))
+    if not ranks or not mbs:
+        raise TraceError("--predict needs the run's ranks and microbatches in its metadata")
+    cal = calibrate(events)
+    units = model_units(meta)
+    cases = []
+    own = str(meta.get("schedule", "unknown"))
+    if own != "unknown":
+        cases.append((f"{own} (calibration run)", make_schedule(own, ranks, mbs), events))
+    for item in predict:
+        name, _, trace = item.partition("=")
+        measured = _load(trace, None)[0] if trace else _counterpart(source, meta, name)
+        cases.append((name, make_schedule(name, ranks, mbs), measured))
+    table = fidelity_table(cal, cases, units)
+    d = cal.to_dict()
+    head = (
+        f"calibrated on {d['run_id']}: F {d['f_us']} us, I {d['i_us']} us, W {d['w_us']} us per "
+        f"stage; overhead {d['overhead_us']} us per action; comm latency {d['comm_latency_us']} us"
+        + (f"; I/W split assumed (W = {d['w_share']} of B)" if d["w_share"] is not None else "")
+        + (f"; model in {units} pieces" if units else "")
+    )
+    return ["", head, table.to_string(index=False, float_format=lambda x: f"{x:.3f}")]
+
+
+def _int(v: Any) -> int | None:
+    try:
+        return int(v)
+    except (TypeError, ValueError):
+        return None

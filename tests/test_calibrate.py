@@ -1,0 +1,70 @@
+"""Calibration: recover costs from a run's events and predict other schedules."""
+
+import numpy as np
+import pytest
+
+from vpipe.calibrate import calibrate, comm_latency_us, fidelity_table, predict, split_sizes
+from vpipe.events import events_frame
+from vpipe.schedules import make_schedule
+from vpipe.sim import CostModel, simulate
+
+# per MLP block, microseconds: F, I, W
+F, I, W = 10.0, 8.0, 6.0
+
+
+def block_costs(n_stages, n_units=4):
+    sizes = split_sizes(n_units, n_stages)
+    return CostModel(
+        per_stage={s: {"f": F * n, "b": I * n, "w": W * n} for s, n in enumerate(sizes)}
+    )
+
+
+def test_round_trip_through_the_simulator():
+    """Calibrated on simulated 1f1b (2 stages of 2 blocks), the prediction of zbv and
+    interleaved-1f1b (4 stages of 1 block) equals simulating them with the true costs."""
+    one = make_schedule("1f1b", 2, 4)
+    ev = simulate(one, block_costs(2)).to_events("cal", one, time_unit_ns=1000)
+    cal = calibrate(ev, w_share=W / (I + W))
+    assert cal.f.tolist() == pytest.approx([20, 20]) and cal.overhead == 0
+    assert cal.b.tolist() == pytest.approx([16, 16]) and cal.w.tolist() == pytest.approx([12, 12])
+    for name in ("zbv", "interleaved-1f1b"):
+        sched = make_schedule(name, 2, 4)
+        truth = simulate(sched, block_costs(4)).makespan
+        assert predict(cal, sched, n_units=4).makespan == pytest.approx(truth)
+    # with measured I and W (zb-h1) no split is assumed
+    zb = make_schedule("zb-h1", 2, 4)
+    cal2 = calibrate(simulate(zb, block_costs(2)).to_events("zb", zb))
+    assert cal2.w_share is None and cal2.w.tolist() == pytest.approx([12, 12])
+    table = fidelity_table(cal, [("zbv", make_schedule("zbv", 2, 4), None)], 4)
+    assert table.loc[0, "predicted_step_ms"] == pytest.approx(
+        simulate(make_schedule("zbv", 2, 4), block_costs(4)).makespan / 1e3
+    )
+
+
+def row(rank, kind, name, start, end, stage=0, mb=0):
+    return dict(run_id="m", source="measured", impl="vpipe", schedule="1f1b", rank=rank, step=0,
+                stage=stage, microbatch=mb, kind=kind, name=name, start_ns=start * 1000,
+                end_ns=end * 1000)  # fmt: skip
+
+
+def test_comm_latency_and_overhead_from_measured_spans():
+    ev = events_frame(
+        [
+            row(0, "other", "STEP", 0, 100, -1, -1),
+            row(0, "F", "0F0", 0, 30),
+            row(0, "SEND_F", "0SEND_F0", 32, 34),
+            row(0, "WAIT", "WAIT:0RECV_B0", 40, 80),
+            row(0, "B", "0B0", 80, 96),
+            row(1, "other", "STEP", 0, 100, -1, -1),
+            row(1, "WAIT", "WAIT:1RECV_F0", 0, 44, stage=1),  # send ended at 34: 10 us
+            row(1, "F", "1F0", 46, 60, stage=1),
+            row(1, "B", "1B0", 60, 76, stage=1),
+            row(1, "SEND_B", "1SEND_B0", 77, 78, stage=1),  # wait ended at 80: 2 us
+        ]
+    )
+    assert comm_latency_us(ev) == pytest.approx(6.0)  # median of 10 and 2
+    cal = calibrate(ev)
+    # rank 0: window 100 - busy 46 - wait 40 = 14 over 2 actions; rank 1: 100-30-44 = 26 / 2
+    assert cal.overhead == pytest.approx(np.median([7, 13]))
+    assert cal.f.tolist() == [30, 14] and cal.w_share == 0.5
+    assert (cal.b + cal.w).tolist() == [16, 16]

@@ -1,0 +1,221 @@
+"""Calibrate the simulator from a measured run and predict other schedules (fidelity).
+
+From a measured run's event table :func:`calibrate` takes, per stage, the median duration of
+F, I, W and B spans, a per-action overhead, and the communication latency:
+
+- **I/W split**: the simulator's full backward costs ``b + w`` (I plus W). When the run has I
+  and W spans they give ``b`` and ``w``; when it has only B (1f1b, interleaved-1f1b) the split
+  is an assumption, ``w = w_share * B`` (default 0.5: the input- and weight-gradient matmuls of
+  a linear layer have equal FLOPs).
+- **Overhead**: a rank's step holds more than its compute and its waits (the executor's own
+  work, posting sends and receives, the loss). Per rank and step, (window - busy - wait) /
+  number of compute actions, median over ranks and steps, is added to every F and I/B cost
+  (W actions get none, so a B costs exactly its measured time plus one overhead). Only runs
+  with WAIT spans (vpipe's runtime) have it; elsewhere idle time and overhead look alike.
+- **Communication**: for each receive the rank waited on, the time from the end of the
+  matching SEND on the peer to the end of the wait is one message's latency; the median is the
+  cost model's ``comm_latency`` (0 when no wait overlapped a send, e.g. no WAIT spans).
+- **Stage granularity**: a 1f1b run at P=2 has 2 stages, zbv and interleaved-1f1b at P=2 have
+  4, so per-stage costs do not transfer as they are. The model is split into ``n_units`` equal
+  pieces (MLP blocks, GPT layers) as :func:`vpipe.models.build_model` splits them (contiguous,
+  earlier stages take the extra piece); a calibrated stage's cost is shared equally by its
+  pieces and a predicted stage costs the sum of its pieces. Per-action overhead does not scale.
+  This is exact for equal blocks; a model with a heavier first or last piece (GPT's embedding
+  and head) is approximated.
+
+Times in the cost model are microseconds (``time_unit_ns=1000``).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+import numpy as np
+import pandas as pd
+
+from vpipe.analysis import COMPUTE_KINDS, rank_metrics, step_metrics
+from vpipe.errors import TraceError
+
+US = 1e3  # ns per cost-model time unit
+
+
+@dataclass
+class Calibration:
+    """Costs measured on one run, in microseconds, per stage of that run."""
+
+    f: np.ndarray
+    b: np.ndarray  # input gradient (I)
+    w: np.ndarray  # weight gradient (W)
+    overhead: float
+    comm_latency: float
+    w_share: float | None  # the assumed W share of B, or None when I and W were measured
+    run_id: str = ""
+
+    @property
+    def n_stages(self) -> int:
+        return len(self.f)
+
+    def cost_model(self, n_stages: int, n_units: int | None = None) -> Any:
+        """A CostModel for a split of the same model into ``n_stages`` stages."""
+        from vpipe.sim import CostModel
+
+        n_units = n_units or _lcm(self.n_stages, n_stages)
+        f, b, w = (_rescale(x, n_units, n_stages) for x in (self.f, self.b, self.w))
+        per_stage = {
+            s: {"f": f[s] + self.overhead, "b": b[s] + self.overhead, "w": w[s]}
+            for s in range(n_stages)
+        }
+        return CostModel(comm_latency=self.comm_latency, per_stage=per_stage)
+
+    def to_dict(self) -> dict[str, Any]:
+        return {
+            "run_id": self.run_id,
+            "f_us": self.f.round(1).tolist(),
+            "i_us": self.b.round(1).tolist(),
+            "w_us": self.w.round(1).tolist(),
+            "overhead_us": round(self.overhead, 1),
+            "comm_latency_us": round(self.comm_latency, 1),
+            "w_share": self.w_share,
+        }
+
+
+def _lcm(a: int, b: int) -> int:
+    return a * b // np.gcd(a, b)
+
+
+def split_sizes(n_units: int, n_stages: int) -> list[int]:
+    """Pieces per stage as the benchmark models split them (earlier stages take the extra)."""
+    base, extra = divmod(n_units, n_stages)
+    return [base + (1 if i < extra else 0) for i in range(n_stages)]
+
+
+def _rescale(per_stage: np.ndarray, n_units: int, n_stages: int) -> np.ndarray:
+    """Per-stage costs of a split into ``n_stages`` from those of the calibrated split."""
+    src = split_sizes(n_units, len(per_stage))
+    if min(src) == 0 or min(split_sizes(n_units, n_stages)) == 0:
+        raise TraceError(
+            f"cannot split {n_units} model pieces into {max(len(per_stage), n_stages)} stages"
+        )
+    unit = np.repeat(per_stage / np.array(src), src)
+    bounds = np.cumsum([0, *split_sizes(n_units, n_stages)])
+    return np.array([unit[bounds[i] : bounds[i + 1]].sum() for i in range(n_stages)])
+
+
+def calibrate(events: pd.DataFrame, *, w_share: float = 0.5) -> Calibration:
+    """Calibrate from one measured run's event table (see the module docstring)."""
+    if events.empty:
+        raise TraceError("cannot calibrate from an empty event table")
+    ev = events[events["step"] >= 0]
+    kind = ev["kind"].astype(str)
+    dur_us = (ev["end_ns"] - ev["start_ns"]) / US
+    plain = ~ev["name"].astype(str).str.startswith("(")  # overlap parts share one span
+    med = dur_us[plain & kind.isin(COMPUTE_KINDS)].groupby([ev["stage"], kind]).median()
+    n_stages = int(ev.loc[kind.isin(COMPUTE_KINDS), "stage"].max()) + 1
+    f, b, w = np.zeros(n_stages), np.zeros(n_stages), np.zeros(n_stages)
+    measured_iw = True
+    for s in range(n_stages):
+        get = lambda k, s=s: med.get((s, k), np.nan)  # noqa: E731
+        if np.isnan(get("F")):
+            raise TraceError(f"run has no F spans for stage {s}: cannot calibrate it")
+        f[s] = get("F")
+        if not np.isnan(get("I")) and not np.isnan(get("W")):
+            b[s], w[s] = get("I"), get("W")
+        elif not np.isnan(get("B")):
+            b[s], w[s] = get("B") * (1 - w_share), get("B") * w_share
+            measured_iw = False
+        else:
+            raise TraceError(f"run has neither B nor I and W spans for stage {s}")
+    overhead = 0.0  # without WAIT spans (simulated runs) idle time cannot be told from overhead
+    if (kind == "WAIT").any():
+        r = rank_metrics(events)
+        other = (r["window_s"] - r["busy_s"] - r["comm_wait_s"]).clip(lower=0)
+        overhead = float((other / r["n_compute"].where(r["n_compute"] > 0)).median() * 1e6)
+    return Calibration(
+        f,
+        b,
+        w,
+        overhead if np.isfinite(overhead) else 0.0,
+        comm_latency_us(ev),
+        None if measured_iw else w_share,
+        str(ev["run_id"].iloc[0]) if len(ev) else "",
+    )
+
+
+def comm_latency_us(events: pd.DataFrame) -> float:
+    """Median time from a SEND's end to the end of the receiver's wait for it, over the waits
+    that were still blocked when the send ended (0 if none)."""
+    kind = events["kind"].astype(str)
+    name = events["name"].astype(str)
+    waits = events[kind == "WAIT"].assign(comm=name[kind == "WAIT"].str.extract(r"(RECV_[FB])")[0])
+    sends = events[kind.isin(["SEND_F", "SEND_B"])]
+    if waits.empty or sends.empty:
+        return 0.0
+    # the send feeding RECV_F at stage s comes from stage s-1; RECV_B at s from stage s+1
+    w = waits.assign(
+        src_stage=np.where(waits["comm"] == "RECV_F", waits["stage"] - 1, waits["stage"] + 1),
+        send_kind=np.where(waits["comm"] == "RECV_F", "SEND_F", "SEND_B"),
+    )
+    s = sends.assign(send_kind=sends["kind"].astype(str))
+    keys = ["run_id", "step", "microbatch", "send_kind"]
+    m = w.merge(
+        s[[*keys, "stage", "end_ns"]].rename(columns={"stage": "src_stage", "end_ns": "send_end"}),
+        on=[*keys, "src_stage"],
+        how="inner",
+    )
+    m = m[(m["start_ns"] <= m["send_end"]) & (m["end_ns"] >= m["send_end"])]
+    if m.empty:
+        return 0.0
+    return float(((m["end_ns"] - m["send_end"]) / US).median())
+
+
+def model_units(meta: dict[str, Any]) -> int | None:
+    """Pieces the benchmark model of a run is split into (MLP blocks; GPT embedding, layers
+    and head), from the run's metadata; None when unknown."""
+    model, sizes, stages = meta.get("model"), dict(meta.get("sizes") or {}), meta.get("stages")
+    if model not in ("mlp", "gpt", "tuple"):
+        return None
+    from vpipe.models import DEFAULT_SIZES
+
+    full = {**DEFAULT_SIZES[model], **sizes}
+    if model == "gpt":
+        layers = (
+            full["n_layers"] if "n_layers" in sizes else max(full["n_layers"], (stages or 0) - 2)
+        )
+        return layers + 2
+    return full["n_blocks"] if "n_blocks" in sizes else max(full["n_blocks"], stages or 0)
+
+
+def predict(cal: Calibration, schedule: Any, n_units: int | None = None) -> Any:
+    """Simulate ``schedule`` with costs calibrated on another run; returns the SimResult."""
+    from vpipe.sim import simulate
+
+    return simulate(schedule, cal.cost_model(schedule.n_stages, n_units))
+
+
+def fidelity_table(
+    cal: Calibration,
+    cases: list[tuple[str, Any, pd.DataFrame | None]],
+    n_units: int | None = None,
+) -> pd.DataFrame:
+    """Measured vs predicted step time and bubble ratio for (label, schedule, measured events)
+    cases; error = predicted / measured - 1."""
+    rows = []
+    for label, schedule, measured in cases:
+        sim = predict(cal, schedule, n_units)
+        pred = step_metrics(sim.to_events(f"sim-{label}", schedule, time_unit_ns=US)).iloc[0]
+        row: dict[str, Any] = {
+            "schedule": label,
+            "stages": schedule.n_stages,
+            "predicted_step_ms": pred["step_time_s"] * 1e3,
+            "predicted_bubble": pred["bubble_ratio"],
+        }
+        if measured is not None and not measured.empty:
+            m = step_metrics(measured)
+            row["measured_step_ms"] = float(m["step_time_s"].median() * 1e3)
+            q1, q3 = m["step_time_s"].quantile([0.25, 0.75]) * 1e3
+            row["measured_iqr_ms"] = f"{q1:.2f}-{q3:.2f}"
+            row["measured_bubble"] = float(m["bubble_ratio"].median())
+            row["error"] = row["predicted_step_ms"] / row["measured_step_ms"] - 1
+        rows.append(row)
+    return pd.DataFrame(rows)
