@@ -1,0 +1,273 @@
+"""Runtime correctness: every built-in schedule at P=1, 2 and 4 against the unpipelined model.
+
+One process group per P runs every (schedule, M, model) config inside it; each config checks
+per-microbatch losses and all gradients (float64), that a second step accumulates gradients,
+and that a new batch shape re-infers the stage shapes.
+"""
+
+from __future__ import annotations
+
+import gc
+import os
+import signal
+
+import pytest
+import torch
+
+from vpipe.errors import PipelineError, ScheduleError
+from vpipe.ir import Schedule, actions_from_strings, schedule_from_rows
+from vpipe.models import build_model
+from vpipe.passes import lower
+from vpipe.runtime import Pipeline
+from vpipe.runtime.launch import spawn
+from vpipe.schedules import make_schedule, schedule_names
+
+SIZES = {
+    "mlp": {"d_model": 16, "d_hidden": 32},
+    "gpt": {"vocab": 32, "d_model": 16, "n_heads": 2, "seq_len": 8},
+    "tuple": {"d_model": 8, "d_hidden": 16},
+}
+
+
+def _float64(t: torch.Tensor) -> torch.Tensor:
+    return t.double() if t.is_floating_point() else t
+
+
+def _reference(bm, x, y, n_mb):
+    """Per-microbatch losses and parameter gradients of the unsplit model, keyed by stage."""
+    ref = bm.reference_model()
+    losses = [bm.loss_fn(ref(a), b) for a, b in zip(x.chunk(n_mb), y.chunk(n_mb), strict=True)]
+    (sum(losses) / n_mb).backward()
+    grads = {name: p.grad for name, p in ref.named_parameters()}
+    return [v.detach() for v in losses], grads
+
+
+def check_config(schedule: Schedule, model: str, rank: int) -> dict:
+    """Run 3 steps of ``schedule`` on this rank and compare with the reference; raise on any
+    mismatch. Returns the last step's stats."""
+    n_mb = schedule.n_microbatches
+    bm = build_model(model, schedule.n_stages, seed=1, **SIZES[model])
+    for m in bm.stages:
+        m.double()
+    mine = schedule.stages_of(rank)
+    pipe = Pipeline(schedule, {s: bm.stages[s] for s in mine}, bm.loss_fn)
+    plan = [(2 * n_mb, 1, 0), (2 * n_mb, 2, 0), (3 * n_mb, 1, 1)]  # (batch, grad factor, seed)
+    for step, (batch, factor, seed) in enumerate(plan):
+        x, y = (_float64(t) for t in bm.make_batch(batch, seed=seed))
+        if factor == 1:
+            for m in bm.stages:
+                m.zero_grad(set_to_none=True)
+            ref_losses, ref_grads = _reference(bm, x, y, n_mb)
+        losses = pipe.step(x if 0 in mine else None, y if schedule.loss_stage in mine else None)
+        where = f"{schedule.name} P={schedule.n_ranks} M={n_mb} {model} step {step} rank {rank}"
+        if schedule.loss_stage in mine:
+            assert losses is not None and len(losses) == n_mb, where
+            for m, (got, want) in enumerate(zip(losses, ref_losses, strict=True)):
+                torch.testing.assert_close(got, want, rtol=1e-10, atol=0, msg=f"{where} mb {m}")
+        else:
+            assert losses is None, where
+        for s in mine:
+            for name, p in bm.stages[s].named_parameters():
+                want = ref_grads[f"stages.{s}.{name}"] * factor
+                torch.testing.assert_close(
+                    p.grad, want, rtol=1e-9, atol=1e-12, msg=f"{where} grad {s}.{name}"
+                )
+        assert pipe._executor.leftovers() == 0, where
+    return pipe.stats
+
+
+def _configs(n_ranks: int) -> list[tuple[str, int, str]]:
+    counts = {1: (1, 3, 4), 2: (2, 5), 4: (4, 6)}[n_ranks]
+    return [(n, m, model) for n in schedule_names() for m in counts for model in SIZES]
+
+
+def run_configs(rank: int, n_ranks: int, configs: list) -> list:
+    """Spawned worker: every config, plus a torch-CSV schedule, on this rank."""
+    out = []
+    for name, n_mb, model in configs:
+        out.append(
+            (name, n_mb, model, check_config(make_schedule(name, n_ranks, n_mb), model, rank))
+        )
+    for lowered in (False, True):
+        base = make_schedule("zbv" if n_ranks > 1 else "interleaved-1f1b", n_ranks, 3)
+        text = (lower(base) if lowered else base).to_csv()
+        csv_sched = Schedule.from_csv(text, name="from-csv")
+        out.append(("csv", 3, "tuple", check_config(csv_sched, "tuple", rank)))
+    return out
+
+
+def _check_results(results: list, n_ranks: int) -> None:
+    assert len(results) == n_ranks
+    expected = len(_configs(n_ranks)) + 2
+    for per_rank in results:
+        assert len(per_rank) == expected
+        for *_, stats in per_rank:
+            assert stats["peak_live_activations"] >= 1
+            assert stats["step_time_s"] > 0
+
+
+@pytest.fixture(autouse=True)
+def _one_thread():
+    """Tiny ops on a shared 2-core machine run fastest on one thread (as spawned ranks do)."""
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(threads)
+
+
+def test_every_schedule_single_rank_local_handoff():
+    """P=1: every stage on one rank, all handoffs local, no process group at all."""
+    _check_results([run_configs(0, 1, _configs(1))], 1)
+
+
+@pytest.mark.parametrize("n_ranks", [2, 4])
+def test_every_schedule_multi_rank(n_ranks):
+    _check_results(spawn(run_configs, n_ranks, _configs(n_ranks), timeout_s=300), n_ranks)
+
+
+class _CountBackward(torch.autograd.Function):
+    calls = 0
+
+    @staticmethod
+    def forward(ctx, x):
+        return x.view_as(x)
+
+    @staticmethod
+    def backward(ctx, g):
+        _CountBackward.calls += 1
+        return g
+
+
+class _Counted(torch.nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.a, self.b = torch.nn.Linear(6, 8), torch.nn.Linear(8, 6)
+
+    def forward(self, x):
+        return self.b(torch.nn.functional.gelu(_CountBackward.apply(self.a(x))))
+
+
+def test_split_backward_matches_b_without_recomputing_the_input_chain():
+    from vpipe.runtime.backward import backward_full, backward_input, grad_node
+
+    torch.manual_seed(0)
+    mod = _Counted().double()
+    params = list(mod.parameters())
+    x = torch.randn(5, 6, dtype=torch.float64)
+    g = torch.randn(5, 6, dtype=torch.float64)
+
+    h = x.clone().requires_grad_(True)
+    (gx_b,) = backward_full([mod(h)], [g], [h])
+    grads_b = [p.grad.clone() for p in params]
+    mod.zero_grad(set_to_none=True)
+
+    h = x.clone().requires_grad_(True)
+    _CountBackward.calls = 0
+    (gx_i,), task = backward_input([mod(h)], [g], [h], {grad_node(p): p for p in params})
+    assert _CountBackward.calls == 1 and all(p.grad is None for p in params)
+    assert not task.recomputes and len(task.parts) == 2  # one per linear layer
+    task.run()
+    assert _CountBackward.calls == 1  # W did not run the chain below the second linear again
+    torch.testing.assert_close(gx_i, gx_b, rtol=1e-12, atol=0)
+    for p, want in zip(params, grads_b, strict=True):
+        torch.testing.assert_close(p.grad, want, rtol=1e-12, atol=0)
+
+
+def test_split_backward_falls_back_for_a_weight_used_twice():
+    from vpipe.runtime.backward import backward_full, backward_input, grad_node
+
+    lin = torch.nn.Linear(4, 4).double()
+    x = torch.randn(3, 4, dtype=torch.float64)
+    g = torch.randn(3, 4, dtype=torch.float64)
+    h = x.clone().requires_grad_(True)
+    (gx_b,) = backward_full([lin(lin(h))], [g], [h])
+    want = [p.grad.clone() for p in lin.parameters()]
+    lin.zero_grad(set_to_none=True)
+    h = x.clone().requires_grad_(True)
+    nodes = {grad_node(p): p for p in lin.parameters()}
+    (gx_i,), task = backward_input([lin(lin(h))], [g], [h], nodes)
+    task.run()
+    torch.testing.assert_close(gx_i, gx_b)
+    for p, w in zip(lin.parameters(), want, strict=True):
+        torch.testing.assert_close(p.grad, w)
+
+
+def test_memory_flat_over_steps():
+    """20 steps: no stash left behind, the same peaks each step, no growth in live tensors."""
+    sched = make_schedule("zbv", 1, 4)
+    bm = build_model("mlp", sched.n_stages, seed=0, **SIZES["mlp"])
+    pipe = Pipeline(sched, dict(enumerate(bm.stages)), bm.loss_fn)
+    x, y = bm.make_batch(8, seed=0)
+    counts, peaks = [], set()
+    for step in range(20):
+        pipe.step(x, y)
+        assert pipe._executor.leftovers() == 0
+        assert pipe._executor.live == 0 and pipe._executor.live_bytes == 0
+        peaks.add((pipe.stats["peak_live_activations"], pipe.stats["peak_live_activation_bytes"]))
+        if step in (2, 10, 19):
+            gc.collect()
+            tensor_types = (torch.Tensor, torch.nn.Parameter)
+            counts.append(sum(1 for o in gc.get_objects() if type(o) in tensor_types))
+    assert len(peaks) == 1 and next(iter(peaks))[1] > 0
+    assert len(set(counts)) == 1, counts
+
+
+def test_bad_modules_and_invalid_schedule_rejected_before_running():
+    sched = make_schedule("zbv", 1, 2)
+    bm = build_model("mlp", 2, seed=0, **SIZES["mlp"])
+    with pytest.raises(PipelineError, match=r"rank 0: .*missing stage\(s\) \[1\]"):
+        Pipeline(sched, {0: bm.stages[0]}, bm.loss_fn)
+    with pytest.raises(PipelineError, match=r"stage\(s\) \[2\] not on this rank"):
+        Pipeline(sched, {0: bm.stages[0], 1: bm.stages[1], 2: bm.stages[1]}, bm.loss_fn)
+    # Microbatch 1 never runs backward on stage 1: rejected by validation.
+    rows = actions_from_strings([["0F0", "1F0", "0F1", "1F1", "1B0", "0B0", "0B1"]])
+    bad = schedule_from_rows(rows, name="bad")
+    with pytest.raises(ScheduleError):
+        Pipeline(bad, dict(enumerate(bm.stages)), bm.loss_fn)
+    two_ranks = make_schedule("1f1b", 2, 2)
+    with pytest.raises(PipelineError, match="not initialised"):
+        Pipeline(two_ranks, {0: bm.stages[0]}, bm.loss_fn)
+
+
+class _Fails(torch.nn.Module):
+    def __init__(self, inner, bad_batch):
+        super().__init__()
+        self.inner, self.bad_batch, self.calls = inner, bad_batch, 0
+
+    def forward(self, x):
+        self.calls += 1
+        if self.calls == self.bad_batch:
+            raise RuntimeError("boom")
+        return self.inner(x)
+
+
+def test_failing_action_is_named():
+    sched = make_schedule("zbv", 1, 4)
+    bm = build_model("mlp", 2, seed=0, **SIZES["mlp"])
+    # Stage 1 is the loss stage (no shape probe): its second call is microbatch 1's F.
+    modules = {0: bm.stages[0], 1: _Fails(bm.stages[1], 2)}
+    pipe = Pipeline(sched, modules, bm.loss_fn)
+    x, y = bm.make_batch(8, seed=0)
+    with pytest.raises(
+        PipelineError,
+        match=r"^rank 0: action 1F1 \(stage 1, microbatch 1\) failed: RuntimeError: boom$",
+    ):
+        pipe.step(x, y)
+    pipe.step(x, y)  # the pipeline recovers: stashes were dropped
+    assert pipe._executor.leftovers() == 0
+
+
+def _kill_rank1(rank: int, n_ranks: int) -> None:
+    sched = make_schedule("1f1b", 2, 4)
+    bm = build_model("mlp", 2, seed=0, **SIZES["mlp"])
+    pipe = Pipeline(sched, {rank: bm.stages[rank]}, bm.loss_fn)
+    x, y = bm.make_batch(8, seed=0)
+    pipe.step(x if rank == 0 else None, y if rank == 1 else None)
+    if rank == 1:
+        os.kill(os.getpid(), signal.SIGKILL)
+    pipe.step(x if rank == 0 else None, y if rank == 1 else None)
+
+
+def test_killed_rank_ends_the_job():
+    with pytest.raises(PipelineError, match=r"rank 1 died \(killed by SIGKILL\)"):
+        spawn(_kill_rank1, 2, timeout_s=60, pg_timeout_s=20)

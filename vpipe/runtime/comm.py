@@ -1,0 +1,53 @@
+"""Point-to-point communication between pipeline ranks over torch.distributed.
+
+Operations are queued and posted together (``flush``): on backends that coalesce (NCCL) as one
+``batch_isend_irecv``; elsewhere (gloo) each is posted straight on the process group, which is
+what batching does there anyway, minus its per-op bookkeeping.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.distributed as dist
+
+__all__ = ["P2P"]
+
+
+class P2P:
+    """Asynchronous sends and receives to group ranks of one process group."""
+
+    def __init__(self, group: dist.ProcessGroup | None, device: torch.device) -> None:
+        self.group = group if group is not None else dist.group.WORLD
+        self.rank = dist.get_rank(self.group)
+        self.size = dist.get_world_size(self.group)
+        backend = self.group._get_backend(device)
+        self.coalesce = bool(getattr(backend, "supports_coalescing", False))
+        self._queue: list[tuple[bool, torch.Tensor, int]] = []
+
+    def queue_send(self, tensor: torch.Tensor, peer: int) -> None:
+        self._queue.append((True, tensor, peer))
+
+    def queue_recv(self, tensor: torch.Tensor, peer: int) -> None:
+        self._queue.append((False, tensor, peer))
+
+    def flush(self) -> list[list]:
+        """Post every queued operation; return, per operation in queue order, the works to
+        wait for it (a coalesced batch shares its works)."""
+        ops, self._queue = self._queue, []
+        if self.coalesce and len(ops) > 1:
+            p2p = [
+                dist.P2POp(dist.isend if s else dist.irecv, t, group=self.group, group_peer=p)
+                for s, t, p in ops
+            ]
+            works = dist.batch_isend_irecv(p2p)
+            return [works] * len(ops)
+        group = self.group
+        return [[group.send([t], p, 0) if s else group.recv([t], p, 0)] for s, t, p in ops]
+
+    def send_now(self, tensor: torch.Tensor, peer: int) -> None:
+        """Blocking send (metadata handshake)."""
+        self.group.send([tensor], peer, 0).wait()
+
+    def recv_now(self, tensor: torch.Tensor, peer: int) -> None:
+        """Blocking receive (metadata handshake)."""
+        self.group.recv([tensor], peer, 0).wait()

@@ -1,0 +1,198 @@
+"""Start the ranks of a pipeline: local processes (``spawn``) or a torchrun job
+(``in_torchrun`` / ``init_from_env``).
+
+``spawn`` hosts the rendezvous store in the parent (no port race, and it outlives any rank),
+starts one process per rank with torch's spawn context, and polls them: a rank that raises
+reports its one-line error, a rank that dies is noticed by its exit code, and in both cases the
+other ranks are terminated at once and PipelineError names the failed rank. The process group
+gets a finite timeout too, so a rank blocked on a dead peer cannot wait forever.
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+import time
+from collections.abc import Callable
+from datetime import timedelta
+from typing import Any
+
+from vpipe.errors import PipelineError, VpipeError
+
+__all__ = ["in_torchrun", "init_from_env", "spawn"]
+
+_TORCHRUN_VARS = ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT")
+
+
+def in_torchrun() -> bool:
+    """True when torchrun's environment variables are present."""
+    return all(v in os.environ for v in _TORCHRUN_VARS)
+
+
+def init_from_env(
+    device: str = "cpu", backend: str | None = None, timeout_s: float = 300.0
+) -> tuple[int, int, Any]:
+    """Join a torchrun job: init the default process group from the environment (NCCL with one
+    GPU per rank, ``cuda:LOCAL_RANK``, when ``device`` is cuda; gloo otherwise) and set torch's
+    threads to cores // local ranks. Returns (rank, world size, torch.device)."""
+    import torch
+    import torch.distributed as dist
+
+    if not in_torchrun():
+        missing = [v for v in _TORCHRUN_VARS if v not in os.environ]
+        raise PipelineError(f"not under torchrun: environment lacks {', '.join(missing)}")
+    rank, world = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
+    local_rank = int(os.environ["LOCAL_RANK"])
+    local_world = int(os.environ.get("LOCAL_WORLD_SIZE", world))
+    if device == "cuda":
+        if not torch.cuda.is_available():
+            raise PipelineError(f"rank {rank}: --device cuda but CUDA is not available")
+        dev = torch.device("cuda", local_rank)
+        torch.cuda.set_device(dev)
+        backend = backend or "nccl"
+    else:
+        dev = torch.device(device)
+        backend = backend or "gloo"
+    torch.set_num_threads(max(1, (os.cpu_count() or 1) // local_world))
+    kwargs = {"device_id": dev} if backend == "nccl" else {}
+    dist.init_process_group(
+        backend, rank=rank, world_size=world, timeout=timedelta(seconds=timeout_s), **kwargs
+    )
+    return rank, world, dev
+
+
+def spawn(
+    fn: Callable[..., Any],
+    n_ranks: int,
+    *args: Any,
+    backend: str = "gloo",
+    timeout_s: float = 600.0,
+    pg_timeout_s: float = 60.0,
+) -> list[Any]:
+    """Run ``fn(rank, n_ranks, *args)`` in ``n_ranks`` local processes with a process group
+    initialised and torch threads set to cores // n_ranks; return the per-rank results.
+
+    ``fn`` and ``args`` must be picklable (a module-level function). If a rank raises or dies,
+    the others are terminated and PipelineError names the failed rank and its error; the whole
+    run is also bounded by ``timeout_s``. ``pg_timeout_s`` bounds every collective/P2P wait.
+    """
+    import torch.distributed as dist
+    import torch.multiprocessing as mp
+
+    if n_ranks < 1:
+        raise PipelineError(f"n_ranks must be >= 1, got {n_ranks}")
+    store = dist.TCPStore("127.0.0.1", 0, n_ranks + 1, True, timedelta(seconds=pg_timeout_s), False)
+    ctx = mp.get_context("spawn")
+    results_q = ctx.SimpleQueue()
+    threads = max(1, (os.cpu_count() or 1) // n_ranks)
+    procs = [
+        ctx.Process(
+            target=_worker,
+            args=(fn, rank, n_ranks, args, store.port, backend, pg_timeout_s, threads, results_q),
+            daemon=True,
+        )
+        for rank in range(n_ranks)
+    ]
+    for p in procs:
+        p.start()
+    try:
+        results = _collect(procs, results_q, n_ranks, timeout_s)
+        deadline = time.monotonic() + 5.0
+        for p in procs:  # let them leave the process group cleanly
+            p.join(max(0.0, deadline - time.monotonic()))
+        return results
+    finally:
+        _stop(procs)
+        results_q.close()
+        del store
+
+
+def _collect(procs: list, results_q: Any, n_ranks: int, timeout_s: float) -> list[Any]:
+    results: dict[int, Any] = {}
+    deadline = time.monotonic() + timeout_s
+    while len(results) < n_ranks:
+        while not results_q.empty():
+            rank, ok, value = results_q.get()
+            if not ok:
+                named = value.startswith(f"rank {rank}:")
+                raise PipelineError(value if named else f"rank {rank} failed: {value}")
+            results[rank] = value
+        for rank, p in enumerate(procs):
+            if rank in results or p.exitcode is None:
+                continue
+            if not results_q.empty():
+                break  # its report may still be in the queue
+            raise PipelineError(f"rank {rank} died ({_exit_reason(p.exitcode)}) without a result")
+        if time.monotonic() > deadline:
+            waiting = [r for r in range(n_ranks) if r not in results]
+            raise PipelineError(f"timed out after {timeout_s:.0f} s waiting for rank(s) {waiting}")
+        time.sleep(0.02)
+    return [results[r] for r in range(n_ranks)]
+
+
+def _exit_reason(code: int) -> str:
+    if code < 0:
+        try:
+            return f"killed by {signal.Signals(-code).name}"
+        except ValueError:
+            return f"killed by signal {-code}"
+    return f"exit code {code}"
+
+
+def _stop(procs: list) -> None:
+    for p in procs:
+        if p.is_alive():
+            p.terminate()
+    deadline = time.monotonic() + 5.0
+    for p in procs:
+        p.join(max(0.0, deadline - time.monotonic()))
+        if p.is_alive():
+            p.kill()
+            p.join(1.0)
+
+
+def _worker(
+    fn: Callable[..., Any],
+    rank: int,
+    n_ranks: int,
+    args: tuple,
+    port: int,
+    backend: str,
+    pg_timeout_s: float,
+    threads: int,
+    results_q: Any,
+) -> None:
+    import torch
+    import torch.distributed as dist
+
+    torch.set_num_threads(threads)
+    try:
+        store = dist.TCPStore(
+            "127.0.0.1", port, n_ranks + 1, False, timedelta(seconds=pg_timeout_s)
+        )
+        dist.init_process_group(
+            backend,
+            store=store,
+            rank=rank,
+            world_size=n_ranks,
+            timeout=timedelta(seconds=pg_timeout_s),
+        )
+        value = fn(rank, n_ranks, *args)
+    except BaseException as e:  # report, then exit non-zero
+        results_q.put((rank, False, _one_line(e)))
+        raise SystemExit(1) from None
+    try:
+        results_q.put((rank, True, value))
+    except Exception as e:
+        results_q.put((rank, False, f"result not picklable: {_one_line(e)}"))
+        raise SystemExit(1) from None
+    dist.destroy_process_group()
+
+
+def _one_line(e: BaseException) -> str:
+    if isinstance(e, VpipeError):
+        text = str(e)
+    else:
+        text = f"{type(e).__name__}: {e}"
+    lines = text.strip().splitlines()
+    return lines[0] if lines else type(e).__name__

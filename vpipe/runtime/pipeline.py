@@ -1,0 +1,248 @@
+"""The public Pipeline: run a schedule over this rank's stage modules, one step at a time."""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable, Mapping
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from torch import nn
+from torch.profiler import record_function
+
+from vpipe.errors import PipelineError, VpipeError
+from vpipe.ir import Schedule
+from vpipe.runtime.comm import P2P
+from vpipe.runtime.executor import Executor
+from vpipe.runtime.meta import (
+    META_LEN,
+    TensorMeta,
+    as_tuple,
+    decode,
+    encode,
+    infer_outputs,
+    meta_of,
+)
+from vpipe.runtime.stage import Stage
+
+__all__ = ["Pipeline"]
+
+
+class Pipeline:
+    """Pipeline-parallel training steps for this rank's stages under ``schedule``.
+
+    ``modules`` maps stage index to module and must hold exactly the stages that the schedule's
+    placement puts on this rank. ``schedule`` may be compute-only (it is lowered here) or
+    already lowered; it is validated before anything runs. ``group=None`` uses the default
+    process group, or none at all for a one-rank schedule.
+
+    ``step(inputs, targets)`` splits ``inputs`` (on the rank of stage 0) and ``targets`` (on the
+    loss rank) into M microbatches along dim 0, runs the program, and returns the unscaled
+    per-microbatch losses in microbatch order on the loss rank (None elsewhere). Backward uses
+    each microbatch loss scaled by 1/M, so ``.grad`` receives exactly the gradient of the
+    mean-reduced loss over the whole batch. Like ``loss.backward()``, gradients accumulate
+    across steps: zero them (``optimizer.zero_grad()``) between steps as usual.
+
+    After each step ``stats`` holds ``peak_live_activations`` (microbatch-stages whose F ran
+    and whose last backward part had not, at most at once on this rank),
+    ``peak_live_activation_bytes`` (the same in bytes kept for backward), ``step_time_s``.
+    """
+
+    def __init__(
+        self,
+        schedule: Schedule,
+        modules: Mapping[int, nn.Module],
+        loss_fn: Callable[[Any, torch.Tensor], torch.Tensor],
+        group: dist.ProcessGroup | None = None,
+        device: torch.device | str | None = None,
+    ) -> None:
+        from vpipe.passes import lower, validate
+
+        if schedule.is_lowered:
+            validate(schedule)
+            program = schedule
+        else:
+            program = lower(schedule)  # validates as it lowers
+        self.schedule = program
+        self.rank, distributed = _rank_and_group(program, group)
+        mine = program.stages_of(self.rank)
+        _check_modules(modules, mine, self.rank, program)
+        self.device = _pick_device(device, modules)
+        for mod in modules.values():
+            mod.to(self.device)
+        self.stages = {
+            s: Stage(s, program.n_stages, modules[s], loss_fn if s == program.loss_stage else None)
+            for s in mine
+        }
+        self.n_microbatches = program.n_microbatches
+        self.comm = P2P(group, self.device) if distributed else None
+        self._executor = Executor(
+            self.rank,
+            program.actions[self.rank],
+            self.stages,
+            program.placement,
+            self.comm,
+            self.device,
+        )
+        self._key: tuple[TensorMeta, ...] | None = None
+        self._step = 0
+        self.stats: dict[str, float] = {}
+
+    @property
+    def is_loss_rank(self) -> bool:
+        return self.schedule.loss_stage in self.stages
+
+    def step(self, inputs: Any = None, targets: Any = None) -> list[torch.Tensor] | None:
+        """Run one training step (see the class docstring)."""
+        profiling = torch._C._autograd._profiler_enabled()
+        if profiling:
+            with record_function(f"PP:STEP:{self._step}"):
+                return self._step_impl(inputs, targets, True)
+        return self._step_impl(inputs, targets, False)
+
+    def _step_impl(self, inputs: Any, targets: Any, profiling: bool) -> list[torch.Tensor] | None:
+        t0 = time.perf_counter()
+        n = self.n_microbatches
+        mb_inputs: list[tuple[torch.Tensor, ...]] = []
+        mb_targets: list[Any] = []
+        if 0 in self.stages:
+            if inputs is None:
+                raise PipelineError(f"rank {self.rank} holds stage 0: step() needs inputs")
+            mb_inputs = _split(as_tuple(inputs, "inputs"), n, "inputs", self.device)
+        if self.is_loss_rank:
+            if targets is None:
+                raise PipelineError(f"rank {self.rank} holds the loss stage: step() needs targets")
+            mb_targets = [
+                t if len(t) > 1 else t[0]
+                for t in _split(as_tuple(targets, "targets"), n, "targets", self.device)
+            ]
+        key = self._input_key(mb_inputs)
+        if key != self._key:
+            self._infer_meta(key)
+            self._key = key
+        for st in self.stages.values():
+            st.loss_scale = 1.0 / n
+        ex = self._executor
+        ex.profiling = profiling
+        try:
+            losses = ex.run(mb_inputs, mb_targets, n)
+        except VpipeError:
+            ex.reset()
+            raise
+        left = ex.leftovers()
+        if left:
+            ex.reset()
+            raise PipelineError(f"rank {self.rank}: the program left {left} stashed values behind")
+        self._step += 1
+        self.stats = {
+            "peak_live_activations": ex.peak_live,
+            "peak_live_activation_bytes": ex.peak_live_bytes,
+            "step_time_s": time.perf_counter() - t0,
+        }
+        return losses
+
+    # -- shapes ------------------------------------------------------------------------------
+    def _input_key(self, mb_inputs: list[tuple[torch.Tensor, ...]]) -> tuple[TensorMeta, ...]:
+        """Microbatch input metadata, agreed by all ranks (broadcast from stage 0's rank)."""
+        key = meta_of(mb_inputs[0]) if mb_inputs else None
+        if self.comm is None:
+            return key
+        words = torch.tensor(encode(key) if key is not None else [0] * META_LEN, dtype=torch.int64)
+        words = words.to(self.device)
+        dist.broadcast(words, group=self.comm.group, group_src=self.schedule.placement[0])
+        return decode(words.tolist())
+
+    def _infer_meta(self, first: tuple[TensorMeta, ...]) -> None:
+        """Propagate input/output metadata through the stages in order (see meta.py)."""
+        placement, me = self.schedule.placement, self.rank
+        current = first
+        for s in range(self.schedule.n_stages):
+            nxt = placement.get(s + 1)
+            if placement[s] == me:
+                st = self.stages[s]
+                try:
+                    out = (
+                        ()
+                        if st.is_last
+                        else infer_outputs(st.module, current, self.device, f"stage {s} output")
+                    )
+                except VpipeError:
+                    raise
+                except Exception as e:
+                    raise PipelineError(
+                        f"rank {me}: stage {s} failed on inputs {current}: {type(e).__name__}: {e}"
+                    ) from e
+                st.set_meta(current, out)
+                current = out
+                if nxt is not None and nxt != me:
+                    self.comm.send_now(
+                        torch.tensor(encode(out), dtype=torch.int64, device=self.device), nxt
+                    )
+            elif nxt == me:
+                buf = torch.empty(META_LEN, dtype=torch.int64, device=self.device)
+                self.comm.recv_now(buf, placement[s])
+                current = decode(buf.tolist())
+
+
+def _rank_and_group(schedule: Schedule, group: dist.ProcessGroup | None) -> tuple[int, bool]:
+    """This rank's index in the group, and whether there is a process group to talk on."""
+    if group is None and not (dist.is_available() and dist.is_initialized()):
+        if schedule.n_ranks == 1:
+            return 0, False
+        raise PipelineError(
+            f"schedule {schedule.name!r} has {schedule.n_ranks} ranks but torch.distributed is "
+            "not initialised (use vpipe.runtime.launch.spawn or torchrun)"
+        )
+    size = dist.get_world_size(group)
+    if size != schedule.n_ranks:
+        raise PipelineError(
+            f"schedule {schedule.name!r} has {schedule.n_ranks} ranks but the process group has {size}"
+        )
+    return dist.get_rank(group), True
+
+
+def _check_modules(
+    modules: Mapping[int, nn.Module], mine: list[int], rank: int, schedule: Schedule
+) -> None:
+    missing = sorted(set(mine) - set(modules))
+    extra = sorted(set(modules) - set(mine))
+    if missing or extra:
+        parts = []
+        if missing:
+            parts.append(f"missing stage(s) {missing}")
+        if extra:
+            parts.append(f"stage(s) {extra} not on this rank")
+        raise PipelineError(
+            f"rank {rank}: modules must hold exactly stages {mine} of schedule "
+            f"{schedule.name!r} ({schedule.style} placement): " + "; ".join(parts)
+        )
+    for s, mod in modules.items():
+        if not isinstance(mod, nn.Module):
+            raise PipelineError(
+                f"rank {rank}: modules[{s}] is a {type(mod).__name__}, not an nn.Module"
+            )
+
+
+def _pick_device(
+    device: torch.device | str | None, modules: Mapping[int, nn.Module]
+) -> torch.device:
+    if device is not None:
+        return torch.device(device)
+    for mod in modules.values():
+        for p in mod.parameters():
+            return p.device
+    return torch.device("cpu")
+
+
+def _split(
+    values: tuple[torch.Tensor, ...], n: int, what: str, device: torch.device
+) -> list[tuple[torch.Tensor, ...]]:
+    batch = values[0].shape[0] if values[0].dim() else 0
+    for v in values:
+        if v.dim() == 0 or v.shape[0] != batch:
+            raise PipelineError(f"{what}: every tensor needs the same batch size along dim 0")
+    if batch < n or batch % n:
+        raise PipelineError(f"{what}: batch size {batch} is not a multiple of {n} microbatches")
+    chunks = [v.detach().to(device, non_blocking=True).chunk(n) for v in values]
+    return [tuple(c[m] for c in chunks) for m in range(n)]

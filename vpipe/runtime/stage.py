@@ -1,0 +1,172 @@
+"""One pipeline stage on this rank: its module, the per-microbatch stash, and its backward.
+
+Values between stages are tuples of tensors. Gradient tuples are aligned with the floating-point
+positions of the value (``float_in`` / ``float_out``): integer tensors (token ids, bucket ids)
+flow forward but carry no gradient. A stage's float inputs are fresh leaves (a receive buffer,
+or the previous local stage's output detached), so each stage owns exactly its autograd graph
+and its input gradients can be read from them.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Any
+
+import torch
+from torch import nn
+from torch.autograd.graph import saved_tensors_hooks
+
+from vpipe.runtime.backward import WeightTask, backward_full, backward_input, grad_node
+from vpipe.runtime.meta import TensorMeta, as_tuple
+
+__all__ = ["Stage"]
+
+
+class Stage:
+    """Stage ``index`` of ``n_stages``: runs F, B, I and W for one microbatch at a time.
+
+    Per-microbatch state (each entry removed by its last consumer):
+    ``fwd_in`` input values waiting for F (a tuple, or a posted receive), ``grad_out`` output
+    gradients waiting for B/I, ``grad_in`` input gradients waiting for SEND_B, ``weight`` W tasks
+    left by I, and the stash ``_inputs``/``_outputs`` that backward needs.
+    """
+
+    def __init__(
+        self,
+        index: int,
+        n_stages: int,
+        module: nn.Module,
+        loss_fn: Callable[[Any, torch.Tensor], torch.Tensor] | None,
+    ) -> None:
+        self.index = index
+        self.module = module
+        self.is_first = index == 0
+        self.is_last = index == n_stages - 1
+        self.loss_fn = loss_fn
+        params = [p for p in module.parameters() if p.requires_grad]
+        # Holding the accumulators keeps them (and so their identity) alive across steps.
+        self.param_nodes = {grad_node(p): p for p in params}
+        self.in_meta: tuple[TensorMeta, ...] = ()
+        self.out_meta: tuple[TensorMeta, ...] = ()
+        self.float_in: tuple[int, ...] = ()
+        self.float_out: tuple[int, ...] = ()
+        self.act_bytes: int | None = None  # measured at the first F after a shape change
+        self.fwd_in: dict[int, Any] = {}
+        self.grad_out: dict[int, Any] = {}
+        self.grad_in: dict[int, tuple] = {}
+        self.weight: dict[int, WeightTask] = {}
+        self._inputs: dict[int, tuple[torch.Tensor, ...]] = {}
+        self._outputs: dict[int, tuple[torch.Tensor, ...]] = {}
+        self.loss_scale = 1.0
+
+    def set_meta(self, in_meta: tuple[TensorMeta, ...], out_meta: tuple[TensorMeta, ...]) -> None:
+        self.in_meta, self.out_meta = in_meta, out_meta
+        self.float_in = tuple(i for i, (_, d) in enumerate(in_meta) if d.is_floating_point)
+        self.float_out = tuple(i for i, (_, d) in enumerate(out_meta) if d.is_floating_point)
+        self.act_bytes = None
+
+    def live_entries(self) -> int:
+        """Stashed per-microbatch entries (zero between steps)."""
+        return sum(
+            len(d)
+            for d in (
+                self.fwd_in,
+                self.grad_out,
+                self.grad_in,
+                self.weight,
+                self._inputs,
+                self._outputs,
+            )
+        )
+
+    # -- forward -----------------------------------------------------------------------------
+    def forward(self, m: int, values: tuple[torch.Tensor, ...], target: Any) -> Any:
+        """Run the module on microbatch ``m``; return its output tuple, or the unscaled loss on
+        the last stage."""
+        if not self.is_first:
+            for i in self.float_in:
+                values[i].requires_grad_(True)
+        if self.act_bytes is None:
+            out, self.act_bytes = self._measured_forward(values, target)
+        else:
+            out = self._run(values, target)
+        self._inputs[m] = tuple(values[i] for i in self.float_in)
+        if self.is_last:
+            self._outputs[m] = (out,)
+            return out
+        outs = as_tuple(out, f"stage {self.index} output")
+        self._outputs[m] = outs
+        return outs
+
+    def _run(self, values: tuple[torch.Tensor, ...], target: Any) -> Any:
+        out = self.module(*values)
+        if self.is_last:
+            return self.loss_fn(out, target)
+        return out
+
+    def _measured_forward(self, values: tuple[torch.Tensor, ...], target: Any) -> tuple[Any, int]:
+        """Forward that also counts the bytes this microbatch keeps alive: tensors saved for
+        backward, inputs and outputs, each storage once, parameters and buffers excluded."""
+        seen = {
+            t.untyped_storage().data_ptr() for t in self.module.state_dict(keep_vars=True).values()
+        }
+        total = 0
+
+        def count(t: torch.Tensor) -> None:
+            nonlocal total
+            storage = t.untyped_storage()
+            if storage.data_ptr() not in seen:
+                seen.add(storage.data_ptr())
+                total += storage.nbytes()
+
+        def pack(t: torch.Tensor) -> torch.Tensor:
+            count(t)
+            return t
+
+        with saved_tensors_hooks(pack, lambda t: t):
+            out = self._run(values, target)
+        for t in values:
+            count(t)
+        for t in as_tuple(out, f"stage {self.index} output"):
+            count(t)
+        return out, total
+
+    def sent_values(self, m: int) -> tuple[torch.Tensor, ...]:
+        """Microbatch ``m``'s outputs as they go to the next rank."""
+        return tuple(t.detach().contiguous() for t in self._outputs[m])
+
+    # -- backward ----------------------------------------------------------------------------
+    def _roots(self, m: int, grads: tuple | None) -> tuple[list, list]:
+        outs = self._outputs.pop(m)
+        if self.is_last:
+            loss = outs[0]
+            return [loss], [torch.full_like(loss, self.loss_scale)]
+        roots, gs = [], []
+        for i, g in zip(self.float_out, grads, strict=True):
+            if g is not None and outs[i].requires_grad:
+                roots.append(outs[i])
+                gs.append(g)
+        return roots, gs
+
+    def backward(self, m: int, grads: tuple | None) -> tuple:
+        """B: parameter gradients accumulated, input gradients returned (aligned with
+        ``float_in``)."""
+        roots, gs = self._roots(m, grads)
+        inputs = self._inputs.pop(m)
+        if not roots:
+            return (None,) * len(inputs)
+        return backward_full(roots, gs, inputs)
+
+    def backward_input(self, m: int, grads: tuple | None) -> tuple:
+        """I: input gradients now; the weight part is left in ``weight[m]`` for W."""
+        roots, gs = self._roots(m, grads)
+        inputs = self._inputs.pop(m)
+        if not roots:
+            self.weight[m] = WeightTask([], False)
+            return (None,) * len(inputs)
+        got, self.weight[m] = backward_input(roots, gs, inputs, self.param_nodes)
+        return got
+
+    def backward_weight(self, m: int) -> None:
+        """W: accumulate microbatch ``m``'s parameter gradients."""
+        self.weight.pop(m).run()
