@@ -143,3 +143,20 @@ def test_rank_conflicts_and_missing_files(tmp_path):
         (tmp_path / "empty").mkdir()
         convert([tmp_path / "empty"])
     assert Path(tmp_path / "a" / "rank1.json").exists()
+
+
+def test_measured_and_simulated_tables_share_one_schema(tmp_path):
+    from vpipe.schedules import make_schedule
+    from vpipe.sim import simulate
+
+    write_synthetic_run(tmp_path, PROGRAMS, meta=META)
+    measured = convert([tmp_path]).events
+    sched = make_schedule("1f1b", 2, 3)
+    simulated = simulate(sched).to_events("sim", sched)
+    assert list(measured.columns) == list(simulated.columns) == list(EVENT_COLUMNS)
+    assert measured.dtypes.astype(str).to_dict() == simulated.dtypes.astype(str).to_dict()
+    assert set(simulated["source"]) == {"simulated"} and set(measured["source"]) == {"measured"}
+    # same semantics: every compute action of the program appears once in both
+    key = ["rank", "stage", "microbatch", "kind"]
+    comp = lambda df: sorted(map(tuple, df[df["kind"].isin(["F", "B"])][key].astype(str).values))  # noqa: E731
+    assert comp(measured) == comp(simulated)
