@@ -598,97 +598,105 @@ def replay(
     prog: Program,
     durations: list[float] | None = None,
     message_cost: list[float] | None = None,
-) -> tuple[list[float], list[float], list[float]]:
+) -> tuple[list[float], list[float]]:
     """Run a compiled program under the module's execution semantics.
 
-    Returns per-op start and end times and per-message arrival times. ``durations`` is per op
-    (zero when omitted), ``message_cost`` per message id (zero when omitted); a transfer starts
-    when both its SEND and its RECV are posted. Raises ScheduleError naming where every stuck
-    rank waits when the program deadlocks.
+    Returns per-op start and end times. ``durations`` is per op (zero when omitted),
+    ``message_cost`` per message id (zero when omitted); a transfer starts when both its SEND
+    and its RECV are posted, so message e arrives at ``max(end[send_op[e]], end[recv_op[e]])
+    + message_cost[e]``. Raises ScheduleError naming where every stuck rank waits when the
+    program deadlocks.
     """
     fl = prog.flat
     P = fl.schedule.n_ranks
     n_ops = len(fl.o_rank)
-    n_msg = prog.n_messages
     dur = durations if durations is not None else [0.0] * n_ops
-    cost = message_cost if message_cost is not None else [0.0] * n_msg
-    wait, multi = prog.wait, prog.multi
+    cost = message_cost if message_cost is not None else [0.0] * prog.n_messages
+    # Per op: (op, message, its sending op, op after which its RECV is posted, cost, duration);
+    # sending op -1: no wait, -2: several (``several[op]``).
+    wait = np.asarray(prog.wait, np.int64)
+    one = wait >= 0
+    e1 = np.where(one, wait, 0)
+    w_so = np.where(
+        one, prog.send_op[e1] if len(prog.send_op) else -1, np.where(wait == -1, -1, -2)
+    )
+    w_ro = np.where(one, prog.recv_op[e1] if len(prog.recv_op) else -1, -1)
+    cost_a = np.asarray(cost, float)
+    w_c = np.where(one, cost_a[e1], 0.0).tolist() if len(cost_a) else [0.0] * n_ops
     send_op, recv_op = prog.send_op.tolist(), prog.recv_op.tolist()
+    several = {
+        i: [(x, send_op[x], recv_op[x], cost[x]) for x in prog.multi[-2 - prog.wait[i]]]
+        for i in np.flatnonzero(wait < -1).tolist()
+    }
+    lo = fl.o_lo.tolist()
+    rows = list(zip(range(n_ops), prog.wait, w_so.tolist(), w_ro.tolist(), w_c, dur, strict=True))
+    iters = [iter(rows[lo[r] : lo[r + 1]]) for r in range(P)]
     start = [0.0] * n_ops
     end = [-1.0] * n_ops
-    arrive = [0.0] * n_msg
     waiter = [-1] * n_ops
     extra_waiters: dict[int, list[int]] = {}
-    lo = fl.o_lo.tolist()
-    pcs, his = lo[:-1], lo[1:]
-    clocks = [0.0] * P
+    pending: list[tuple | None] = [None] * P
     blocked = [-1] * P
+    clocks = [0.0] * P
     ready = list(range(P - 1, -1, -1))
     while ready:
         r = ready.pop()
-        i, hi, t = pcs[r], his[r], clocks[r]
-        while i < hi:
-            e = wait[i]
-            if e >= 0:
-                so = send_op[e]
+        t = clocks[r]
+        row = pending[r]
+        pending[r] = None
+        for i, e, so, ro, c, d in chain((row,) if row else (), iters[r]):
+            if so >= 0:
                 s = end[so]
                 if s < 0:
+                    pending[r] = (i, e, so, ro, c, d)
+                    blocked[r] = e
                     if waiter[so] >= 0:
                         extra_waiters.setdefault(so, []).append(r)
                     else:
                         waiter[so] = r
-                    blocked[r] = e
                     break
-                q = recv_op[e]
-                if q >= 0 and end[q] > s:
-                    s = end[q]
-                s += cost[e]
-                arrive[e] = s
+                if ro >= 0 and end[ro] > s:
+                    s = end[ro]
+                s += c
                 if s > t:
                     t = s
-            elif e < -1:
-                es = multi[-2 - e]
-                missing = next((x for x in es if end[send_op[x]] < 0), -1)
-                if missing >= 0:
-                    so = send_op[missing]
+            elif so == -2:
+                missing = next(((x, xs) for x, xs, _, _ in several[i] if end[xs] < 0), None)
+                if missing is not None:
+                    pending[r] = (i, e, so, ro, c, d)
+                    blocked[r], so = missing
                     if waiter[so] >= 0:
                         extra_waiters.setdefault(so, []).append(r)
                     else:
                         waiter[so] = r
-                    blocked[r] = missing
                     break
-                for x in es:
-                    s = end[send_op[x]]
-                    q = recv_op[x]
-                    if q >= 0 and end[q] > s:
-                        s = end[q]
-                    s += cost[x]
-                    arrive[x] = s
+                for _, xs, xr, xc in several[i]:
+                    s = end[xs]
+                    if xr >= 0 and end[xr] > s:
+                        s = end[xr]
+                    s += xc
                     if s > t:
                         t = s
             start[i] = t
-            t += dur[i]
+            t += d
             end[i] = t
-            w = waiter[i]
-            if w >= 0:
+            if waiter[i] >= 0:
+                ready.append(waiter[i])
                 waiter[i] = -1
-                ready.append(w)
                 ready.extend(extra_waiters.pop(i, ()))
-            i += 1
-        pcs[r] = i
         clocks[r] = t
-    stuck = [r for r in range(P) if pcs[r] < his[r]]
+    stuck = [r for r in range(P) if pending[r] is not None]
     if stuck:
-        raise ScheduleError(_deadlock_message(prog, pcs, blocked, stuck))
-    return start, end, arrive
+        raise ScheduleError(_deadlock_message(prog, pending, blocked, stuck))
+    return start, end
 
 
-def _deadlock_message(prog: Program, pcs: list[int], blocked: list[int], stuck: list[int]) -> str:
+def _deadlock_message(prog: Program, pending: list, blocked: list[int], stuck: list[int]) -> str:
     s = prog.flat.schedule
     M, NB = s.n_microbatches, s.n_stages - 1
     parts = []
     for r in stuck[:6]:
-        i = int(prog.flat.o_pos[pcs[r]])
+        i = int(prog.flat.o_pos[pending[r][0]])
         d, rest = divmod(blocked[r], NB * M)
         b, m = divmod(rest, M)
         src = s.placement[b] if d == 0 else s.placement[b + 1]

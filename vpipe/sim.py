@@ -1,0 +1,464 @@
+"""Event-driven simulator of pipeline schedules under a simple cost model.
+
+The simulator replays the lowered program with exactly the execution semantics of
+:mod:`vpipe.passes` (SEND/RECV post without blocking; a compute action waits for its inputs,
+then runs; per-rank program order; see :func:`vpipe.passes.replay`). Every action is an event:
+a compute action starts when its rank is free and its inputs have arrived; a message arrives
+``comm_latency + bytes / comm_bandwidth`` after both its SEND and its RECV are posted (links
+are not modelled as shared, so transfers never queue behind each other); hand-over between
+stages on one rank is free. Costs are in abstract time units (``time_unit_ns`` converts them
+when exporting).
+
+Bubble ratio, two definitions (both per rank and overall):
+
+* **whole step** (``bubble_ratio``): idle / (idle + busy) of each rank over [0, makespan],
+  i.e. ``1 - busy_r / makespan``; overall ``1 - sum(busy) / (ranks * makespan)``.
+* **excluding skew** (``bubble_ratio_excl_skew``): the same over each rank's own span, from the
+  start of its first compute action to the end of its last, so the staggered start-up and
+  drain of later ranks do not count; overall ``sum(span - busy) / sum(span)``.
+
+Only compute counts as busy; posting a SEND or RECV takes no time.
+
+Peak live activations: a (stage, microbatch) is live on its rank from its F until its last
+backward part (B, or the W after an I) has run; the peak per rank is counted in program order
+(ranks run one action at a time, so it does not depend on timing), in microbatch-stage units,
+and in bytes when ``activation_bytes`` is given.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass, field, fields
+from functools import cached_property
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+from vpipe.errors import VpipeError
+from vpipe.ir import Schedule
+from vpipe.passes import (
+    Flat,
+    Program,
+    check_static,
+    compile_program,
+    flatten,
+    plan_comm,
+    replay,
+)
+
+__all__ = ["CostModel", "CostModelError", "SimResult", "simulate"]
+
+_KIND_NAMES = ("F", "B", "I", "W", "SEND_F", "RECV_F", "SEND_B", "RECV_B")
+
+
+class CostModelError(VpipeError, ValueError):
+    """A cost model (or its text form) is invalid."""
+
+
+PerStage = float | Sequence[float] | Mapping[int, float]
+
+
+@dataclass(frozen=True)
+class CostModel:
+    """Times per compute kind, optionally per stage, and communication costs.
+
+    ``f``: forward; ``b``: input gradient (I); ``w``: weight gradient (W); a full backward B
+    costs ``b + w`` and an overlap action the sum of its parts. ``per_stage`` overrides them
+    per stage: ``{stage: {"f": 2.0, "w": 0.5}}``. A message over the boundary between stages
+    s and s+1 (either direction) costs ``comm_latency + comm_bytes[s] / comm_bandwidth``.
+    ``comm_bytes`` and ``activation_bytes`` (per stage, for peak memory) are a number for
+    all stages/boundaries, a sequence, or a mapping.
+    """
+
+    f: float = 1.0
+    b: float = 1.0
+    w: float = 1.0
+    comm_latency: float = 0.0
+    comm_bandwidth: float = math.inf
+    per_stage: Mapping[int, Mapping[str, float]] | None = None
+    activation_bytes: PerStage | None = None
+    comm_bytes: PerStage = 0.0
+
+    def __post_init__(self) -> None:
+        for name in ("f", "b", "w", "comm_latency"):
+            _non_negative(name, getattr(self, name))
+        bw = self.comm_bandwidth
+        if not isinstance(bw, (int, float)) or math.isnan(bw) or bw <= 0:
+            raise CostModelError(f"comm_bandwidth must be a positive number, got {bw!r}")
+        for stage, over in (self.per_stage or {}).items():
+            for key, value in over.items():
+                if key not in ("f", "b", "w"):
+                    raise CostModelError(
+                        f"per_stage[{stage}] has unknown key {key!r}: use 'f', 'b' or 'w'"
+                    )
+                _non_negative(f"per_stage[{stage}][{key!r}]", value)
+
+    _ALIASES = {
+        "f": "f",
+        "b": "b",
+        "w": "w",
+        "comm": "comm_latency",
+        "latency": "comm_latency",
+        "comm_latency": "comm_latency",
+        "bw": "comm_bandwidth",
+        "bandwidth": "comm_bandwidth",
+        "comm_bandwidth": "comm_bandwidth",
+        "bytes": "comm_bytes",
+        "comm_bytes": "comm_bytes",
+        "act_bytes": "activation_bytes",
+        "activation_bytes": "activation_bytes",
+    }
+
+    @classmethod
+    def parse(cls, text: str) -> CostModel:
+        """Parse ``"f=1,b=1,w=1,comm=0"``. Keys: f, b, w, comm (latency), bw (bandwidth,
+        bytes per time unit), bytes (per boundary), act_bytes (per stage), plus the field
+        names. Unspecified keys keep their defaults."""
+        kwargs: dict[str, float] = {}
+        for item in (p.strip() for p in str(text).split(",")):
+            if not item:
+                continue
+            key, sep, value = item.partition("=")
+            key = key.strip()
+            if not sep or key not in cls._ALIASES:
+                known = ", ".join(sorted(cls._ALIASES))
+                raise CostModelError(
+                    f"bad cost item {item!r}: expected KEY=NUMBER, KEY one of {known}"
+                )
+            try:
+                number = float(value)
+            except ValueError:
+                raise CostModelError(f"bad cost value in {item!r}: not a number") from None
+            kwargs[cls._ALIASES[key]] = number
+        return cls(**kwargs)
+
+    def stage_times(self, n_stages: int) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+        """Arrays (f, b, w) per stage."""
+        out = [np.full(n_stages, float(getattr(self, k))) for k in ("f", "b", "w")]
+        for stage, over in (self.per_stage or {}).items():
+            if not 0 <= stage < n_stages:
+                raise CostModelError(f"per_stage names stage {stage}, outside 0..{n_stages - 1}")
+            for j, k in enumerate(("f", "b", "w")):
+                if k in over:
+                    out[j][stage] = float(over[k])
+        return out[0], out[1], out[2]
+
+    def boundary_costs(self, n_stages: int) -> np.ndarray:
+        """Time of one message over each boundary s (between stages s and s+1)."""
+        nbytes = _per_stage("comm_bytes", self.comm_bytes, max(n_stages - 1, 0))
+        return self.comm_latency + nbytes / self.comm_bandwidth
+
+    def stage_activation_bytes(self, n_stages: int) -> np.ndarray | None:
+        if self.activation_bytes is None:
+            return None
+        return _per_stage("activation_bytes", self.activation_bytes, n_stages)
+
+    def to_dict(self) -> dict[str, Any]:
+        out = {}
+        for fd in fields(self):
+            v = getattr(self, fd.name)
+            out[fd.name] = dict(v) if isinstance(v, Mapping) else v
+        return out
+
+
+def _non_negative(name: str, value: Any) -> None:
+    if not isinstance(value, (int, float)) or math.isnan(value) or value < 0 or value == math.inf:
+        raise CostModelError(f"{name} must be a finite number >= 0, got {value!r}")
+
+
+def _per_stage(name: str, value: PerStage, n: int) -> np.ndarray:
+    if isinstance(value, Mapping):
+        out = np.zeros(n)
+        for k, v in value.items():
+            if not 0 <= k < n:
+                raise CostModelError(f"{name} names index {k}, outside 0..{n - 1}")
+            _non_negative(f"{name}[{k}]", v)
+            out[k] = v
+        return out
+    if isinstance(value, (int, float)):
+        _non_negative(name, value)
+        return np.full(n, float(value))
+    values = list(value)
+    if len(values) != n:
+        raise CostModelError(f"{name} has {len(values)} entries, expected {n}")
+    for k, v in enumerate(values):
+        _non_negative(f"{name}[{k}]", v)
+    return np.array(values, float)
+
+
+@dataclass
+class SimResult:
+    """Outcome of :func:`simulate`. Times are in the cost model's units."""
+
+    schedule: Schedule
+    costs: CostModel
+    makespan: float
+    bubble_ratio: float
+    bubble_ratio_per_rank: list[float]
+    bubble_ratio_excl_skew: float
+    bubble_ratio_per_rank_excl_skew: list[float]
+    peak_activations: list[int]
+    peak_activation_bytes: list[float] | None
+    comm_ops: list[int]
+    busy: list[float]
+    _columns: dict[str, np.ndarray] = field(repr=False, default_factory=dict)
+
+    @cached_property
+    def timeline(self):
+        """One row per action (overlap parts as their own rows, back to back; SEND and RECV
+        rows span from their posting to the message's arrival): rank, stage, microbatch,
+        kind, name, start, end; per rank in program order."""
+        import pandas as pd
+
+        c = self._columns
+        stage, kind, mb = c["stage"], c["kind"], c["microbatch"]
+        names = [
+            f"{s}{k}{m}"
+            for s, k, m in zip(
+                stage.tolist(), np.array(_KIND_NAMES)[kind].tolist(), mb.tolist(), strict=True
+            )
+        ]
+        return pd.DataFrame(
+            {
+                "rank": c["rank"],
+                "stage": stage,
+                "microbatch": mb,
+                "kind": pd.Categorical.from_codes(kind, categories=list(_KIND_NAMES)),
+                "name": names,
+                "start": c["start"],
+                "end": c["end"],
+            }
+        )
+
+    def to_dict(self) -> dict[str, Any]:
+        """JSON-ready summary."""
+        return {
+            "schedule": self.schedule.name,
+            "ranks": self.schedule.n_ranks,
+            "stages": self.schedule.n_stages,
+            "microbatches": self.schedule.n_microbatches,
+            "makespan": self.makespan,
+            "bubble_ratio": self.bubble_ratio,
+            "bubble_ratio_per_rank": self.bubble_ratio_per_rank,
+            "bubble_ratio_excl_skew": self.bubble_ratio_excl_skew,
+            "bubble_ratio_per_rank_excl_skew": self.bubble_ratio_per_rank_excl_skew,
+            "peak_activations": self.peak_activations,
+            "peak_activation_bytes": self.peak_activation_bytes,
+            "comm_ops": self.comm_ops,
+        }
+
+    def to_events(
+        self,
+        run_id: str,
+        schedule: str | Schedule | None = None,
+        time_unit_ns: float = 1000,
+        step: int = 0,
+    ):
+        """The timeline as an event table (:mod:`vpipe.events` schema), source "simulated"."""
+        from vpipe.events import events_frame
+
+        tl = self.timeline
+        name = schedule.name if isinstance(schedule, Schedule) else schedule
+        n = len(tl)
+        return events_frame(
+            {
+                "run_id": [run_id] * n,
+                "source": ["simulated"] * n,
+                "impl": ["vpipe"] * n,
+                "schedule": [name or self.schedule.name] * n,
+                "rank": tl["rank"].to_numpy(),
+                "step": np.full(n, step),
+                "stage": tl["stage"].to_numpy(),
+                "microbatch": tl["microbatch"].to_numpy(),
+                "kind": tl["kind"].astype(str).to_numpy(),
+                "name": tl["name"].to_numpy(),
+                "start_ns": np.rint(tl["start"].to_numpy() * time_unit_ns).astype(np.int64),
+                "end_ns": np.rint(tl["end"].to_numpy() * time_unit_ns).astype(np.int64),
+            }
+        )
+
+    def to_chrome_trace(self, path: str | Path | None = None, time_unit_ns: float = 1000) -> dict:
+        """Chrome trace JSON (opens in Perfetto): one process per rank; compute actions are
+        complete ("X") events on thread 0; SEND/RECV transfers are async events, since they
+        overlap. Written to ``path`` when given; the trace dict is returned."""
+        import orjson
+
+        c = self._columns
+        us = time_unit_ns / 1000.0
+        events: list[dict[str, Any]] = []
+        for r in range(self.schedule.n_ranks):
+            events.append(
+                {"ph": "M", "name": "process_name", "pid": r, "args": {"name": f"rank {r}"}}
+            )
+            events.append(
+                {"ph": "M", "name": "process_sort_index", "pid": r, "args": {"sort_index": r}}
+            )
+            events.append(
+                {"ph": "M", "name": "thread_name", "pid": r, "tid": 0, "args": {"name": "compute"}}
+            )
+        kinds = np.array(_KIND_NAMES)[c["kind"]].tolist()
+        rows = zip(
+            c["rank"].tolist(),
+            c["stage"].tolist(),
+            kinds,
+            c["microbatch"].tolist(),
+            (c["start"] * us).tolist(),
+            ((c["end"] - c["start"]) * us).tolist(),
+            strict=True,
+        )
+        for i, (r, s, k, m, ts, dur) in enumerate(rows):
+            name = f"{s}{k}{m}"
+            args = {"stage": s, "microbatch": m}
+            if len(k) == 1:
+                events.append(
+                    {
+                        "ph": "X",
+                        "name": name,
+                        "cat": k,
+                        "pid": r,
+                        "tid": 0,
+                        "ts": ts,
+                        "dur": dur,
+                        "args": args,
+                    }
+                )
+            else:
+                base = {"name": name, "cat": "comm", "pid": r, "tid": 0, "id": i}
+                events.append({**base, "ph": "b", "ts": ts, "args": args})
+                events.append({**base, "ph": "e", "ts": ts + dur})
+        trace = {
+            "traceEvents": events,
+            "displayTimeUnit": "ns",
+            "otherData": {"schedule": self.schedule.name, "source": "vpipe.sim", **self.to_dict()},
+        }
+        if path is not None:
+            Path(path).write_bytes(orjson.dumps(trace))
+        return trace
+
+
+def simulate(
+    schedule: Schedule, costs: CostModel | None = None, *, recv_lookahead: int = 1
+) -> SimResult:
+    """Simulate one step of a schedule. A compute-only schedule is lowered as
+    :func:`vpipe.passes.lower` would (``recv_lookahead``) without materialising the actions;
+    a lowered one runs as given. Invalid schedules raise ScheduleError."""
+    costs = costs or CostModel()
+    fl = flatten(schedule)
+    check_static(fl)
+    plan = None if fl.lowered else plan_comm(fl, recv_lookahead)
+    prog = compile_program(fl, plan)
+    S, M = schedule.n_stages, schedule.n_microbatches
+    f, b, w = costs.stage_times(S)
+    part_table = np.concatenate([f, b + w, b, w])
+    part_dur = part_table[fl.p_kind * S + fl.p_stage]
+    n_ops = len(fl.o_rank)
+    op_dur = np.bincount(fl.p_op, weights=part_dur, minlength=n_ops)
+    msg_cost = np.tile(np.repeat(costs.boundary_costs(S), M), 2)
+    start, end = replay(prog, op_dur.tolist(), msg_cost.tolist())
+    start_a = np.fromiter(start, float, len(start))
+    end_a = np.fromiter(end, float, len(end))
+    # Arrival of each message: both ends posted, plus the transfer (as in replay).
+    posted = end_a[prog.send_op] if len(end_a) else np.zeros(len(prog.send_op))
+    has_recv = prog.recv_op >= 0
+    posted[has_recv] = np.maximum(posted[has_recv], end_a[prog.recv_op[has_recv]])
+    arrive = posted + msg_cost
+    return _summarise(schedule, costs, fl, prog, plan, op_dur, part_dur, start_a, end_a, arrive)
+
+
+def _summarise(
+    schedule, costs, fl: Flat, prog: Program, plan, op_dur, part_dur, start, end, arrive
+):
+    P, S = schedule.n_ranks, schedule.n_stages
+    lo = fl.o_lo
+    makespan = float(end.max()) if len(end) else 0.0
+    busy = np.bincount(fl.o_rank, weights=op_dur, minlength=P)
+    has = lo[1:] > lo[:-1]
+    first, last = np.zeros(P), np.zeros(P)
+    first[has] = start[lo[:-1][has]]
+    last[has] = end[lo[1:][has] - 1]
+    span = last - first
+    per_rank = (1.0 - busy / makespan) if makespan > 0 else np.zeros(P)
+    overall = 1.0 - busy.sum() / (P * makespan) if makespan > 0 else 0.0
+    with np.errstate(invalid="ignore", divide="ignore"):
+        per_rank_ex = np.where(span > 0, (span - busy) / np.where(span > 0, span, 1), 0.0)
+    overall_ex = float((span - busy).sum() / span.sum()) if span.sum() > 0 else 0.0
+    # Live activations in program order, per part.
+    delta = np.array([1, -1, 0, -1], np.int64)[fl.p_kind]
+    plo = np.searchsorted(fl.p_rank, np.arange(P + 1))
+    peaks = _segment_peaks(delta, plo)
+    act = costs.stage_activation_bytes(S)
+    peak_bytes = None
+    if act is not None:
+        peak_bytes = _segment_peaks(delta * act[fl.p_stage], plo)
+    # Communication rows.
+    M, NB = schedule.n_microbatches, S - 1
+    send_op = prog.send_op
+    recv_op = prog.recv_op
+    if fl.lowered:
+        ck = fl.c_kind
+        up = (ck == 0) | (ck == 3)
+        e = ((ck >= 2) * NB + np.where(up, fl.c_stage, fl.c_stage - 1)) * M + fl.c_mb
+        c_rank, c_stage, c_kind, c_mb = fl.c_rank, fl.c_stage, ck + 4, fl.c_mb
+        p_seq, c_seq = fl.p_pos << 6 | fl.p_sub, fl.c_pos << 6
+        tie = np.zeros(len(fl.p_rank) + len(e), np.int64)
+    else:
+        e_all = plan.e
+        q, mm = np.divmod(e_all, M)
+        d, b = np.divmod(q, NB) if NB else (q, q)
+        e = np.concatenate([e_all, e_all])
+        c_rank = np.concatenate([fl.o_rank[plan.send_op], plan.dst])
+        c_stage = np.concatenate([b + d, b + 1 - d])
+        c_kind = np.concatenate([4 + 2 * d, 5 + 2 * d])
+        c_mb = np.concatenate([mm, mm])
+        # Program order as lower() would write it: RECVs of slot j, compute j, its SENDs.
+        send_rank = fl.o_rank[plan.send_op]
+        p_seq = (3 * (fl.p_op - lo[fl.p_rank]) + 1) << 6 | fl.p_sub
+        c_seq = np.concatenate(
+            [(3 * (plan.send_op - lo[send_rank]) + 2) << 6 | plan.send_sub, (3 * plan.slot) << 6]
+        )
+        tie = np.concatenate([np.zeros(len(fl.p_rank) + len(e_all), np.int64), plan.order])
+    is_send = (c_kind == 4) | (c_kind == 6)
+    post_op = np.where(is_send, send_op[e], recv_op[e])
+    c_start = np.zeros(len(e))
+    c_start[post_op >= 0] = end[post_op[post_op >= 0]]
+    c_end = arrive[e]
+    comm_ops = np.bincount(c_rank, minlength=P)
+    # Compute part rows: parts of an overlap run back to back from the op's start.
+    cum = np.concatenate([[0.0], np.cumsum(part_dur)])
+    first_part = np.searchsorted(fl.p_op, np.arange(len(fl.o_rank)))
+    p_start = start[fl.p_op] + cum[:-1] - cum[first_part[fl.p_op]]
+    cols = {
+        "rank": np.concatenate([fl.p_rank, c_rank]),
+        "stage": np.concatenate([fl.p_stage, c_stage]),
+        "microbatch": np.concatenate([fl.p_mb, c_mb]),
+        "kind": np.concatenate([fl.p_kind, c_kind]).astype(np.int8),
+        "start": np.concatenate([p_start, c_start]),
+        "end": np.concatenate([p_start + part_dur, c_end]),
+    }
+    order = np.lexsort((tie, np.concatenate([p_seq, c_seq]), cols["rank"]))
+    cols = {k: v[order] for k, v in cols.items()}
+    return SimResult(
+        schedule=schedule,
+        costs=costs,
+        makespan=makespan,
+        bubble_ratio=float(overall),
+        bubble_ratio_per_rank=[float(x) for x in per_rank],
+        bubble_ratio_excl_skew=overall_ex,
+        bubble_ratio_per_rank_excl_skew=[float(x) for x in per_rank_ex],
+        peak_activations=[int(x) for x in peaks],
+        peak_activation_bytes=None if peak_bytes is None else [float(x) for x in peak_bytes],
+        comm_ops=[int(x) for x in comm_ops],
+        busy=[float(x) for x in busy],
+        _columns=cols,
+    )
+
+
+def _segment_peaks(delta: np.ndarray, bounds: np.ndarray) -> list:
+    """Max running sum (floored at 0) of ``delta`` within each [bounds[r], bounds[r+1])."""
+    out = []
+    for r in range(len(bounds) - 1):
+        seg = delta[bounds[r] : bounds[r + 1]]
+        out.append(max(np.cumsum(seg).max(), 0) if len(seg) else 0)
+    return out
