@@ -29,7 +29,6 @@ class _Counters:
         self.stage = (rank, 2 * ranks - 1 - rank)
         self.f = [0, 0]
         self.b = [0, 0]
-        self.w = [0, 0]
         self.deferred: deque[Action] = deque()
 
     def fwd(self, chunk: int) -> Action:
