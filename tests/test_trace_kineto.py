@@ -46,6 +46,12 @@ def test_one_compute_row_per_action_per_step(tmp_path):
             recvs = [a for a in program if a.kind.value.startswith("RECV")]
             assert waits == [("WAIT", str(a.stage), str(a.microbatch), f"WAIT:{a}") for a in recvs]
             assert rows.count(("other", "-1", "-1", "STEP")) == 1
+            # compute rows start after the waits nested in their spans
+            comp = got[got["kind"].isin(["F", "B"])]
+            for _, w in got[got["kind"] == "WAIT"].iterrows():
+                assert not (
+                    (comp["start_ns"] < w["end_ns"]) & (comp["end_ns"] > w["start_ns"])
+                ).any()
     assert (ev["end_ns"] >= ev["start_ns"]).all()
     # memory: one [memory] sample per op (2 per compute or comm action), all inside steps 3/4
     mem = tr.memory

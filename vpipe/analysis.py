@@ -50,6 +50,9 @@ def _union_ns(df: pd.DataFrame, keys: list[str]) -> pd.Series:
 def rank_metrics(events: pd.DataFrame) -> pd.DataFrame:
     """One row per (run_id, step, rank): window, busy, idle, bubble ratios, comm wait (seconds)."""
     ev = events[events["step"] >= 0]
+    if len(ev):  # relative times: exact in float64, which joins with missing values produce
+        base = ev["start_ns"].min()
+        ev = ev.assign(start_ns=ev["start_ns"] - base, end_ns=ev["end_ns"] - base)
     kind = ev["kind"].astype(str)
     compute = ev[kind.isin(COMPUTE_KINDS)]
     is_step = (kind == "other") & (ev["name"].astype(str) == "STEP")

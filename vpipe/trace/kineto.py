@@ -9,7 +9,9 @@ What becomes a row of the event table (:mod:`vpipe.events` schema, ``source="mea
   string as ``name``; where the trace also has the parts' own ``PP:`` spans inside it, those
   rows are used instead. So every executed plain compute action has exactly one compute row.
 - ``PP:WAIT:{comm action}`` spans: ``kind="WAIT"`` with the stage and microbatch of that comm
-  action, ``name="WAIT:{comm action}"``.
+  action, ``name="WAIT:{comm action}"``. vpipe's runtime waits for an action's inputs inside
+  the action's span; a compute row starts where the WAIT spans nested in it end, so compute
+  rows hold computing only (the raw span start is lost; the WAIT row keeps the wait).
 - Step spans, ``PP:STEP:{k}`` (vpipe's ``Pipeline.step``) or else ``ProfilerStep#N`` (the
   profiler's own, e.g. for torch.distributed.pipelining programs): ``kind="other"``,
   ``name="STEP"``, step k or N. Every row's ``step`` is the step span that contains its start,
@@ -44,6 +46,7 @@ from vpipe.events import EVENT_COLUMNS, MEMORY_COLUMNS, events_frame, memory_fra
 from vpipe.ir import Kind, parse_action
 from vpipe.trace.kineto_json import RawTrace, read_trace
 
+COMPUTE_KINDS = ("F", "B", "I", "W")
 _RANK_IN_NAME = re.compile(r"rank[_-]?(\d+)", re.IGNORECASE)
 _STEP_MARK, _PROF_STEP_MARK = "STEP", "PROFSTEP"
 
@@ -159,7 +162,7 @@ def _convert_file(raw: RawTrace, rank: int) -> tuple[pd.DataFrame, pd.DataFrame,
     steps, inside = _assign_steps(df["start_ns"].to_numpy(), marks)
     df["step"] = steps
     df = df[inside]
-    df = _drop_shadowed_parts(df)
+    df = _trim_nested_waits(_drop_shadowed_parts(df))
     df["rank"] = rank
 
     mdf = _memory_rows(raw.memory, raw.header.get("vpipe_samples") or [], base)
@@ -199,6 +202,32 @@ def _drop_shadowed_parts(df: pd.DataFrame) -> pd.DataFrame:
     merged = df.merge(own.assign(_own=True), on=key, how="left")
     keep = ~(merged["part"].to_numpy() & merged["_own"].fillna(False).to_numpy(bool))
     return df[keep].drop(columns="part")
+
+
+def _trim_nested_waits(df: pd.DataFrame) -> pd.DataFrame:
+    """Start each compute span after the WAIT spans nested in it: the runtime waits for an
+    action's inputs inside the action's span, and waiting is not computing."""
+    compute = df["kind"].isin(COMPUTE_KINDS)
+    waits = df.loc[df["kind"] == "WAIT", ["start_ns", "end_ns"]].sort_values("start_ns")
+    if waits.empty or not compute.any():
+        return df
+    spans = df.loc[compute, ["start_ns", "end_ns"]].drop_duplicates().sort_values("start_ns")
+    ss, se = spans["start_ns"].to_numpy(), spans["end_ns"].to_numpy()
+    ws, we = waits["start_ns"].to_numpy(), waits["end_ns"].to_numpy()
+    idx = np.searchsorted(ss, ws, side="right") - 1  # the latest span starting before the wait
+    ok = idx >= 0
+    idx = np.where(ok, idx, 0)
+    ok &= we <= se[idx]
+    if not ok.any():
+        return df
+    new_start = ss.copy()
+    np.maximum.at(new_start, idx[ok], we[ok])
+    keys = pd.MultiIndex.from_arrays([ss, se])
+    pos = keys.get_indexer(pd.MultiIndex.from_arrays([df["start_ns"], df["end_ns"]]))
+    hit = compute.to_numpy() & (pos >= 0)
+    df = df.copy()
+    df.loc[hit, "start_ns"] = new_start[pos[hit]]
+    return df
 
 
 def _memory_rows(

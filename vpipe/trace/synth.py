@@ -2,7 +2,7 @@
 
 :func:`synthetic_trace` lays out given per-rank action programs back to back on a fake clock,
 with the spans the runtime records (``ProfilerStep#N`` > ``PP:STEP:k`` > ``PP:{action}``, a
-``PP:WAIT:{recv}`` before each receive's consumer), ``ops_per_action`` nested ``aten::`` CPU ops
+``PP:WAIT:{recv}`` at the start of each received input's consumer, inside its span), ``ops_per_action`` nested ``aten::`` CPU ops
 per action and a ``[memory]`` instant event per op, as torch.profiler writes them.
 
 ``python -m vpipe.trace.synth [--mb 30]`` writes a ~30 MB two-rank trace to a temp directory
@@ -53,14 +53,19 @@ def synthetic_trace(
         step_start = ts
         body: list[tuple[str, float, float]] = []
         t = ts + 1.0
+        pending: dict[tuple[int, int, Kind], Action] = {}
         for a in programs[rank]:
             if a.kind in (Kind.RECV_F, Kind.RECV_B):
-                body.append((f"PP:WAIT:{a}", t, wait_us))
-                t += wait_us + 0.5
-            dur = 2.0 + 3.0 * ops_per_action
+                pending[(a.stage, a.microbatch, a.kind)] = a
+            need = Kind.RECV_F if a.kind is Kind.F else Kind.RECV_B
+            recv = pending.pop((a.stage, a.microbatch, need), None) if a.is_compute else None
+            wait = wait_us + 0.5 if recv else 0.0
+            dur = 2.0 + 3.0 * ops_per_action + wait
             body.append((f"PP:{a}", t, dur))
+            if recv:  # the runtime waits for an input inside the consuming action's span
+                body.append((f"PP:WAIT:{recv}", t + 0.2, wait_us))
             for j in range(ops_per_action):
-                op_t = t + 0.5 + 3.0 * j
+                op_t = t + wait + 0.5 + 3.0 * j
                 span(_OPS[j % len(_OPS)], op_t, 2.5, cat="cpu_op")
                 events.append(
                     {"ph": "i", "cat": "cpu_instant_event", "s": "t", "name": "[memory]",
