@@ -1,0 +1,136 @@
+"""``vpipe bench``: input validation, the saved-activation meter, and one quick real sweep
+(two schedules x both implementations in one 2-rank launch) producing the runs table, events,
+plots and report."""
+
+from __future__ import annotations
+
+import re
+
+import pandas as pd
+import pytest
+
+from vpipe.bench import SavedTensorMeter, SweepSpec
+from vpipe.cli import main
+
+
+@pytest.mark.parametrize(
+    ("args", "message"),
+    [
+        (["--schedules", "zbv,nope"], "unknown schedule 'nope'"),
+        (["--impl", "vpipe,jax"], "unknown implementation 'jax'"),
+        (["--batch", "10", "--microbatches", "4"], "batch 10 is not divisible into 4"),
+        (["--microbatches", "4,x"], "--microbatches must be comma-separated integers"),
+        (["--rounds", "0"], "--rounds must be >= 1"),
+    ],
+)
+def test_bad_sweep_is_rejected_before_launch(args, message, tmp_path, capsys):
+    assert main(["bench", *args, "--out", str(tmp_path)]) == 2
+    err = capsys.readouterr().err.strip()
+    assert message in err and "\n" not in err
+    assert not any(tmp_path.iterdir())  # nothing launched, nothing written
+
+
+def test_sweep_configs_cover_the_grid():
+    spec = SweepSpec(schedules=("zbv", "1f1b"), microbatches=(2, 4), impls=("vpipe", "torch"))
+    keys = [c.key for c in spec.configs()]
+    assert len(keys) == len(set(keys)) == 8
+    assert "zbv-m2-torch" in keys and spec.backend == "gloo"
+    assert SweepSpec(device="cuda").backend == "nccl"
+
+
+def test_saved_tensor_meter_counts_activations_until_backward():
+    import torch
+
+    lin = torch.nn.Linear(64, 64)
+    x = torch.randn(32, 64)
+    meter = SavedTensorMeter()
+    with meter.hooks():
+        h = torch.relu(lin(x))
+        y = torch.tanh(lin(h)).sum()
+    # at least the two saved activations (relu output, tanh output) of 32x64 float32
+    assert meter.peak >= 2 * 32 * 64 * 4
+    assert meter.live > 0
+    y.backward()
+    del y, h
+    assert meter.live == 0
+    assert lin.weight.grad is not None
+    assert meter.samples[-1][1] == 0 and len(meter.samples) >= 3
+
+
+def test_quick_sweep_writes_store_plots_and_report(tmp_path, capsys):
+    out = tmp_path / "out"
+    rc = main(
+        [
+            "bench",
+            "--ranks",
+            "2",
+            "--schedules",
+            "interleaved-1f1b,zbv",
+            "--microbatches",
+            "4",
+            "--impl",
+            "vpipe,torch",
+            "--model",
+            "mlp",
+            "--sizes",
+            "d_model=32,d_hidden=64",
+            "--batch",
+            "8",
+            "--warmup",
+            "1",
+            "--steps",
+            "2",
+            "--rounds",
+            "2",
+            "--out",
+            str(out),
+        ]
+    )
+    assert rc == 0
+    printed = capsys.readouterr().out
+    assert "zbv" in printed and "report:" in printed
+
+    from vpipe.schedules import make_schedule
+    from vpipe.trace.store import Store
+
+    store = Store(out)
+    runs = store.runs()
+    measured = runs[runs["source"] == "measured"]
+    assert sorted(zip(measured["schedule"], measured["impl"], strict=True)) == [
+        ("interleaved-1f1b", "torch"),
+        ("interleaved-1f1b", "vpipe"),
+        ("zbv", "torch"),
+        ("zbv", "vpipe"),
+    ]
+    assert (measured["step_time_s"] > 0).all() and (measured["peak_memory_bytes"] > 0).all()
+    assert (measured["step_time_q1_s"] <= measured["step_time_q3_s"]).all()
+    assert measured["bubble_ratio"].between(0, 1).all()
+    simulated = runs[runs["source"] == "simulated"]
+    assert len(simulated) == 4 and (simulated["step_time_s"] > 0).all()
+
+    steps = pd.read_parquet(out / "steps.parquet")
+    assert len(steps) == 4 * 2 * 2  # configs x rounds x steps
+
+    for row in measured.itertuples():
+        ev = store.events([row.run_id])
+        compute = ev[ev["kind"].isin(["F", "B", "I", "W"])]
+        compute = compute[compute["step"] == compute["step"].max()]
+        # one compute span per executed action on every rank in the profiled step
+        sched = make_schedule(row.schedule, 2, 4)
+        n = sum(len(a.compute_parts()) for _, _, a in sched.iter_actions() if a.is_compute)
+        if row.impl == "vpipe":
+            assert len(compute) == n
+        assert set(ev["rank"]) == {0, 1}
+        sim = store.events([f"{row.run_id}-sim"])
+        assert len(sim[sim["kind"].isin(["F", "B", "I", "W"])]) == n
+        mem = store.memory([row.run_id])
+        assert set(mem["rank"]) == {0, 1} and mem["bytes"].max() > 0
+
+    pngs = sorted(p.name for p in (out / "plots").glob("*.png"))
+    assert "throughput-per-schedule.png" in pngs and "peak-memory-per-schedule.png" in pngs
+    assert any(p.startswith("gantt-zbv") for p in pngs)
+    html = (out / "report.html").read_text()
+    assert html.count("data:image/png;base64,") == len(pngs)
+    assert not re.search(r"https?://", html)
+    md = (out / "report.md").read_text()
+    assert "V-schedules vs interleaved-1f1b" in md and "torch/vpipe" in md

@@ -1,0 +1,399 @@
+"""Turn a sweep's per-rank results into tables, simulations, a results store, plots and reports.
+
+The output directory of ``vpipe bench`` is a :class:`vpipe.trace.store.Store` (one run per
+config, measured and simulated, each with its events and memory samples) plus
+``steps.parquet`` (every timed step), ``ranks.parquet`` (per-rank peak memory),
+``meta.json``, ``plots/*.png``, ``report.html`` (self-contained) and ``report.md``.
+"""
+
+from __future__ import annotations
+
+import json
+import platform
+import subprocess
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import pandas as pd
+
+from vpipe.bench import Config, SweepSpec, spec_dict
+from vpipe.events import events_frame, memory_frame
+from vpipe.report import (
+    Section,
+    impl_table,
+    meta_table,
+    render_html,
+    render_markdown,
+    slug,
+    summary_table,
+    table_section,
+    v_vs_baseline,
+)
+
+MEASURED_MEMORY = "saved_activations"
+
+
+@dataclass
+class BenchResults:
+    """Everything a sweep produced, as tables."""
+
+    spec: SweepSpec
+    bench_id: str
+    meta: dict[str, Any]
+    runs: pd.DataFrame  # measured and simulated rows (column "source")
+    steps: pd.DataFrame  # one row per timed step
+    ranks: pd.DataFrame  # per-rank peak memory per config
+    events: dict[str, pd.DataFrame] = field(default_factory=dict)  # run_id -> events
+    memory: dict[str, pd.DataFrame] = field(default_factory=dict)  # run_id -> memory samples
+
+    @property
+    def measured(self) -> pd.DataFrame:
+        return self.runs[self.runs["source"] == "measured"].reset_index(drop=True)
+
+    def summary_text(self) -> str:
+        """The summary table as plain text for the terminal."""
+        return summary_table(self.measured).to_string(index=False)
+
+
+def git_commit(cwd: str | Path | None = None) -> str | None:
+    """The current commit of the checkout holding vpipe (None outside git)."""
+    try:
+        out = subprocess.run(
+            ["git", "rev-parse", "--short=12", "HEAD"],
+            capture_output=True,
+            text=True,
+            timeout=10,
+            cwd=cwd or Path(__file__).parent,
+        )
+    except (OSError, subprocess.SubprocessError):
+        return None
+    return out.stdout.strip() or None
+
+
+def _quartiles(xs: list[float]) -> tuple[float, float, float]:
+    s = pd.Series(xs, dtype="float64")
+    return float(s.median()), float(s.quantile(0.25)), float(s.quantile(0.75))
+
+
+def _config_events(results: list[dict[str, Any]], cfg: Config, run_id: str) -> pd.DataFrame:
+    frames = [r["events"][cfg.key] for r in results if r["events"].get(cfg.key) is not None]
+    if not frames:
+        return events_frame([])
+    ev = pd.concat(
+        [f.astype({c: "object" for c in f.select_dtypes("category")}) for f in frames],
+        ignore_index=True,
+    )
+    ev["run_id"], ev["source"], ev["impl"], ev["schedule"] = (
+        run_id,
+        "measured",
+        cfg.impl,
+        cfg.schedule,
+    )
+    return events_frame(ev)
+
+
+def _config_memory(results: list[dict[str, Any]], cfg: Config, run_id: str) -> pd.DataFrame:
+    rows = [
+        {
+            "run_id": run_id,
+            "source": "measured",
+            "rank": r["rank"],
+            "step": 0,
+            "t_ns": t,
+            "bytes": b,
+            "what": MEASURED_MEMORY,
+        }
+        for r in results
+        for t, b in r["memory"][cfg.key]["samples"]
+    ]
+    return memory_frame(rows)
+
+
+def collect(
+    spec: SweepSpec,
+    results: list[dict[str, Any]],
+    bench_id: str,
+    sweep_s: float,
+    simulate: bool = True,
+) -> BenchResults:
+    """Tables of a finished sweep (``results``: every rank's return value); with ``simulate``,
+    each profiled config is also simulated with costs calibrated from its measured events."""
+    results = sorted(results, key=lambda r: r["rank"])
+    r0 = results[0]
+    created = time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime())
+    hosts = sorted({r["host"] for r in results})
+    meta = {
+        "bench_id": bench_id,
+        "created": created,
+        "commit": git_commit(),
+        "hosts": hosts,
+        "python": platform.python_version(),
+        "torch": r0["torch"],
+        "threads_per_rank": r0["threads"],
+        "model_sizes": r0["sizes"],
+        "sweep_wall_s": round(sweep_s, 2),
+        **spec_dict(spec),
+    }
+    meta.pop("trace_dir", None)
+    meta.pop("progress", None)
+    common = {
+        "created": created,
+        "commit": meta["commit"],
+        "host": ",".join(hosts),
+        "torch": r0["torch"],
+        "device": spec.device,
+        "backend": spec.backend,
+        "ranks": spec.ranks,
+        "model": spec.model,
+        "batch": spec.batch,
+        "bench_id": bench_id,
+        "threads": r0["threads"],
+        "measured_steps": spec.rounds * spec.steps,
+    }
+    runs, steps, ranks = [], [], []
+    events: dict[str, pd.DataFrame] = {}
+    memory: dict[str, pd.DataFrame] = {}
+    for i, cfg in enumerate(spec.configs()):
+        run_id = f"{bench_id}-{cfg.key}"
+        times = r0["times"][i]
+        for j, t in enumerate(times):
+            steps.append(
+                {
+                    "schedule": cfg.schedule,
+                    "microbatches": cfg.microbatches,
+                    "impl": cfg.impl,
+                    "round": j // spec.steps,
+                    "step": j % spec.steps,
+                    "step_time_s": t,
+                    "samples_per_s": spec.batch / t,
+                }
+            )
+        med, q1, q3 = _quartiles(times)
+        peaks = []
+        for r in results:
+            m = r["memory"][cfg.key]
+            peaks.append(m["peak_bytes"])
+            ranks.append(
+                {
+                    "schedule": cfg.schedule,
+                    "microbatches": cfg.microbatches,
+                    "impl": cfg.impl,
+                    "rank": r["rank"],
+                    "peak_bytes": m["peak_bytes"],
+                    "runtime_peak_bytes": m.get("runtime_peak_bytes"),
+                    "cuda_peak_bytes": m.get("cuda_peak_bytes"),
+                }
+            )
+        tps = r0["tokens_per_sample"]
+        row = {
+            **common,
+            "run_id": run_id,
+            "source": "measured",
+            "impl": cfg.impl,
+            "schedule": cfg.schedule,
+            "microbatches": cfg.microbatches,
+            "stages": r0["n_stages"][cfg.key],
+            "step_time_s": med,
+            "step_time_q1_s": q1,
+            "step_time_q3_s": q3,
+            "samples_per_s": spec.batch / med,
+            "tokens_per_s": spec.batch * tps / med if tps else None,
+            "peak_memory_bytes": max(peaks),
+            "status": "ok",
+        }
+        ev = _config_events(results, cfg, run_id)
+        events[run_id] = ev
+        memory[run_id] = _config_memory(results, cfg, run_id)
+        if len(ev):
+            row.update(_measured_metrics(ev))
+        if len(ev) and simulate:
+            sim_row, sim_ev = simulate_config(spec, cfg, ev, f"{run_id}-sim")
+            row["sim_step_time_s"] = sim_row["step_time_s"]
+            row["sim_error"] = sim_row["step_time_s"] / row["profiled_step_time_s"] - 1
+            runs.append(
+                {
+                    **common,
+                    **sim_row,
+                    "run_id": f"{run_id}-sim",
+                    "source": "simulated",
+                    "impl": cfg.impl,
+                    "schedule": cfg.schedule,
+                    "microbatches": cfg.microbatches,
+                    "stages": row["stages"],
+                    "status": "ok",
+                }
+            )
+            events[f"{run_id}-sim"] = sim_ev
+        runs.insert(len(runs) - (1 if len(ev) and simulate else 0), row)
+    from vpipe.trace.store import runs_frame
+
+    return BenchResults(
+        spec,
+        bench_id,
+        meta,
+        runs_frame(runs),
+        pd.DataFrame(steps),
+        pd.DataFrame(ranks),
+        events,
+        memory,
+    )
+
+
+def simulate_config(
+    spec: SweepSpec, cfg: Config, events: pd.DataFrame, run_id: str
+) -> tuple[dict[str, Any], pd.DataFrame]:
+    """Simulate a config's schedule with the cost model calibrated from its own measured
+    events (per-stage F/I/W medians, overhead, comm latency): runs-table metrics and events."""
+    from vpipe.calibrate import calibrate, predict
+    from vpipe.schedules import make_schedule
+
+    schedule = make_schedule(cfg.schedule, spec.ranks, cfg.microbatches)
+    sim = predict(calibrate(events), schedule)
+    step_s = sim.makespan * 1e-6  # the calibrated cost model is in microseconds
+    ev = sim.to_events(run_id, schedule, time_unit_ns=1000)
+    ev = ev.astype({"impl": "object"}).assign(impl=cfg.impl)  # whose costs were simulated
+    row = {
+        "step_time_s": step_s,
+        "step_time_q1_s": step_s,
+        "step_time_q3_s": step_s,
+        "samples_per_s": spec.batch / step_s,
+        "bubble_ratio": sim.bubble_ratio,
+        "bubble_ratio_excl_skew": sim.bubble_ratio_excl_skew,
+        "peak_activations": max(sim.peak_activations),
+    }
+    return row, events_frame(ev)
+
+
+def _measured_metrics(ev: pd.DataFrame) -> dict[str, float]:
+    """Bubble ratios and the profiled step's time from one config's measured events."""
+    from vpipe.analysis import step_metrics
+
+    m = step_metrics(ev)
+    return {
+        "bubble_ratio": float(m["bubble_ratio"].median()),
+        "bubble_ratio_excl_skew": float(m["bubble_ratio_excl_skew"].median()),
+        "profiled_step_time_s": float(m["step_time_s"].median()),
+    }
+
+
+# ---------------------------------------------------------------------------------------------
+# Writing
+
+
+def write_outputs(res: BenchResults, out: str | Path) -> dict[str, Path]:
+    """Store, tables, plots and reports under ``out``; returns the main paths."""
+    from vpipe.trace.store import Store, write_parquet
+
+    out = Path(out)
+    store = Store(out)
+    for row in res.runs.to_dict("records"):
+        rid = row["run_id"]
+        store.append_run(row, res.events.get(rid), res.memory.get(rid))
+    meta = {"table": "steps", "bench_id": res.bench_id}
+    write_parquet(res.steps, out / "steps.parquet", meta)
+    write_parquet(res.ranks, out / "ranks.parquet", {**meta, "table": "ranks"})
+    (out / "meta.json").write_text(json.dumps(res.meta, indent=1, default=str) + "\n")
+    sections = report_sections(res)
+    plots = out / "plots"
+    plots.mkdir(parents=True, exist_ok=True)
+    for s in sections:
+        for name, png in s.images.items():
+            (plots / f"{slug(name)}.png").write_bytes(png)
+    title = f"vpipe bench {res.bench_id}"
+    html_path, md_path = out / "report.html", out / "report.md"
+    html_path.write_text(render_html(title, sections), encoding="utf-8")
+    md_path.write_text(render_markdown(title, sections, image_dir="plots"), encoding="utf-8")
+    return {"html": html_path, "markdown": md_path, "store": out}
+
+
+def report_sections(res: BenchResults) -> list[Section]:
+    """The report of one sweep: setup, summary tables, then figures."""
+    from vpipe.plots import plot_memory, plot_throughput, to_png
+
+    runs = res.measured
+    sections = [table_section("Setup", meta_table(res.meta))]
+    sections.append(
+        table_section(
+            "Summary",
+            summary_table(runs),
+            "step time: slowest rank, median over interleaved timed steps (IQR shown); peak: "
+            "bytes of tensors saved for backward, max over ranks; bubble: idle/(idle+busy) per rank "
+            "over the whole profiled step, mean over ranks; sim: simulator calibrated from this "
+            "config's profiled step, error vs that step.",
+        )
+    )
+    vv = v_vs_baseline(runs)
+    if len(vv):
+        sections.append(
+            table_section(
+                "V-schedules vs interleaved-1f1b",
+                vv,
+                "ratios > 1: more throughput / more memory than the "
+                "interleaved-1f1b config of the same impl and M",
+            )
+        )
+    it = impl_table(res.steps)
+    if len(it):
+        sections.append(
+            table_section(
+                "vpipe vs torch.distributed.pipelining",
+                it,
+                "median over step pairs (same round and index) of torch step time / vpipe step "
+                "time: > 1 means vpipe is faster",
+            )
+        )
+    figs = Section("Throughput and memory")
+    figs.images["Throughput per schedule"] = to_png(plot_throughput(res.steps))
+    figs.images["Peak memory per schedule"] = to_png(plot_memory(res.ranks))
+    sections.append(figs)
+    sections.extend(_timeline_sections(res))
+    return sections
+
+
+def _timeline_sections(res: BenchResults) -> list[Section]:
+    from vpipe.plots import plot_gantt, plot_memory_timeline, schedule_order, to_png
+
+    runs = res.measured
+    if not res.events or runs.empty:
+        return []
+    m = int(runs["microbatches"].max())
+    gantt = Section(
+        f"Timelines (M={m}): measured vs simulated",
+        '<p class="note">One profiled step per config; simulated with the cost '
+        "model calibrated from the same step.</p>",
+        "One profiled step per config; simulated with the calibrated cost model.",
+    )
+    mem = Section(f"Memory over time (M={m})")
+    for sched in schedule_order(runs["schedule"].unique()):
+        panels = []
+        for impl in ("vpipe", "torch"):
+            rid = f"{res.bench_id}-{sched}-m{m}-{impl}"
+            ev = res.events.get(rid)
+            if ev is not None and len(ev):
+                panels.append((f"{sched} {impl} measured", _one_step(ev)))
+        sim = res.events.get(f"{res.bench_id}-{sched}-m{m}-vpipe-sim")
+        if sim is not None and len(sim):
+            panels.append((f"{sched} simulated (vpipe costs)", sim))
+        if panels:
+            gantt.images[f"Gantt {sched} M={m}"] = to_png(plot_gantt(panels))
+        mems = [
+            res.memory.get(f"{res.bench_id}-{sched}-m{m}-{impl}") for impl in ("vpipe", "torch")
+        ]
+        mems = [x for x in mems if x is not None and len(x)]
+        if mems:
+            mem.images[f"Saved activations over time {sched} M={m}"] = to_png(
+                plot_memory_timeline(
+                    pd.concat(mems, ignore_index=True),
+                    f"{sched}: saved-activation bytes during one step "
+                    "(one panel per implementation)",
+                )
+            )
+    return [s for s in (gantt, mem) if s.images]
+
+
+def _one_step(ev: pd.DataFrame) -> pd.DataFrame:
+    """The events of the last profiled step (spans outside a step are dropped)."""
+    ev = ev[ev["step"] >= 0]
+    return ev[ev["step"] == ev["step"].max()] if len(ev) else ev
