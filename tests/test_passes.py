@@ -618,3 +618,17 @@ def test_random_valid_schedules_lower_to_valid_programs(P, M, style, split, fuse
     assert low.is_lowered or all(
         placement[b] == placement[b + 1] for b in range(len(placement) - 1)
     )
+
+
+def test_validate_rejects_malformed_actions():
+    s = one_f_one_b(2, 1)
+    for bad, needle in [
+        (Action(0, "F", 0), "unknown action kind"),
+        ("0F0", "not an action"),
+        (Action(-1, Kind.OVERLAP_F_B, -1, (Action(0, F, 0), Action(0, Kind.SEND_F, 0))), "part 1"),
+        (Action(-1, Kind.OVERLAP_F_B, -1, (Action(0, F, 0),)), "overlap needs 2..63 parts"),
+    ]:
+        acts = [list(r) for r in s.actions]
+        acts[0].insert(0, bad)
+        with pytest.raises(ScheduleError, match=needle):
+            validate(s.replace_actions(acts))

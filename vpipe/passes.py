@@ -53,7 +53,11 @@ _PART_BITS = 6  # ordering key of a part = position << 6 | part index (compounds
 
 
 def _where(r: int, i: int, a: Action) -> str:
-    return f"rank {r}, position {i}, action {format_action(a)}"
+    try:
+        text = format_action(a)
+    except (AttributeError, TypeError):
+        text = repr(a)
+    return f"rank {r}, position {i}, action {text}"
 
 
 def _recv_action(d: int, b: int, m: int) -> Action:
@@ -279,13 +283,14 @@ def _explain(s: Schedule) -> None:
             if not isinstance(a, Action):
                 raise ScheduleError(f"rank {r}, position {i}: not an action: {a!r}")
             k = a[1]
-            if k in (_F, _B, _I, _W, _OV):
+            code = _KID.get(id(k), -1)
+            if code in (0, 1, 2, 3, 8):
                 parts = a[3] if k is _OV else (a,)
                 if k is _OV and not 1 < len(parts) < (1 << _PART_BITS):
                     raise ScheduleError(f"{_where(r, i, a)}: overlap needs 2..63 parts")
                 for pi, p in enumerate(parts):
                     _explain_compute(r, i, a, pi, p, S, M, place, fk, bk, wk, is_i)
-            elif k in (_SF, _RF, _SB, _RB):
+            elif code >= 4:
                 lowered = True
                 e, peer = _explain_comm(r, i, a, S, M, place)
                 if k is _SF or k is _SB:
@@ -313,6 +318,8 @@ def _explain(s: Schedule) -> None:
 
 def _explain_compute(r, i, a, pi, p, S, M, place, fk, bk, wk, is_i) -> None:
     s, pk, m = p[0], p[1], p[2]
+    if _KID.get(id(pk), -1) not in (0, 1, 2, 3):
+        raise ScheduleError(f"{_where(r, i, a)}: part {pi} is not an F, B, I or W action")
     if not 0 <= s < S:
         raise ScheduleError(f"{_where(r, i, a)}: stage {s} out of range 0..{S - 1}")
     if not 0 <= m < M:
@@ -496,7 +503,7 @@ class Program:
     """
 
     flat: Flat
-    wait: list[int]
+    wait: np.ndarray
     multi: list[tuple[int, ...]]
     send_op: np.ndarray
     recv_op: np.ndarray
@@ -591,7 +598,7 @@ def compile_program(fl: Flat, plan: CommPlan | None = None) -> Program:
         send_op[e_out[has]] = fl.p_op[has]
         if plan is not None:
             recv_op[plan.e] = plan.recv_op
-    return Program(fl, waits.tolist(), multi, send_op, recv_op, fl.lowered or plan is not None)
+    return Program(fl, waits, multi, send_op, recv_op, fl.lowered or plan is not None)
 
 
 def replay(
@@ -614,7 +621,7 @@ def replay(
     cost = message_cost if message_cost is not None else [0.0] * prog.n_messages
     # Per op: (op, message, its sending op, op after which its RECV is posted, cost, duration);
     # sending op -1: no wait, -2: several (``several[op]``).
-    wait = np.asarray(prog.wait, np.int64)
+    wait = prog.wait
     one = wait >= 0
     e1 = np.where(one, wait, 0)
     w_so = np.where(
@@ -625,12 +632,16 @@ def replay(
     w_c = np.where(one, cost_a[e1], 0.0).tolist() if len(cost_a) else [0.0] * n_ops
     send_op, recv_op = prog.send_op.tolist(), prog.recv_op.tolist()
     several = {
-        i: [(x, send_op[x], recv_op[x], cost[x]) for x in prog.multi[-2 - prog.wait[i]]]
+        i: [(x, send_op[x], recv_op[x], cost[x]) for x in prog.multi[-2 - int(wait[i])]]
         for i in np.flatnonzero(wait < -1).tolist()
     }
     lo = fl.o_lo.tolist()
-    rows = list(zip(range(n_ops), prog.wait, w_so.tolist(), w_ro.tolist(), w_c, dur, strict=True))
-    iters = [iter(rows[lo[r] : lo[r + 1]]) for r in range(P)]
+    cols = (wait.tolist(), w_so.tolist(), w_ro.tolist(), w_c, dur)
+    # zip reuses its result tuple while the loop unpacks it: no allocation per op.
+    iters = [
+        zip(range(lo[r], lo[r + 1]), *(c[lo[r] : lo[r + 1]] for c in cols), strict=True)
+        for r in range(P)
+    ]
     start = [0.0] * n_ops
     end = [-1.0] * n_ops
     waiter = [-1] * n_ops
@@ -644,7 +655,7 @@ def replay(
         t = clocks[r]
         row = pending[r]
         pending[r] = None
-        for i, e, so, ro, c, d in chain((row,) if row else (), iters[r]):
+        for i, e, so, ro, c, d in iters[r] if row is None else chain((row,), iters[r]):
             if so >= 0:
                 s = end[so]
                 if s < 0:

@@ -39,6 +39,7 @@ import numpy as np
 from vpipe.errors import VpipeError
 from vpipe.ir import Schedule
 from vpipe.passes import (
+    CommPlan,
     Flat,
     Program,
     check_static,
@@ -203,7 +204,11 @@ class SimResult:
     peak_activation_bytes: list[float] | None
     comm_ops: list[int]
     busy: list[float]
-    _columns: dict[str, np.ndarray] = field(repr=False, default_factory=dict)
+    _raw: _Raw | None = field(repr=False, default=None)
+
+    @cached_property
+    def _columns(self) -> dict[str, np.ndarray]:
+        return _timeline_columns(self._raw)
 
     @cached_property
     def timeline(self):
@@ -392,53 +397,12 @@ def _summarise(
     peak_bytes = None
     if act is not None:
         peak_bytes = _segment_peaks(delta * act[fl.p_stage], plo)
-    # Communication rows.
-    M, NB = schedule.n_microbatches, S - 1
-    send_op = prog.send_op
-    recv_op = prog.recv_op
     if fl.lowered:
-        ck = fl.c_kind
-        up = (ck == 0) | (ck == 3)
-        e = ((ck >= 2) * NB + np.where(up, fl.c_stage, fl.c_stage - 1)) * M + fl.c_mb
-        c_rank, c_stage, c_kind, c_mb = fl.c_rank, fl.c_stage, ck + 4, fl.c_mb
-        p_seq, c_seq = fl.p_pos << 6 | fl.p_sub, fl.c_pos << 6
-        tie = np.zeros(len(fl.p_rank) + len(e), np.int64)
+        comm_ops = np.bincount(fl.c_rank, minlength=P)
     else:
-        e_all = plan.e
-        q, mm = np.divmod(e_all, M)
-        d, b = np.divmod(q, NB) if NB else (q, q)
-        e = np.concatenate([e_all, e_all])
-        c_rank = np.concatenate([fl.o_rank[plan.send_op], plan.dst])
-        c_stage = np.concatenate([b + d, b + 1 - d])
-        c_kind = np.concatenate([4 + 2 * d, 5 + 2 * d])
-        c_mb = np.concatenate([mm, mm])
-        # Program order as lower() would write it: RECVs of slot j, compute j, its SENDs.
-        send_rank = fl.o_rank[plan.send_op]
-        p_seq = (3 * (fl.p_op - lo[fl.p_rank]) + 1) << 6 | fl.p_sub
-        c_seq = np.concatenate(
-            [(3 * (plan.send_op - lo[send_rank]) + 2) << 6 | plan.send_sub, (3 * plan.slot) << 6]
-        )
-        tie = np.concatenate([np.zeros(len(fl.p_rank) + len(e_all), np.int64), plan.order])
-    is_send = (c_kind == 4) | (c_kind == 6)
-    post_op = np.where(is_send, send_op[e], recv_op[e])
-    c_start = np.zeros(len(e))
-    c_start[post_op >= 0] = end[post_op[post_op >= 0]]
-    c_end = arrive[e]
-    comm_ops = np.bincount(c_rank, minlength=P)
-    # Compute part rows: parts of an overlap run back to back from the op's start.
-    cum = np.concatenate([[0.0], np.cumsum(part_dur)])
-    first_part = np.searchsorted(fl.p_op, np.arange(len(fl.o_rank)))
-    p_start = start[fl.p_op] + cum[:-1] - cum[first_part[fl.p_op]]
-    cols = {
-        "rank": np.concatenate([fl.p_rank, c_rank]),
-        "stage": np.concatenate([fl.p_stage, c_stage]),
-        "microbatch": np.concatenate([fl.p_mb, c_mb]),
-        "kind": np.concatenate([fl.p_kind, c_kind]).astype(np.int8),
-        "start": np.concatenate([p_start, c_start]),
-        "end": np.concatenate([p_start + part_dur, c_end]),
-    }
-    order = np.lexsort((tie, np.concatenate([p_seq, c_seq]), cols["rank"]))
-    cols = {k: v[order] for k, v in cols.items()}
+        comm_ops = np.bincount(fl.o_rank[plan.send_op], minlength=P)
+        comm_ops += np.bincount(plan.dst, minlength=P)
+    raw = _Raw(fl, prog, plan, part_dur, start, end, arrive)
     return SimResult(
         schedule=schedule,
         costs=costs,
@@ -451,8 +415,69 @@ def _summarise(
         peak_activation_bytes=None if peak_bytes is None else [float(x) for x in peak_bytes],
         comm_ops=[int(x) for x in comm_ops],
         busy=[float(x) for x in busy],
-        _columns=cols,
+        _raw=raw,
     )
+
+
+@dataclass
+class _Raw:
+    """What the lazy timeline is built from."""
+
+    fl: Flat
+    prog: Program
+    plan: CommPlan | None
+    part_dur: np.ndarray
+    start: np.ndarray
+    end: np.ndarray
+    arrive: np.ndarray
+
+
+def _timeline_columns(raw: _Raw) -> dict[str, np.ndarray]:
+    """Timeline columns, one row per compute part and per SEND/RECV, in program order."""
+    fl, prog, plan = raw.fl, raw.prog, raw.plan
+    s = fl.schedule
+    M, NB = s.n_microbatches, s.n_stages - 1
+    lo = fl.o_lo
+    if fl.lowered:
+        ck = fl.c_kind
+        up = (ck == 0) | (ck == 3)
+        e = ((ck >= 2) * NB + np.where(up, fl.c_stage, fl.c_stage - 1)) * M + fl.c_mb
+        c_rank, c_stage, c_kind, c_mb = fl.c_rank, fl.c_stage, ck + 4, fl.c_mb
+        p_seq, c_seq = fl.p_pos << 6 | fl.p_sub, fl.c_pos << 6
+        tie = np.zeros(len(fl.p_rank) + len(e), np.int64)
+    else:
+        q, mm = np.divmod(plan.e, M)
+        d, b = np.divmod(q, NB) if NB else (q, q)
+        e = np.concatenate([plan.e, plan.e])
+        send_rank = fl.o_rank[plan.send_op]
+        c_rank = np.concatenate([send_rank, plan.dst])
+        c_stage = np.concatenate([b + d, b + 1 - d])
+        c_kind = np.concatenate([4 + 2 * d, 5 + 2 * d])
+        c_mb = np.concatenate([mm, mm])
+        # Program order as lower() writes it: RECVs of slot j, compute j, its SENDs.
+        p_seq = (3 * (fl.p_op - lo[fl.p_rank]) + 1) << 6 | fl.p_sub
+        c_seq = np.concatenate(
+            [(3 * (plan.send_op - lo[send_rank]) + 2) << 6 | plan.send_sub, (3 * plan.slot) << 6]
+        )
+        tie = np.concatenate([np.zeros(len(fl.p_rank) + len(plan.e), np.int64), plan.order])
+    is_send = (c_kind == 4) | (c_kind == 6)
+    post_op = np.where(is_send, prog.send_op[e], prog.recv_op[e])
+    c_start = np.zeros(len(e))
+    c_start[post_op >= 0] = raw.end[post_op[post_op >= 0]]
+    # Compute part rows: parts of an overlap run back to back from the op's start.
+    cum = np.concatenate([[0.0], np.cumsum(raw.part_dur)])
+    first_part = np.searchsorted(fl.p_op, np.arange(len(fl.o_rank)))
+    p_start = raw.start[fl.p_op] + cum[:-1] - cum[first_part[fl.p_op]]
+    cols = {
+        "rank": np.concatenate([fl.p_rank, c_rank]),
+        "stage": np.concatenate([fl.p_stage, c_stage]),
+        "microbatch": np.concatenate([fl.p_mb, c_mb]),
+        "kind": np.concatenate([fl.p_kind, c_kind]).astype(np.int8),
+        "start": np.concatenate([p_start, c_start]),
+        "end": np.concatenate([p_start + raw.part_dur, raw.arrive[e]]),
+    }
+    order = np.lexsort((tie, np.concatenate([p_seq, c_seq]), cols["rank"]))
+    return {k: v[order] for k, v in cols.items()}
 
 
 def _segment_peaks(delta: np.ndarray, bounds: np.ndarray) -> list:
