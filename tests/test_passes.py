@@ -8,6 +8,7 @@ import pytest
 from hypothesis import HealthCheck, assume, given, settings
 from hypothesis import strategies as st
 
+from vpipe.errors import VpipeError
 from vpipe.ir import (
     Action,
     Kind,
@@ -19,6 +20,7 @@ from vpipe.ir import (
     v_placement,
 )
 from vpipe.passes import lower, validate
+from vpipe.schedules import make_schedule, schedule_names
 
 F, B, I, W = Kind.F, Kind.B, Kind.I, Kind.W
 COMM = (Kind.SEND_F, Kind.RECV_F, Kind.SEND_B, Kind.RECV_B)
@@ -494,7 +496,41 @@ def test_validate_header_errors():
 # ---------------------------------------------------------------------------------------------
 # Property tests: mutations of valid schedules must be rejected.
 
-BASES = all_test_schedules()
+
+def builtin_schedules(ranks=(1, 2, 3), microbatches=(1, 4)) -> list[Schedule]:
+    """Small instances of every schedule in vpipe.schedules (those each family accepts)."""
+    out = []
+    for name in sorted(schedule_names()):
+        for P in ranks:
+            for M in microbatches:
+                try:
+                    out.append(make_schedule(name, P, M))
+                except VpipeError:
+                    continue
+    return out
+
+
+BASES = all_test_schedules() + builtin_schedules(ranks=(2, 3), microbatches=(4,))
+
+
+@pytest.mark.parametrize("name", sorted(schedule_names()))
+def test_builtin_schedules_validate_and_lower(name):
+    n = 0
+    for s in builtin_schedules(ranks=(1, 2, 3, 4, 5), microbatches=(1, 2, 5, 8)):
+        if s.name != name:
+            continue
+        validate(s)
+        low = lower(s)
+        validate(low)
+        assert low.compute_only().actions == s.actions
+        if s.n_ranks <= 3 and s.n_microbatches <= 5:
+            assert oracle_ok(s) and oracle_ok(low)
+        for r, _, a in low.iter_actions():
+            if a.is_comm:
+                nb = a.stage + 1 if a.kind in (Kind.SEND_F, Kind.RECV_B) else a.stage - 1
+                assert low.placement[nb] != r
+        n += 1
+    assert n >= 4
 
 
 def _mutate(acts: list[list[Action]], data, S: int, M: int, P: int) -> str:
