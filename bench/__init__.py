@@ -1,0 +1,1 @@
+"""asv benchmark suite for vpipe (see asv.conf.json at the repository root)."""

@@ -1,0 +1,79 @@
+"""The asv suite: ``asv check`` discovers it, and a quick one-benchmark ``asv run`` on the
+installed tree (``--python=same``) records a real value. Runs against a copy of the root
+``asv.conf.json`` whose results go to a temporary directory, with a temporary HOME for asv's
+machine file, and the parameter grid narrowed to one point."""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[1]
+
+pytestmark = pytest.mark.skipif(shutil.which("asv") is None, reason="asv not installed")
+
+
+def _asv(tmp_path: Path, *args: str, env: dict[str, str] | None = None, timeout: float = 120):
+    conf = json.loads((ROOT / "asv.conf.json").read_text())
+    assert conf["benchmark_dir"] == "bench" and conf["results_dir"] == "results/asv"
+    conf.update(
+        repo=str(ROOT),
+        benchmark_dir=str(ROOT / "bench"),
+        results_dir=str(tmp_path / "results"),
+        html_dir=str(tmp_path / "html"),
+        env_dir=str(tmp_path / "env"),
+    )
+    path = tmp_path / "asv.conf.json"
+    path.write_text(json.dumps(conf))
+    full_env = {**os.environ, "HOME": str(tmp_path / "home"), **(env or {})}
+    (tmp_path / "home").mkdir(exist_ok=True)
+    cmd = [sys.executable, "-m", "asv", *args, "--config", str(path)]
+    return subprocess.run(
+        cmd, cwd=tmp_path, env=full_env, capture_output=True, text=True, timeout=timeout
+    )
+
+
+def test_asv_check(tmp_path):
+    res = _asv(tmp_path, "check", "--python=same")
+    assert res.returncode == 0, res.stdout + res.stderr
+    assert "No problems found" in res.stdout
+
+
+def test_asv_quick_run_records_a_value(tmp_path):
+    commit = subprocess.run(
+        ["git", "rev-parse", "HEAD"], cwd=ROOT, capture_output=True, text=True
+    ).stdout.strip()
+    if not commit:
+        pytest.skip("not a git checkout: asv needs a commit hash")
+    machine = _asv(tmp_path, "machine", "--yes", "--machine", "vpipe-test")
+    assert machine.returncode == 0, machine.stdout + machine.stderr
+    res = _asv(
+        tmp_path,
+        "run",
+        "--python=same",
+        "--quick",
+        "--machine",
+        "vpipe-test",
+        "--set-commit-hash",
+        commit,
+        "--bench",
+        "track_seconds_per_step",
+        env={"VPIPE_ASV_SCHEDULES": "zbv", "VPIPE_ASV_MICROBATCHES": "2"},
+        timeout=240,
+    )
+    assert res.returncode == 0, res.stdout + res.stderr
+    files = [
+        p for p in (tmp_path / "results" / "vpipe-test").glob("*.json") if p.name != "machine.json"
+    ]
+    assert len(files) == 1, res.stdout
+    data = json.loads(files[0].read_text())
+    key = "benchmarks.PipelineCPU.track_seconds_per_step"
+    result = data["results"][key]
+    value = result[0][0] if isinstance(result, list) else result["result"][0]
+    assert isinstance(value, float) and 0 < value < 60, res.stdout
