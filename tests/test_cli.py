@@ -11,6 +11,7 @@ from pathlib import Path
 import pytest
 
 from vpipe.cli import main
+from vpipe.commands.schedule import styled_grid
 from vpipe.ir import Schedule
 from vpipe.passes import lower
 from vpipe.schedules import make_schedule, schedule_names
@@ -124,6 +125,15 @@ def test_show_accepts_a_csv_file(tmp_path, capsys):
     assert rc == 0
     assert out.startswith("mine: 2 ranks, 2 stages, 4 microbatches, placement loop")
     assert sorted(grid_rows(out)) == [0, 1]
+
+
+def test_grid_colours_by_kind():
+    """On a terminal the grid is coloured (piped output, as in these tests, stays plain)."""
+    text = styled_grid("rank 0 | 0F0 0B0 - 0W0 2I1 1SEND_F0 0F1+3B0")
+    styles = {text.plain[span.start : span.end]: str(span.style) for span in text.spans}
+    assert styles["0F0"] == "green" and styles["0W0"] == "yellow"
+    assert styles["0B0"] == styles["2I1"] == "cyan"
+    assert styles["1SEND_F0"] == "dim" and styles["0F1+3B0"] == "magenta"
 
 
 # ---------------------------------------------------------------------------------------------
@@ -319,6 +329,8 @@ BAD_ARGV = [
     ["compare", "--schedules", "gpipe,nope"],
     ["compare", "--schedules", "gpipe,,zbv"],
     ["compare", "--cost", "f=1,b="],
+    ["show", "gpipe", "--ranks", "2", "--microbatches", "2", "--csv", "{tmp}/no/dir/x.csv"],
+    ["simulate", "gpipe", "--ranks", "2", "--microbatches", "2", "--trace", "{tmp}/no/t.json"],
 ]
 
 

@@ -13,6 +13,7 @@ import json
 import math
 import re
 import shutil
+import sys
 from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any, NoReturn
@@ -236,19 +237,56 @@ def _cmd_show(args: argparse.Namespace) -> int:
         schedule = lower(schedule)
     if args.csv:
         out = schedule if args.lowered else schedule.compute_only()
-        out.to_csv(args.csv)
+        _write(args.csv, out.to_csv)
     width = args.width or shutil.get_terminal_size((120, 24)).columns
     print(f"{schedule.name}: {describe(schedule)}")
     if args.lowered:
         print("program order (one column per action, SEND/RECV included)")
-        print(render_grid(_program_cells(schedule), width, header=False))
+        _print_grid(render_grid(_program_cells(schedule), width, header=False))
     else:
         print("time slots with f=b=w=1 and free comm (a full backward B takes 2 slots); . idle")
         cells = _timed_cells(schedule)
         # Plain actions set a uniform slot width; only overlap actions widen their slot.
         plain = max((len(c) for row in cells for c in row if "+" not in c), default=1)
-        print(render_grid(cells, width, header=True, min_col_width=plain))
+        _print_grid(render_grid(cells, width, header=True, min_col_width=plain))
     return 0
+
+
+def _write(path: str, writer: Callable[[str], object]) -> None:
+    """Run ``writer(path)``; an unwritable path becomes a one-line error."""
+    try:
+        writer(path)
+    except OSError as e:
+        raise VpipeError(f"cannot write {path}: {e.strerror or e}") from None
+
+
+GRID_STYLES = (  # later patterns win where they overlap
+    (r"\b\d+F\d+\b", "green"),
+    (r"\b\d+[BI]\d+\b", "cyan"),
+    (r"\b\d+W\d+\b", "yellow"),
+    (r"\b\d+(SEND|RECV)_[FB]\d+\b", "dim"),
+    (r"\S+\+\S+", "magenta"),  # overlap actions
+)
+
+
+def styled_grid(text: str) -> Any:
+    """The grid as a rich Text, coloured by action kind."""
+    from rich.text import Text
+
+    out = Text(text)
+    for pattern, style in GRID_STYLES:
+        out.highlight_regex(pattern, style)
+    return out
+
+
+def _print_grid(text: str) -> None:
+    """Colour on a terminal, plain text when piped or redirected."""
+    if not sys.stdout.isatty():
+        print(text)
+        return
+    from rich.console import Console
+
+    Console(highlight=False, soft_wrap=True).print(styled_grid(text))
 
 
 def _label(name: str) -> str:
@@ -291,7 +329,7 @@ def _timed_cells(schedule: Schedule) -> list[list[str]]:
 def render_grid(cells: list[list[str]], width: int, *, header: bool, min_col_width: int = 1) -> str:
     """Rank rows and aligned columns (each as wide as its widest cell, at least
     ``min_col_width``), wrapped into blocks that fit ``width`` characters. With ``header`` a
-    line above each block marks every fifth column with its index."""
+    line above each block marks its first and every fifth column with the column index."""
     ncols = max(map(len, cells), default=0)
     col_width = [
         max(min_col_width, *(len(row[t]) for row in cells if t < len(row))) for t in range(ncols)
@@ -310,10 +348,11 @@ def render_grid(cells: list[list[str]], width: int, *, header: bool, min_col_wid
         if lines:
             lines.append("")
         if header:
-            marks = ""
+            marks, offset = "", 0
             for t in range(lo, hi):
-                if t % 5 == 0 and len(marks) <= sum(col_width[lo:t]) + (t - lo):
-                    marks = marks.ljust(sum(col_width[lo:t]) + (t - lo)) + str(t)
+                if t == lo or (t % 5 == 0 and len(marks) < offset):
+                    marks = marks.ljust(offset) + str(t)
+                offset += col_width[t] + 1
             lines.append(" " * prefix + marks)
         for r, row in enumerate(cells):
             body = " ".join(c.ljust(col_width[t]) for t, c in enumerate(row[lo:hi], start=lo))
@@ -384,7 +423,7 @@ def _cmd_simulate(args: argparse.Namespace) -> int:
     schedule = load_schedule(args.source, args.ranks, args.microbatches, args.stages_per_rank)
     result = simulate(schedule, costs)
     if args.trace:
-        result.to_chrome_trace(args.trace)
+        _write(args.trace, result.to_chrome_trace)
     if args.json:
         summary = {"schedule": schedule.name, **simulation_summary(result)}
         print(json.dumps(summary, default=_json_default))
