@@ -14,9 +14,10 @@ Execution semantics of a lowered program
 * Matching: between two ranks, per direction, the k-th SEND the sender posts matches the k-th
   RECV the receiver posts (per-peer FIFO: point-to-point ops with one tag match in posting
   order).
-* Posted operations progress independently of each other, as gloo's isend/irecv do. A backend
-  that serialises point-to-point ops on one stream (NCCL without batching) must post the
-  consecutive SEND/RECV actions of a rank as one batch to keep this guarantee.
+* Posted operations progress independently of each other, as gloo's isend/irecv do. On a
+  backend that serialises point-to-point ops on one stream (NCCL) an early receive could hold
+  up later sends, so such a runtime needs separate streams for them (or ``recv_lookahead=0``
+  with batched posting); this is not modelled here.
 
 So a rank can only be stuck at a compute action whose input's matching SEND is never posted,
 and posting a receive early can never block. A compute-only schedule is replayed as if each
