@@ -16,8 +16,8 @@ Execution semantics of a lowered program
   order).
 * Posted operations progress independently of each other, as gloo's isend/irecv do. On a
   backend that serialises point-to-point ops on one stream (NCCL) an early receive could hold
-  up later sends, so such a runtime needs separate streams for them (or ``recv_lookahead=0``
-  with batched posting); this is not modelled here.
+  up later sends, so such a runtime needs separate streams for sends and receives; this is
+  not modelled here.
 
 So a rank can only be stuck at a compute action whose input's matching SEND is never posted,
 and posting a receive early can never block. A compute-only schedule is replayed as if each
