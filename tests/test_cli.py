@@ -9,6 +9,8 @@ import sys
 from pathlib import Path
 
 import pytest
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
 
 from vpipe.cli import main
 from vpipe.commands.schedule import styled_grid
@@ -394,3 +396,52 @@ def test_schedule_from_csv_roundtrip_through_show(tmp_path, capsys):
     s = Schedule.from_csv(path)
     ref = make_schedule("zbv", 3, 6)
     assert s.actions == ref.actions and s.placement == ref.placement
+
+
+def test_command_module_does_not_import_torch():
+    code = "import sys, vpipe.commands.schedule; print('torch' in sys.modules)"
+    env = dict(os.environ, PYTHONPATH=str(REPO))
+    proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=env)
+    assert proc.stdout.strip() == "False", proc.stderr
+
+
+def test_stages_per_rank_reaches_the_generator(capsys):
+    argv = ["interleaved-1f1b", "--ranks", "2", "--microbatches", "4", "--stages-per-rank", "3"]
+    rc, out, _ = run(["simulate", *argv, "--json"], capsys)
+    assert rc == 0 and json.loads(out)["stages"] == 6
+    rc, out, _ = run(["show", *argv], capsys)
+    assert rc == 0 and out.startswith("interleaved-1f1b: 2 ranks, 6 stages, 4 microbatches")
+
+
+TOKENS = ["0F0", "0F1", "1F0", "1F1", "0B0", "1B1", "0I0", "0W0", "1I1", "1W1", "2F0"]
+TOKENS += ["0SEND_F0", "1RECV_F0", "1SEND_B0", "0RECV_B0", "(0F1;1B0)OVERLAP_F_B", "", "x"]
+
+
+@settings(
+    max_examples=80, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture]
+)
+@given(
+    rows=st.lists(st.lists(st.sampled_from(TOKENS), max_size=8), min_size=1, max_size=3),
+    lowered=st.booleans(),
+)
+def test_arbitrary_csv_never_crashes(tmp_path, capsys, rows, lowered):
+    """Any mix of valid and invalid cells: exit 0 with the valid line, or 2 with one line."""
+    path = tmp_path / "fuzz.csv"
+    path.write_text("\n".join(",".join(r) for r in rows) + "\n")
+    rc, out, err = run(["validate", str(path), *(["--lowered"] if lowered else [])], capsys)
+    if rc == 0:
+        assert out.startswith("valid: ") and err == ""
+    else:
+        assert rc == 2 and out == "" and err.count("\n") == 1, err
+
+
+@settings(
+    max_examples=40, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture]
+)
+@given(data=st.binary(max_size=200))
+def test_arbitrary_bytes_never_crash(tmp_path, capsys, data):
+    path = tmp_path / "bytes.csv"
+    path.write_bytes(data)
+    rc, out, err = run(["simulate", str(path)], capsys)
+    assert rc in (0, 2)
+    assert rc == 0 or (out == "" and err.count("\n") == 1), err
