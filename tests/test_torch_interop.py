@@ -201,3 +201,28 @@ def test_torchtitan_style_csv_from_cli(tmp_path, capsys, name):
     rt._load_csv(str(path))
     assert [[format_action(a) for a in row] for row in s.actions] == torch_rows(rt.pipeline_order)
     assert read_rows(path) == s.to_rows()
+
+
+@pytest.mark.parametrize(
+    "cls_name,name,v",
+    [
+        ("ScheduleZBVZeroBubble", "zbv", 2),
+        ("ScheduleDualPipeV", "dualpipev", 2),
+        ("ScheduleInterleaved1F1B", "interleaved-1f1b", 2),
+        ("ScheduleInterleavedZeroBubble", "zb-h1", 2),
+        ("ScheduleLoopedBFS", "looped-bfs", 2),
+    ],
+)
+def test_vpipe_schedule_no_slower_than_torchs(tmp_path, cls_name, name, v):
+    """Under unit costs, each vpipe family takes no longer than torch's counterpart at the
+    same size, on the same placement."""
+    from vpipe.schedules import make_schedule
+    from vpipe.sim import simulate
+
+    p, m = 4, 8
+    path = tmp_path / "torch.csv"
+    torch_schedule(cls_name, v, p, m)._dump_csv(str(path), format="compute_only")
+    theirs = Schedule.from_csv(path)
+    ours = make_schedule(name, p, m, v)
+    assert ours.placement == theirs.placement
+    assert simulate(ours).makespan <= simulate(theirs).makespan
