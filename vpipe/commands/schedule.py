@@ -130,9 +130,9 @@ def _positive_int(text: str) -> int:
 # Loading schedules
 
 
-def _is_existing_path(text: str) -> bool:
+def _is_file(text: str) -> bool:
     try:
-        return Path(text).exists()
+        return Path(text).is_file()
     except (OSError, ValueError):  # embedded NUL, name too long
         return False
 
@@ -144,7 +144,7 @@ def load_schedule(
     stages_per_rank: int | None = None,
 ) -> Schedule:
     """A built-in schedule by name, or a CSV file (validated, compared with the given sizes)."""
-    if _is_existing_path(source) or source.lower().endswith(".csv"):
+    if _is_file(source) or source.lower().endswith(".csv"):
         if stages_per_rank is not None:
             raise ScheduleError(f"{source}: --stages-per-rank applies to built-in schedules only")
         schedule = Schedule.from_csv(source, n_ranks=ranks)
