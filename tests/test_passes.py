@@ -96,7 +96,7 @@ def greedy(
             if ready(t, done):
                 by_rank.setdefault(placement[t[0]], []).append(t)
         progressed = False
-        for r, cands in by_rank.items():
+        for r, cands in sorted(by_rank.items()):
             cands.sort(key=lambda t: (t[2], t[0], t[1]))
             fs = [t for t in cands if t[1] == "F"]
             bs = [t for t in cands if t[1] != "F"]

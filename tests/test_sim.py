@@ -108,10 +108,11 @@ def test_overlap_action_costs_sum_of_parts_back_to_back():
 
 def _check_event_semantics(s: Schedule, costs: CostModel) -> None:
     """Independent check of a simulated timeline: per rank, compute never overlaps and runs in
-    program order; every cross-stage input has arrived (producer end + message cost, or the
-    producer end on the same rank) before its consumer starts; and no rank idles without a
-    reason: each compute starts at its predecessor's end (0 for the first) or when an input
-    arrives."""
+    program order; every cross-stage input has arrived (end of the producing action + message
+    cost, or the producer's end on the same rank) before its consumer starts; no rank idles without a
+    reason: each compute action starts at its predecessor's end (0 for the first) or when a
+    remote input arrives (an overlap action waits for all its parts' inputs, then runs its
+    parts back to back)."""
     r = simulate(s, costs)
     tl = r.timeline
     comp = tl[tl["kind"].isin(["F", "B", "I", "W"])]
@@ -122,7 +123,19 @@ def _check_event_semantics(s: Schedule, costs: CostModel) -> None:
         end[key], start[key] = row.end, row.start
     cost = costs.comm_latency  # comm_bytes default 0
     place, S = s.placement, s.n_stages
-    arrivals: dict[tuple, float] = {}
+    # An overlap action's first part waits for every part's inputs, later parts follow on,
+    # and its outputs are sent when the whole action ends.
+    group: dict[tuple, list[tuple]] = {}
+    follows: set[tuple] = set()
+    sent: dict[tuple, float] = {}
+    for acts in s.actions:
+        for a in acts:
+            keys = [(p.stage, _group(p.kind.value), p.microbatch) for p in a.parts or (a,)]
+            group[keys[0]] = keys
+            follows.update(keys[1:])
+            for k in keys:
+                sent[k] = end[keys[-1]]
+    remote: dict[tuple, float] = {}
     for (stage, k, m), t0 in start.items():
         need = []
         if k == "F" and stage > 0:
@@ -132,9 +145,11 @@ def _check_event_semantics(s: Schedule, costs: CostModel) -> None:
         if k == "W":
             need.append((stage, "BK", m))
         for p in need:
-            extra = cost if place[p[0]] != place[stage] else 0.0
-            assert t0 >= end[p] + extra - 1e-9, (stage, k, m)
-            arrivals[(stage, k, m)] = max(arrivals.get((stage, k, m), 0.0), end[p] + extra)
+            if place[p[0]] != place[stage]:
+                remote[(stage, k, m)] = sent[p] + cost
+                assert t0 >= sent[p] + cost - 1e-9, (stage, k, m)
+            else:
+                assert t0 >= end[p] - 1e-9, (stage, k, m)
     for rank in range(s.n_ranks):
         rows = comp[comp["rank"] == rank]
         prev_end = 0.0
@@ -142,15 +157,18 @@ def _check_event_semantics(s: Schedule, costs: CostModel) -> None:
         for row in rows.itertuples():
             assert row.start >= prev_end - 1e-9
             key = (row.stage, _group(row.kind), row.microbatch)
-            # Either the rank was busy until now, or an input arrived now: at its producer's
-            # end plus the message cost, or (receive posted late) at the end of an earlier
-            # action of this rank plus the cost.
-            reasons = [prev_end]
-            if key in arrivals:
-                reasons.append(arrivals[key])
-                reasons += [x + cost for x in ends]
-            assert any(abs(row.start - x) < 1e-9 for x in reasons), row
-            assert row.start <= max(prev_end + cost, arrivals.get(key, 0.0)) + 1e-9
+            if key in follows:
+                assert row.start == prev_end
+            else:
+                # Either the rank was busy until now, or a remote input arrived now: at its
+                # producer's end plus the message cost, or (receive posted late) at the end
+                # of an earlier action of this rank plus the cost.
+                arr = [remote[k] for k in group[key] if k in remote]
+                reasons = [prev_end, *arr]
+                if arr:
+                    reasons += [x + cost for x in ends]
+                assert any(abs(row.start - x) < 1e-9 for x in reasons), row
+                assert row.start <= max([prev_end + cost, *arr]) + 1e-9
             prev_end = row.end
             ends.append(row.end)
 
@@ -159,20 +177,29 @@ def _group(kind: str) -> str:
     return "F" if kind == "F" else ("W" if kind == "W" else "BK")
 
 
-@settings(max_examples=25, deadline=None)
+@settings(max_examples=30, deadline=None)
 @given(
     P=st.integers(1, 4),
     M=st.integers(1, 5),
     v=st.booleans(),
     split=st.booleans(),
+    fuse=st.booleans(),
     seed=st.integers(0, 1000),
     lat=st.sampled_from([0.0, 0.5, 2.0]),
     f=st.sampled_from([0.5, 1.0, 2.0]),
 )
-def test_random_schedules_respect_event_semantics(P, M, v, split, seed, lat, f):
+def test_random_schedules_respect_event_semantics(P, M, v, split, fuse, seed, lat, f):
     placement = v_placement(P) if v else loop_placement(P, 2 * P)
-    s = greedy(P, M, placement, split=split, seed=seed)
+    s = greedy(P, M, placement, split=split, seed=seed, overlap_pairs=fuse)
     _check_event_semantics(s, CostModel(f=f, b=1.0, w=0.5, comm_latency=lat))
+
+
+@pytest.mark.parametrize("name", ["dualpipev", "zbv", "interleaved-1f1b"])
+def test_builtin_schedules_respect_event_semantics(name):
+    for lat in (0.0, 0.7):
+        _check_event_semantics(
+            make_schedule(name, 3, 6), CostModel(f=1.5, b=1, w=0.5, comm_latency=lat)
+        )
 
 
 @pytest.mark.parametrize("name", sorted(schedule_names()))

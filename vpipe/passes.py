@@ -612,50 +612,48 @@ def compile_program(fl: Flat, plan: CommPlan | None = None) -> Program:
 def replay(
     prog: Program,
     durations: list[float] | None = None,
-    message_cost: list[float] | None = None,
-) -> tuple[list[float], list[float]]:
+    message_cost: np.ndarray | list[float] | None = None,
+) -> tuple[np.ndarray, np.ndarray]:
     """Run a compiled program under the module's execution semantics.
 
     Returns per-op start and end times. ``durations`` is per op (zero when omitted),
     ``message_cost`` per message id (zero when omitted); a transfer starts when both its SEND
     and its RECV are posted, so message e arrives at ``max(end[send_op[e]], end[recv_op[e]])
-    + message_cost[e]``. Raises ScheduleError naming where every stuck rank waits when the
+    + message_cost[e]`` and an op starts at the later of its rank's previous end and its
+    inputs' arrivals. Raises ScheduleError naming where every stuck rank waits when the
     program deadlocks.
     """
     fl = prog.flat
     P = fl.schedule.n_ranks
     n_ops = len(fl.o_rank)
     dur = durations if durations is not None else [0.0] * n_ops
-    cost = message_cost if message_cost is not None else [0.0] * prog.n_messages
-    # Per op: (op, message, its sending op, op after which its RECV is posted, cost, duration);
-    # sending op -1: no wait, -2: several (``several[op]``).
+    cost = np.asarray(message_cost if message_cost is not None else [], float)
+    if not len(cost):
+        cost = np.zeros(prog.n_messages)
+    # Per op: the op whose end sends its input (-1: no remote input, -2: several, see
+    # ``several``), the op after which that input's RECV is posted (-1: at 0), the cost.
     wait = prog.wait
     one = wait >= 0
     e1 = np.where(one, wait, 0)
-    w_so = np.where(
-        one, prog.send_op[e1] if len(prog.send_op) else -1, np.where(wait == -1, -1, -2)
-    )
-    w_ro = np.where(one, prog.recv_op[e1] if len(prog.recv_op) else -1, -1)
-    cost_a = np.asarray(cost, float)
-    w_c = np.where(one, cost_a[e1], 0.0).tolist() if len(cost_a) else [0.0] * n_ops
-    send_op, recv_op = prog.send_op.tolist(), prog.recv_op.tolist()
+    n_msg = len(prog.send_op)
+    w_so = np.where(one, prog.send_op[e1] if n_msg else -1, np.where(wait == -1, -1, -2))
+    w_ro = np.where(one, prog.recv_op[e1] if n_msg else -1, -1)
+    w_c = np.where(one, cost[e1] if n_msg else 0.0, 0.0)
     several = {
-        i: [(x, send_op[x], recv_op[x], cost[x]) for x in prog.multi[-2 - int(wait[i])]]
-        for i in np.flatnonzero(wait < -1).tolist()
+        i: [(int(prog.send_op[x]), int(prog.recv_op[x]), float(cost[x])) for x in prog.multi[k]]
+        for i, k in ((i, -2 - int(wait[i])) for i in np.flatnonzero(wait < -1).tolist())
     }
     lo = fl.o_lo.tolist()
-    cols = (wait.tolist(), w_so.tolist(), w_ro.tolist(), w_c, dur)
+    cols = (w_so.tolist(), w_ro.tolist(), w_c.tolist(), dur)
     # zip reuses its result tuple while the loop unpacks it: no allocation per op.
     iters = [
         zip(range(lo[r], lo[r + 1]), *(c[lo[r] : lo[r + 1]] for c in cols), strict=True)
         for r in range(P)
     ]
-    start = [0.0] * n_ops
     end = [-1.0] * n_ops
     waiter = [-1] * n_ops
     extra_waiters: dict[int, list[int]] = {}
     pending: list[tuple | None] = [None] * P
-    blocked = [-1] * P
     clocks = [0.0] * P
     ready = list(range(P - 1, -1, -1))
     while ready:
@@ -663,12 +661,11 @@ def replay(
         t = clocks[r]
         row = pending[r]
         pending[r] = None
-        for i, e, so, ro, c, d in iters[r] if row is None else chain((row,), iters[r]):
+        for i, so, ro, c, d in iters[r] if row is None else chain((row,), iters[r]):
             if so >= 0:
                 s = end[so]
                 if s < 0:
-                    pending[r] = (i, e, so, ro, c, d)
-                    blocked[r] = e
+                    pending[r] = (i, so, ro, c, d)
                     if waiter[so] >= 0:
                         extra_waiters.setdefault(so, []).append(r)
                     else:
@@ -680,23 +677,21 @@ def replay(
                 if s > t:
                     t = s
             elif so == -2:
-                missing = next(((x, xs) for x, xs, _, _ in several[i] if end[xs] < 0), None)
-                if missing is not None:
-                    pending[r] = (i, e, so, ro, c, d)
-                    blocked[r], so = missing
-                    if waiter[so] >= 0:
-                        extra_waiters.setdefault(so, []).append(r)
+                missing = next((xs for xs, _, _ in several[i] if end[xs] < 0), -1)
+                if missing >= 0:
+                    pending[r] = (i, so, ro, c, d)
+                    if waiter[missing] >= 0:
+                        extra_waiters.setdefault(missing, []).append(r)
                     else:
-                        waiter[so] = r
+                        waiter[missing] = r
                     break
-                for _, xs, xr, xc in several[i]:
+                for xs, xr, xc in several[i]:
                     s = end[xs]
                     if xr >= 0 and end[xr] > s:
                         s = end[xr]
                     s += xc
                     if s > t:
                         t = s
-            start[i] = t
             t += d
             end[i] = t
             if waiter[i] >= 0:
@@ -706,17 +701,35 @@ def replay(
         clocks[r] = t
     stuck = [r for r in range(P) if pending[r] is not None]
     if stuck:
-        raise ScheduleError(_deadlock_message(prog, pending, blocked, stuck))
-    return start, end
+        raise ScheduleError(_deadlock_message(prog, [pending[r][0] for r in stuck], end, stuck))
+    # Start times, with the loop's arithmetic: max(previous end on the rank, arrivals).
+    end_a = np.array(end)
+    start = np.zeros(n_ops)
+    start[1:] = end_a[:-1]
+    start[fl.o_lo[:-1][fl.o_lo[:-1] < n_ops]] = 0.0
+    if one.any():
+        so, ro = w_so[one], w_ro[one]
+        arr = end_a[so]
+        has_ro = ro >= 0
+        arr[has_ro] = np.maximum(arr[has_ro], end_a[ro[has_ro]])
+        start[one] = np.maximum(start[one], arr + w_c[one])
+    for i, ins in several.items():
+        for xs, xr, xc in ins:
+            s = max(end[xs], end[xr]) if xr >= 0 else end[xs]
+            start[i] = max(start[i], s + xc)
+    return start, end_a
 
 
-def _deadlock_message(prog: Program, pending: list, blocked: list[int], stuck: list[int]) -> str:
+def _deadlock_message(prog: Program, ops: list[int], end: list[float], stuck: list[int]) -> str:
     s = prog.flat.schedule
     M, NB = s.n_microbatches, s.n_stages - 1
     parts = []
-    for r in stuck[:6]:
-        i = int(prog.flat.o_pos[pending[r][0]])
-        d, rest = divmod(blocked[r], NB * M)
+    for r, op in zip(stuck[:6], ops, strict=False):
+        i = int(prog.flat.o_pos[op])
+        e = int(prog.wait[op])
+        if e < -1:  # several inputs: name the first that never arrives
+            e = next(x for x in prog.multi[-2 - e] if end[prog.send_op[x]] < 0)
+        d, rest = divmod(e, NB * M)
         b, m = divmod(rest, M)
         src = s.placement[b] if d == 0 else s.placement[b + 1]
         if prog.lowered:

@@ -361,9 +361,7 @@ def simulate(
     n_ops = len(fl.o_rank)
     op_dur = np.bincount(fl.p_op, weights=part_dur, minlength=n_ops)
     msg_cost = np.tile(np.repeat(costs.boundary_costs(S), M), 2)
-    start, end = replay(prog, op_dur.tolist(), msg_cost.tolist())
-    start_a = np.fromiter(start, float, len(start))
-    end_a = np.fromiter(end, float, len(end))
+    start_a, end_a = replay(prog, op_dur.tolist(), msg_cost)
     # Arrival of each message: both ends posted, plus the transfer (as in replay).
     posted = end_a[prog.send_op] if len(end_a) else np.zeros(len(prog.send_op))
     has_recv = prog.recv_op >= 0
