@@ -22,7 +22,7 @@ from vpipe.errors import ScheduleError, VpipeError
 from vpipe.ir import Schedule, format_action
 
 # Largest ranks * stages_per_rank * microbatches a named schedule may have: about 3M compute
-# actions, which still simulates in seconds. Larger requests are refused, not left to hang.
+# actions, which simulates in well under a minute. Larger requests are refused, not left to hang.
 MAX_STAGE_MICROBATCHES = 1 << 20
 REFERENCE_SCHEDULE = "interleaved-1f1b"
 UNIT_COST = "f=1,b=1,w=1,comm=0"
@@ -30,7 +30,7 @@ UNIT_COST = "f=1,b=1,w=1,comm=0"
 
 def register(subparsers: argparse._SubParsersAction) -> None:
     """Add the schedule commands to the ``vpipe`` parser."""
-    p = _add(subparsers, "schedules", "list the built-in schedules", _cmd_schedules)
+    _add(subparsers, "schedules", "list the built-in schedules", _cmd_schedules)
 
     p = _add(subparsers, "show", "print a schedule as a grid (or write its CSV)", _cmd_show)
     _add_source(p)
