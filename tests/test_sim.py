@@ -109,10 +109,10 @@ def test_overlap_action_costs_sum_of_parts_back_to_back():
 def _check_event_semantics(s: Schedule, costs: CostModel) -> None:
     """Independent check of a simulated timeline: per rank, compute never overlaps and runs in
     program order; every cross-stage input has arrived (end of the producing action + message
-    cost, or the producer's end on the same rank) before its consumer starts; no rank idles without a
-    reason: each compute action starts at its predecessor's end (0 for the first) or when a
-    remote input arrives (an overlap action waits for all its parts' inputs, then runs its
-    parts back to back)."""
+    cost, or the producer's end on the same rank) before its consumer starts; no rank idles
+    without a reason: each compute action starts at its predecessor's end (0 for the first)
+    or when a remote input arrives (an overlap action waits for all its parts' inputs, then
+    runs its parts back to back)."""
     r = simulate(s, costs)
     tl = r.timeline
     comp = tl[tl["kind"].isin(["F", "B", "I", "W"])]
