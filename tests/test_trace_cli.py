@@ -14,7 +14,14 @@ from vpipe.trace.synth import write_synthetic_run
 PROGRAMS = actions_from_strings(
     [["0F0", "0SEND_F0", "0RECV_B0", "0B0"], ["1RECV_F0", "1F0", "1B0", "1SEND_B0"]]
 )
-META = {"run_id": "cli1", "schedule": "1f1b", "impl": "vpipe", "ranks": 2, "batch": 8}
+META = {
+    "run_id": "cli1",
+    "schedule": "1f1b",
+    "impl": "vpipe",
+    "ranks": 2,
+    "batch": 8,
+    "microbatches": 1,
+}
 
 
 def test_trace_to_parquet_file_and_store(tmp_path, capsys):
@@ -46,3 +53,18 @@ def test_bad_trace_is_one_line_error(tmp_path, capsys):
     err = capsys.readouterr().err.strip()
     assert len(err.splitlines()) == 1 and "rank0.json" in err and "truncated" in err
     assert not (tmp_path / "x.parquet").exists()
+
+
+def test_analyze_prints_metrics_and_predictions(tmp_path, capsys):
+    write_synthetic_run(tmp_path / "tr", PROGRAMS, steps=[0, 1, 2], meta=META)
+    assert main(["trace", str(tmp_path / "tr"), "--store", str(tmp_path / "st")]) == 0
+    capsys.readouterr()
+    assert (
+        main(["analyze", str(tmp_path / "st"), "--predict", "zbv", "gpipe=" + str(tmp_path / "tr")])
+        == 0
+    )
+    out = capsys.readouterr().out
+    assert "step time" in out and "bubble ratio" in out and "calibrated on cli1" in out
+    lines = {ln.split()[0]: ln for ln in out.splitlines() if ln.strip()}
+    assert "zbv" in lines and "gpipe" in lines and "1f1b" in lines
+    assert main(["analyze", str(tmp_path / "st"), "--run", "nope"]) == 2

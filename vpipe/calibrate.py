@@ -6,7 +6,9 @@ F, I, W and B spans, a per-action overhead, and the communication latency:
 - **I/W split**: the simulator's full backward costs ``b + w`` (I plus W). When the run has I
   and W spans they give ``b`` and ``w``; when it has only B (1f1b, interleaved-1f1b) the split
   is an assumption, ``w = w_share * B`` (default 0.5: the input- and weight-gradient matmuls of
-  a linear layer have equal FLOPs).
+  a linear layer have equal FLOPs), except on stage 0, whose I has no input gradient to
+  compute (the batch needs none), so its whole backward is W (vpipe's runtime measures
+  I(0) at well under 1% of W(0)).
 - **Overhead**: a rank's step holds more than its compute and its waits (the executor's own
   work, posting sends and receives, the loss). Per rank and step, (window - busy - wait) /
   number of compute actions, median over ranks and steps, is added to every F and I/B cost
@@ -19,7 +21,8 @@ F, I, W and B spans, a per-action overhead, and the communication latency:
   4, so per-stage costs do not transfer as they are. The model is split into ``n_units`` equal
   pieces (MLP blocks, GPT layers) as :func:`vpipe.models.build_model` splits them (contiguous,
   earlier stages take the extra piece); a calibrated stage's cost is shared equally by its
-  pieces and a predicted stage costs the sum of its pieces. Per-action overhead does not scale.
+  pieces and a predicted stage costs the sum of its pieces (F, and the whole backward, which is
+  then split as above). Per-action overhead does not scale.
   This is exact for equal blocks; a model with a heavier first or last piece (GPT's embedding
   and head) is approximated.
 
@@ -60,13 +63,26 @@ class Calibration:
         """A CostModel for a split of the same model into ``n_stages`` stages."""
         from vpipe.sim import CostModel
 
-        n_units = n_units or _lcm(self.n_stages, n_stages)
-        f, b, w = (_rescale(x, n_units, n_stages) for x in (self.f, self.b, self.w))
+        if n_stages == self.n_stages:
+            f, b, w = self.f, self.b, self.w
+        else:
+            n_units = n_units or _lcm(self.n_stages, n_stages)
+            f, total = (_rescale(x, n_units, n_stages) for x in (self.f, self.b + self.w))
+            w = total * self.share_of_w()
+            w[0] = total[0]  # the first stage computes no input gradient: all of it is W
+            b = total - w
         per_stage = {
             s: {"f": f[s] + self.overhead, "b": b[s] + self.overhead, "w": w[s]}
             for s in range(n_stages)
         }
         return CostModel(comm_latency=self.comm_latency, per_stage=per_stage)
+
+    def share_of_w(self) -> float:
+        """W's share of a backward past the first stage: assumed, or measured (median)."""
+        if self.w_share is not None:
+            return self.w_share
+        total = self.b[1:] + self.w[1:]
+        return float(np.median(self.w[1:] / total)) if len(total) else 0.5
 
     def to_dict(self) -> dict[str, Any]:
         return {
@@ -122,7 +138,8 @@ def calibrate(events: pd.DataFrame, *, w_share: float = 0.5) -> Calibration:
         if not np.isnan(get("I")) and not np.isnan(get("W")):
             b[s], w[s] = get("I"), get("W")
         elif not np.isnan(get("B")):
-            b[s], w[s] = get("B") * (1 - w_share), get("B") * w_share
+            share = 1.0 if s == 0 else w_share  # stage 0: no input gradient to compute
+            b[s], w[s] = get("B") * (1 - share), get("B") * share
             measured_iw = False
         else:
             raise TraceError(f"run has neither B nor I and W spans for stage {s}")

@@ -51,6 +51,12 @@ def register(subparsers: argparse._SubParsersAction) -> None:
         help="schedules to predict; measured counterpart from the store or the given trace",
     )
     a.add_argument("--batch", type=int, help="samples per step (default: from the run's metadata)")
+    a.add_argument(
+        "--w-share",
+        type=float,
+        default=0.5,
+        help="W's assumed share of a B when the run has no I/W spans (default 0.5)",
+    )
     a.set_defaults(func=analyze_command)
 
 
@@ -102,7 +108,11 @@ def _run_columns(meta: dict) -> dict:
 
 
 def analyze_command(args: argparse.Namespace) -> int:
-    print(analyze_report(args.source, run=args.run, predict=args.predict, batch=args.batch))
+    print(
+        analyze_report(
+            args.source, run=args.run, predict=args.predict, batch=args.batch, w_share=args.w_share
+        )
+    )
     return 0
 
 
@@ -152,7 +162,14 @@ def _counterpart(source: str, meta: dict, schedule: str) -> Any:
     return Store(path).events([str(runs.loc[same, "run_id"].iloc[0])])
 
 
-def analyze_report(source: str, *, run: str | None, predict: list[str], batch: int | None) -> str:
+def analyze_report(
+    source: str,
+    *,
+    run: str | None,
+    predict: list[str],
+    batch: int | None = None,
+    w_share: float = 0.5,
+) -> str:
     """The text `vpipe analyze` prints."""
     from vpipe.analysis import kind_durations, summarize
 
@@ -196,18 +213,20 @@ def analyze_report(source: str, *, run: str | None, predict: list[str], batch: i
         lines.append("  median span (ms) per stage and kind:")
         lines.extend("    " + ln for ln in table.round(3).to_string().splitlines())
     if predict:
-        lines.extend(_fidelity(source, events, meta, predict))
+        lines.extend(_fidelity(source, events, meta, predict, w_share))
     return "\n".join(lines)
 
 
-def _fidelity(source: str, events: Any, meta: dict, predict: list[str]) -> list[str]:
+def _fidelity(
+    source: str, events: Any, meta: dict, predict: list[str], w_share: float
+) -> list[str]:
     from vpipe.calibrate import calibrate, fidelity_table, model_units
     from vpipe.schedules import make_schedule
 
     ranks, mbs = _int(meta.get("ranks")), _int(meta.get("microbatches"))
     if not ranks or not mbs:
         raise TraceError("--predict needs the run's ranks and microbatches in its metadata")
-    cal = calibrate(events)
+    cal = calibrate(events, w_share=w_share)
     units = model_units(meta)
     cases = []
     own = str(meta.get("schedule", "unknown"))
