@@ -105,3 +105,11 @@ def test_csv_errors_name_file_and_line(tmp_path, content, needle):
         Schedule.from_csv(path)
     assert needle in str(err.value)
     assert "bad.csv" in str(err.value)
+
+
+def test_csv_skips_torch_fsdp_cells():
+    s = Schedule.from_csv(
+        "0UNSHARD,0F0,1SEND_F0,0RECV_B0,0B0,0REDUCE_GRAD\n1UNSHARD,1RECV_F0,1F0,1B0,1SEND_B0,1RESHARD\n"
+    )
+    assert [str(a) for a in s.actions[0]] == ["0F0", "1SEND_F0", "0RECV_B0", "0B0"]
+    assert s.is_lowered

@@ -4,19 +4,30 @@ from __future__ import annotations
 
 import argparse
 import importlib
+import os
 import pkgutil
 import sys
 from collections.abc import Sequence
+from typing import NoReturn
 
 import vpipe.commands
 from vpipe.errors import VpipeError
 
 
+class _OneLineParser(argparse.ArgumentParser):
+    """Argument errors as one line (no usage dump), like every other vpipe error."""
+
+    def error(self, message: str) -> NoReturn:
+        self.exit(2, f"{self.prog}: error: {message} (see --help)\n")
+
+
 def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(
+    parser = _OneLineParser(
         prog="vpipe", description="Benchmark pipeline-parallel schedules (V-schedules first)."
     )
-    sub = parser.add_subparsers(dest="command", metavar="COMMAND", required=True)
+    sub = parser.add_subparsers(
+        dest="command", metavar="COMMAND", required=True, parser_class=_OneLineParser
+    )
     for info in sorted(pkgutil.iter_modules(vpipe.commands.__path__), key=lambda m: m.name):
         importlib.import_module(f"vpipe.commands.{info.name}").register(sub)
     return parser
@@ -30,6 +41,10 @@ def main(argv: Sequence[str] | None = None) -> int:
     except VpipeError as e:
         print(f"vpipe {args.command}: error: {e}", file=sys.stderr)
         return 2
+    except BrokenPipeError:
+        # Output closed early (`vpipe compare | head`): stop quietly.
+        os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
+        return 1
     except KeyboardInterrupt:
         print(f"vpipe {args.command}: interrupted", file=sys.stderr)
         return 130

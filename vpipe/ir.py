@@ -89,6 +89,8 @@ def overlap(*parts: Action) -> Action:
 _KIND_ALTERNATION = "SEND_F|RECV_F|SEND_B|RECV_B|F|B|I|W"
 _SIMPLE_RE = re.compile(rf"(\d+)({_KIND_ALTERNATION})(\d+)")
 _OVERLAP_RE = re.compile(r"\(([^()]*)\)OVERLAP_F_B")
+# torch's lowered dumps also carry FSDP bookkeeping cells; they do not affect the pipeline order.
+_FSDP_ONLY_RE = re.compile(r"\d+(UNSHARD|RESHARD|REDUCE_GRAD)\d*")
 
 
 def _describe(text: str) -> str:
@@ -285,7 +287,8 @@ class Schedule:
         name: str | None = None,
     ) -> Schedule:
         """Load torch's CSV format (file path, or the text itself when it contains a newline
-        or comma). Empty cells (torch's idle slots) are skipped. Placement, stage and
+        or comma). Empty cells (torch's idle slots) and FSDP-only cells (UNSHARD, RESHARD,
+        REDUCE_GRAD) are skipped. Placement, stage and
         microbatch counts are inferred unless given; every error names file, line and cell."""
         path_or_text = str(path_or_text)
         if "\n" in path_or_text or "," in path_or_text:
@@ -341,8 +344,8 @@ def _parse_csv_rows(text: str, source: str) -> list[list[tuple[int, Action]]]:
     for line_no, raw in enumerate(raw_rows, start=1):
         row = []
         for col, cell in enumerate(raw, start=1):
-            if not cell.strip() or cell.strip() == "None":
-                continue  # torch writes idle slots as empty cells
+            if not cell.strip() or cell.strip() == "None" or _FSDP_ONLY_RE.fullmatch(cell.strip()):
+                continue  # torch's idle slots (empty cells) and FSDP-only cells
             try:
                 row.append((col, parse_action(cell)))
             except ScheduleError as e:
