@@ -663,6 +663,9 @@ def test_validate_rejects_malformed_actions():
         ("0F0", "not an action"),
         (Action(-1, Kind.OVERLAP_F_B, -1, (Action(0, F, 0), Action(0, Kind.SEND_F, 0))), "part 1"),
         (Action(-1, Kind.OVERLAP_F_B, -1, (Action(0, F, 0),)), "overlap needs 2..63 parts"),
+        (Action(-1, Kind.OVERLAP_F_B, -1, ((0, 1), (2,))), "part 0 is not an F, B, I or W"),
+        (Action(0, F, 0.5), "must be integers"),
+        (Action("0", Kind.SEND_F, 0), "must be integers"),
     ]:
         acts = [list(r) for r in s.actions]
         acts[0].insert(0, bad)

@@ -41,7 +41,7 @@ from collections.abc import Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass
 from itertools import chain, repeat
-from operator import itemgetter
+from operator import index, itemgetter
 
 import numpy as np
 
@@ -147,8 +147,8 @@ def flatten(schedule: Schedule) -> Flat:
     sane = True
     try:
         kind = np.fromiter(map(_KID.__getitem__, map(id, map(_get1, everything))), np.int8, n)
-        stage = np.fromiter(map(_get0, everything), i64, n)
-        mb = np.fromiter(map(_get2, everything), i64, n)
+        stage = np.fromiter(map(index, map(_get0, everything)), i64, n)
+        mb = np.fromiter(map(index, map(_get2, everything)), i64, n)
     except (KeyError, ValueError, TypeError, IndexError):
         sane = False
         rank = pos = stage = kind = mb = np.zeros(0, i64)
@@ -161,23 +161,26 @@ def flatten(schedule: Schedule) -> Flat:
     op_ids = np.arange(len(o_rank), dtype=i64)
     if not plain.all():
         extra = []
-        for op in np.flatnonzero(~plain).tolist():
-            r, i = int(o_rank[op]), int(o_pos[op])
-            parts = schedule.actions[r][i][3]
-            if not 1 < len(parts) < (1 << _PART_BITS):
-                sane = False
-            for j, q in enumerate(parts):
-                c = _KID.get(id(q[1]), 8)
-                sane = sane and c < 4
-                extra.append((r, i, j, q[0], c, q[2], op))
-        cols = [
-            np.concatenate([x[plain], np.array(e, i64)])
-            for x, e in zip(p, list(zip(*extra, strict=True))[:6], strict=True)
-        ]
-        ops = np.concatenate([op_ids[plain], np.array([e[6] for e in extra], i64)])
-        order = np.lexsort((cols[2], cols[1], cols[0]))
-        p = tuple(c[order] for c in cols)
-        op_ids = ops[order]
+        try:
+            for op in np.flatnonzero(~plain).tolist():
+                r, i = int(o_rank[op]), int(o_pos[op])
+                parts = schedule.actions[r][i][3]
+                sane = sane and 1 < len(parts) < (1 << _PART_BITS)
+                for j, q in enumerate(parts):
+                    c = _KID.get(id(q[1]), 8)
+                    sane = sane and c < 4
+                    extra.append((r, i, j, index(q[0]), c, index(q[2]), op))
+        except (IndexError, TypeError, ValueError):
+            sane = False
+        if sane:
+            cols = [
+                np.concatenate([x[plain], np.array(e, i64)])
+                for x, e in zip(p, list(zip(*extra, strict=True))[:6], strict=True)
+            ]
+            ops = np.concatenate([op_ids[plain], np.array([e[6] for e in extra], i64)])
+            order = np.lexsort((cols[2], cols[1], cols[0]))
+            p = tuple(c[order] for c in cols)
+            op_ids = ops[order]
     o_lo = np.searchsorted(o_rank, np.arange(schedule.n_ranks + 1))
     return Flat(
         schedule,
@@ -324,10 +327,20 @@ def _explain(s: Schedule) -> None:
         _explain_comm_edges(s, place, fk, bk, sk, rk, chan_send, chan_recv)
 
 
+def _ints(r: int, i: int, a: Action, p: Action) -> tuple[int, Kind, int]:
+    """(stage, kind, microbatch) of an action, whose indices must be integers."""
+    try:
+        return index(p[0]), p[1], index(p[2])
+    except TypeError:
+        raise ScheduleError(
+            f"{_where(r, i, a)}: stage and microbatch must be integers, got {p[0]!r}, {p[2]!r}"
+        ) from None
+
+
 def _explain_compute(r, i, a, pi, p, S, M, place, fk, bk, wk, is_i) -> None:
-    s, pk, m = p[0], p[1], p[2]
-    if _KID.get(id(pk), -1) not in (0, 1, 2, 3):
+    if not isinstance(p, Action) or _KID.get(id(p[1]), -1) not in (0, 1, 2, 3):
         raise ScheduleError(f"{_where(r, i, a)}: part {pi} is not an F, B, I or W action")
+    s, pk, m = _ints(r, i, a, p)
     if not 0 <= s < S:
         raise ScheduleError(f"{_where(r, i, a)}: stage {s} out of range 0..{S - 1}")
     if not 0 <= m < M:
@@ -366,7 +379,7 @@ def _explain_compute(r, i, a, pi, p, S, M, place, fk, bk, wk, is_i) -> None:
 
 def _explain_comm(r: int, i: int, a: Action, S: int, M: int, place: list[int]):
     """(message id, peer rank) of a SEND/RECV action; raises when it is illegal here."""
-    s, k, m = a[0], a[1], a[2]
+    s, k, m = _ints(r, i, a, a)
     up = k is _SF or k is _RB
     b, nb, d = (s, s + 1, 0 if k is _SF else 1) if up else (s - 1, s - 1, 0 if k is _RF else 1)
     if not 0 <= s < S:
