@@ -33,31 +33,61 @@ def _float64(t: torch.Tensor) -> torch.Tensor:
     return t.double() if t.is_floating_point() else t
 
 
-def _reference(bm, x, y, n_mb):
-    """Per-microbatch losses and parameter gradients of the unsplit model, keyed by stage."""
-    ref = bm.reference_model()
-    losses = [bm.loss_fn(ref(a), b) for a, b in zip(x.chunk(n_mb), y.chunk(n_mb), strict=True)]
-    (sum(losses) / n_mb).backward()
-    grads = {name: p.grad for name, p in ref.named_parameters()}
-    return [v.detach() for v in losses], grads
+def _batch(bm, batch: int, seed: int) -> tuple[torch.Tensor, torch.Tensor]:
+    x, y = bm.make_batch(batch, seed=seed)
+    return _float64(x), _float64(y)
 
 
-def check_config(schedule: Schedule, model: str, rank: int) -> dict:
-    """Run 3 steps of ``schedule`` on this rank and compare with the reference; raise on any
-    mismatch. Returns the last step's stats."""
-    n_mb = schedule.n_microbatches
-    bm = build_model(model, schedule.n_stages, seed=1, **SIZES[model])
+def _build(model: str, n_stages: int):
+    bm = build_model(model, n_stages, seed=1, **SIZES[model])
     for m in bm.stages:
         m.double()
+    return bm
+
+
+def reference_steps(n_stages: int, n_mb: int, model: str, new_shape: bool) -> list:
+    """The steps a config runs, with the unsplit model's per-microbatch losses and gradients
+    (keyed ``(stage, name)``): (batch, seed, gradient factor, losses, grads) per step. The
+    second step repeats the first, so gradients must have doubled; the optional third uses a
+    new batch size (fresh gradients), which makes the pipeline re-infer its shapes."""
+    bm = _build(model, n_stages)
+    plan = [(2 * n_mb, 0)] + ([(3 * n_mb, 1)] if new_shape else [])
+    out = []
+    for batch, seed in plan:
+        x, y = _batch(bm, batch, seed)
+        chunks = zip(x.chunk(n_mb), y.chunk(n_mb), strict=True)
+        losses = [bm.loss_fn(_run_all(bm, a), b) for a, b in chunks]
+        (sum(losses) / n_mb).backward()
+        grads = {}
+        for s, m in enumerate(bm.stages):
+            for name, p in m.named_parameters():
+                grads[s, name] = p.grad
+                p.grad = None
+        losses = [v.detach() for v in losses]
+        out.append((batch, seed, 1, losses, grads))
+        if len(out) == 1:
+            out.append((batch, seed, 2, losses, grads))
+    return out
+
+
+def _run_all(bm, a):
+    for m in bm.stages:
+        a = m(*a) if isinstance(a, tuple) else m(a)
+    return a
+
+
+def check_config(schedule: Schedule, model: str, rank: int, steps: list) -> dict:
+    """Run ``steps`` (see reference_steps) of ``schedule`` on this rank and raise on any
+    mismatch with the reference. Returns the last step's stats."""
+    n_mb = schedule.n_microbatches
+    bm = _build(model, schedule.n_stages)
     mine = schedule.stages_of(rank)
     pipe = Pipeline(schedule, {s: bm.stages[s] for s in mine}, bm.loss_fn)
-    plan = [(2 * n_mb, 1, 0), (2 * n_mb, 2, 0), (3 * n_mb, 1, 1)]  # (batch, grad factor, seed)
-    for step, (batch, factor, seed) in enumerate(plan):
-        x, y = (_float64(t) for t in bm.make_batch(batch, seed=seed))
+    for step, (batch, seed, factor, ref_losses, ref_grads) in enumerate(steps):
+        x, y = _batch(bm, batch, seed)
         if factor == 1:
             for m in bm.stages:
                 m.zero_grad(set_to_none=True)
-            ref_losses, ref_grads = _reference(bm, x, y, n_mb)
         losses = pipe.step(x if 0 in mine else None, y if schedule.loss_stage in mine else None)
         where = f"{schedule.name} P={schedule.n_ranks} M={n_mb} {model} step {step} rank {rank}"
         if schedule.loss_stage in mine:
@@ -68,7 +98,7 @@ def check_config(schedule: Schedule, model: str, rank: int) -> dict:
             assert losses is None, where
         for s in mine:
             for name, p in bm.stages[s].named_parameters():
-                want = ref_grads[f"stages.{s}.{name}"] * factor
+                want = ref_grads[s, name] * factor
                 torch.testing.assert_close(
                     p.grad, want, rtol=1e-9, atol=1e-12, msg=f"{where} grad {s}.{name}"
                 )
@@ -76,32 +106,34 @@ def check_config(schedule: Schedule, model: str, rank: int) -> dict:
     return pipe.stats
 
 
-def _configs(n_ranks: int) -> list[tuple[str, int, str]]:
-    counts = {1: (1, 3, 4), 2: (2, 5), 4: (4, 6)}[n_ranks]
-    return [(n, m, model) for n in schedule_names() for m in counts for model in SIZES]
+def _jobs(n_ranks: int) -> list[tuple[Schedule, str, list]]:
+    """Every schedule with every model, the microbatch count rotating so that each schedule
+    and each model meets every count, plus schedules read from torch's CSV (compute-only and
+    lowered). Each job carries its reference, computed once here rather than on every rank."""
+    counts = {1: (1, 3, 4), 2: (2, 5, 3), 4: (4, 6, 5)}[n_ranks]
+    scheds = []
+    for i, name in enumerate(schedule_names()):
+        for j, model in enumerate(SIZES):
+            scheds.append((make_schedule(name, n_ranks, counts[(i + j) % 3]), model))
+    base = make_schedule("zbv" if n_ranks > 1 else "interleaved-1f1b", n_ranks, 3)
+    for text in (base.to_csv(), lower(base).to_csv()):
+        scheds.append((Schedule.from_csv(text, name="from-csv"), "tuple"))
+    return [
+        (sched, model, reference_steps(sched.n_stages, sched.n_microbatches, model, k % 2 == 0))
+        for k, (sched, model) in enumerate(scheds)
+    ]
 
 
-def run_configs(rank: int, n_ranks: int, configs: list) -> list:
-    """Spawned worker: every config, plus a torch-CSV schedule, on this rank."""
-    out = []
-    for name, n_mb, model in configs:
-        out.append(
-            (name, n_mb, model, check_config(make_schedule(name, n_ranks, n_mb), model, rank))
-        )
-    for lowered in (False, True):
-        base = make_schedule("zbv" if n_ranks > 1 else "interleaved-1f1b", n_ranks, 3)
-        text = (lower(base) if lowered else base).to_csv()
-        csv_sched = Schedule.from_csv(text, name="from-csv")
-        out.append(("csv", 3, "tuple", check_config(csv_sched, "tuple", rank)))
-    return out
+def run_jobs(rank: int, n_ranks: int, jobs: list) -> list[dict]:
+    """Worker (spawned, or in-process for P=1): every job on this rank; their last stats."""
+    return [check_config(sched, model, rank, steps) for sched, model, steps in jobs]
 
 
-def _check_results(results: list, n_ranks: int) -> None:
+def _check_results(results: list, n_ranks: int, n_jobs: int) -> None:
     assert len(results) == n_ranks
-    expected = len(_configs(n_ranks)) + 2
     for per_rank in results:
-        assert len(per_rank) == expected
-        for *_, stats in per_rank:
+        assert len(per_rank) == n_jobs
+        for stats in per_rank:
             assert stats["peak_live_activations"] >= 1
             assert stats["step_time_s"] > 0
 
@@ -117,12 +149,14 @@ def _one_thread():
 
 def test_every_schedule_single_rank_local_handoff():
     """P=1: every stage on one rank, all handoffs local, no process group at all."""
-    _check_results([run_configs(0, 1, _configs(1))], 1)
+    jobs = _jobs(1)
+    _check_results([run_jobs(0, 1, jobs)], 1, len(jobs))
 
 
 @pytest.mark.parametrize("n_ranks", [2, 4])
 def test_every_schedule_multi_rank(n_ranks):
-    _check_results(spawn(run_configs, n_ranks, _configs(n_ranks), timeout_s=300), n_ranks)
+    jobs = _jobs(n_ranks)
+    _check_results(spawn(run_jobs, n_ranks, jobs, timeout_s=300), n_ranks, len(jobs))
 
 
 class _CountBackward(torch.autograd.Function):

@@ -11,6 +11,7 @@ gets a finite timeout too, so a rank blocked on a dead peer cannot wait forever.
 from __future__ import annotations
 
 import os
+import pickle
 import signal
 import time
 from collections.abc import Callable
@@ -82,13 +83,18 @@ def spawn(
     if n_ranks < 1:
         raise PipelineError(f"n_ranks must be >= 1, got {n_ranks}")
     store = dist.TCPStore("127.0.0.1", 0, n_ranks + 1, True, timedelta(seconds=pg_timeout_s), False)
-    ctx = mp.get_context("spawn")
+    ctx = mp.get_context("forkserver")
+    # The fork server imports torch once; every later rank process forks from it, ready.
+    ctx.set_forkserver_preload(["torch", "torch.distributed", "vpipe.runtime.pipeline"])
     results_q = ctx.SimpleQueue()
+    # Plain pickle, not torch's fd-sharing reductions: tensors in args and results travel as
+    # bytes, so neither side has to outlive the transfer and no file descriptors pile up.
+    payload = pickle.dumps((fn, args))
     threads = max(1, (os.cpu_count() or 1) // n_ranks)
     procs = [
         ctx.Process(
             target=_worker,
-            args=(fn, rank, n_ranks, args, store.port, backend, pg_timeout_s, threads, results_q),
+            args=(payload, rank, n_ranks, store.port, backend, pg_timeout_s, threads, results_q),
             daemon=True,
         )
         for rank in range(n_ranks)
@@ -113,21 +119,48 @@ def _collect(procs: list, results_q: Any, n_ranks: int, timeout_s: float) -> lis
     while len(results) < n_ranks:
         while not results_q.empty():
             rank, ok, value = results_q.get()
-            if not ok:
-                named = value.startswith(f"rank {rank}:")
-                raise PipelineError(value if named else f"rank {rank} failed: {value}")
+            if ok:
+                value = pickle.loads(value)
+            else:
+                _raise_failure(procs, results_q, rank, value)
             results[rank] = value
-        for rank, p in enumerate(procs):
-            if rank in results or p.exitcode is None:
-                continue
-            if not results_q.empty():
-                break  # its report may still be in the queue
-            raise PipelineError(f"rank {rank} died ({_exit_reason(p.exitcode)}) without a result")
+        dead = _dead_without_report(procs, results)
+        if dead is not None and results_q.empty():
+            raise PipelineError(_death_message(procs, dead))
         if time.monotonic() > deadline:
             waiting = [r for r in range(n_ranks) if r not in results]
             raise PipelineError(f"timed out after {timeout_s:.0f} s waiting for rank(s) {waiting}")
         time.sleep(0.02)
     return [results[r] for r in range(n_ranks)]
+
+
+def _dead_without_report(procs: list, reported: dict | set) -> int | None:
+    for rank, p in enumerate(procs):
+        if rank not in reported and p.exitcode is not None:
+            return rank
+    return None
+
+
+def _raise_failure(procs: list, results_q: Any, rank: int, message: str) -> None:
+    """Raise for a rank's reported error, unless another rank died first: a peer's death
+    makes the survivors fail with connection errors, so the death is the cause to name."""
+    reported = {rank}
+    grace = time.monotonic() + 1.0
+    while time.monotonic() < grace:
+        while not results_q.empty():
+            reported.add(results_q.get()[0])
+        dead = _dead_without_report(procs, reported)
+        if dead is not None and dead != rank:
+            raise PipelineError(
+                f"{_death_message(procs, dead)}; rank {rank} then failed: {message}"
+            )
+        time.sleep(0.02)
+    named = message.startswith(f"rank {rank}:")
+    raise PipelineError(message if named else f"rank {rank} failed: {message}")
+
+
+def _death_message(procs: list, rank: int) -> str:
+    return f"rank {rank} died ({_exit_reason(procs[rank].exitcode)}) without a result"
 
 
 def _exit_reason(code: int) -> str:
@@ -152,10 +185,9 @@ def _stop(procs: list) -> None:
 
 
 def _worker(
-    fn: Callable[..., Any],
+    payload: bytes,
     rank: int,
     n_ranks: int,
-    args: tuple,
     port: int,
     backend: str,
     pg_timeout_s: float,
@@ -177,12 +209,13 @@ def _worker(
             world_size=n_ranks,
             timeout=timedelta(seconds=pg_timeout_s),
         )
+        fn, args = pickle.loads(payload)
         value = fn(rank, n_ranks, *args)
     except BaseException as e:  # report, then exit non-zero
         results_q.put((rank, False, _one_line(e)))
         raise SystemExit(1) from None
     try:
-        results_q.put((rank, True, value))
+        results_q.put((rank, True, pickle.dumps(value)))
     except Exception as e:
         results_q.put((rank, False, f"result not picklable: {_one_line(e)}"))
         raise SystemExit(1) from None

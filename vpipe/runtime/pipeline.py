@@ -117,10 +117,18 @@ class Pipeline:
                 t if len(t) > 1 else t[0]
                 for t in _split(as_tuple(targets, "targets"), n, "targets", self.device)
             ]
-        key = self._input_key(mb_inputs)
-        if key != self._key:
-            self._infer_meta(key)
-            self._key = key
+        try:
+            key = self._input_key(mb_inputs)
+            if key != self._key:
+                self._infer_meta(key)
+                self._key = key
+        except VpipeError:
+            raise
+        except Exception as e:
+            raise PipelineError(
+                f"rank {self.rank}: step {self._step}: exchanging input shapes failed: "
+                f"{type(e).__name__}: {str(e).strip().splitlines()[0] if str(e).strip() else ''}"
+            ) from e
         for st in self.stages.values():
             st.loss_scale = 1.0 / n
         ex = self._executor
