@@ -5,8 +5,9 @@ with the spans the runtime records (``ProfilerStep#N`` > ``PP:STEP:k`` > ``PP:{a
 ``PP:WAIT:{recv}`` at the start of each received input's consumer, inside its span), ``ops_per_action`` nested ``aten::`` CPU ops
 per action and a ``[memory]`` instant event per op, as torch.profiler writes them.
 
-``python -m vpipe.trace.synth [--mb 30]`` writes a ~30 MB two-rank trace to a temp directory
-and prints the end-to-end conversion speed (trace events per second, JSON to event table).
+``python -m vpipe.trace.synth [--mb 30] [--no-memory]`` writes a ~30 MB two-rank trace to a
+temp directory and prints the end-to-end conversion speed (trace events per second, JSON files
+to event and memory tables), with or without ``[memory]`` events.
 """
 
 from __future__ import annotations
@@ -33,9 +34,11 @@ def synthetic_trace(
     steps: Sequence[int] = (0,),
     ops_per_action: int = 2,
     wait_us: float = 3.0,
+    memory_events: bool = True,
     meta: Mapping[str, Any] | None = None,
 ) -> dict[str, Any]:
-    """The Kineto JSON document of rank ``rank`` running ``programs[rank]`` for ``steps``."""
+    """The Kineto JSON document of rank ``rank`` running ``programs[rank]`` for ``steps``
+    (with a ``[memory]`` event per op when ``memory_events``, as ``profile_memory=True``)."""
     events: list[dict[str, Any]] = []
     pid = 1000 + rank
     ts = 10_000.0 + 7.0 * rank  # microseconds since baseTimeNanoseconds; ranks skewed a bit
@@ -67,6 +70,8 @@ def synthetic_trace(
             for j in range(ops_per_action):
                 op_t = t + wait + 0.5 + 3.0 * j
                 span(_OPS[j % len(_OPS)], op_t, 2.5, cat="cpu_op")
+                if not memory_events:
+                    continue
                 events.append(
                     {"ph": "i", "cat": "cpu_instant_event", "s": "t", "name": "[memory]",
                      "pid": pid, "tid": pid, "ts": round(op_t + 0.1, 3),
@@ -106,7 +111,7 @@ def write_synthetic_run(
     return paths
 
 
-def _bench(megabytes: float) -> None:
+def _bench(megabytes: float, memory_events: bool) -> None:
     from vpipe.ir import actions_from_strings
     from vpipe.trace.kineto import convert
 
@@ -117,10 +122,11 @@ def _bench(megabytes: float) -> None:
         ]
     )
     with tempfile.TemporaryDirectory() as tmp:
-        one = write_synthetic_run(tmp, programs, steps=range(1), ops_per_action=40)
+        kw = {"ops_per_action": 40, "memory_events": memory_events}
+        one = write_synthetic_run(tmp, programs, steps=range(1), **kw)
         per_step = sum(p.stat().st_size for p in one)
         n_steps = max(1, round(megabytes * 1e6 / per_step))
-        paths = write_synthetic_run(tmp, programs, steps=range(n_steps), ops_per_action=40)
+        paths = write_synthetic_run(tmp, programs, steps=range(n_steps), **kw)
         size = sum(p.stat().st_size for p in paths)
         t0, c0 = time.perf_counter(), time.process_time()
         trace = convert(paths)
@@ -136,4 +142,6 @@ def _bench(megabytes: float) -> None:
 if __name__ == "__main__":
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--mb", type=float, default=30.0, help="trace size in MB (default 30)")
-    _bench(parser.parse_args().mb)
+    parser.add_argument("--no-memory", action="store_true", help="no [memory] events")
+    args = parser.parse_args()
+    _bench(args.mb, not args.no_memory)
