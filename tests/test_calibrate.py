@@ -29,7 +29,7 @@ def test_round_trip_through_the_simulator():
     one = make_schedule("1f1b", 2, 4)
     ev = simulate(one, block_costs(2)).to_events("cal", one, time_unit_ns=1000)
     cal = calibrate(ev, w_share=W / (I + W))
-    assert cal.f.tolist() == pytest.approx([20, 20]) and cal.overhead == 0
+    assert cal.f.tolist() == pytest.approx([20, 20]) and cal.post == cal.gap == 0
     assert cal.b.tolist() == pytest.approx([0, 16]) and cal.w.tolist() == pytest.approx([28, 12])
     for name in ("zbv", "interleaved-1f1b"):
         sched = make_schedule(name, 2, 4)
@@ -71,7 +71,15 @@ def test_comm_latency_and_overhead_from_measured_spans():
     )
     assert comm_latency_us(ev) == pytest.approx(6.0)  # median of 10 and 2
     cal = calibrate(ev)
-    # rank 0: window 100 - busy 46 - wait 40 = 14 over 2 actions; rank 1: 100-30-44 = 26 / 2
-    assert cal.overhead == pytest.approx(np.median([7, 13]))
+    assert cal.post == pytest.approx(np.median([2, 1]))  # SEND_F 2 us, SEND_B 1 us
+    # uncovered time / actions: rank 0: 100 - (30 + 2 + 40 + 16) = 12 over 3 actions = 4;
+    # rank 1: 100 - (44 + 14 + 16 + 1) = 25 over 3
+    assert cal.gap == pytest.approx(np.median([4, 25 / 3]))
     assert cal.f.tolist() == [30, 14] and cal.w_share == 0.5
     assert cal.b.tolist() == [0, 8] and cal.w.tolist() == [16, 8]
+    # the predicted schedule's ranks carry their posts and gaps on F and I/B
+    sched = make_schedule("1f1b", 2, 1)
+    cm = cal.cost_model(sched)
+    per = (2 * (cal.post + cal.gap) + 4 * cal.gap) / 2  # 0F0 0SEND_F0 0RECV_B0 0B0: 2 carriers
+    assert cm.per_stage[0]["f"] == pytest.approx(30 + per)
+    assert cm.per_stage[1]["b"] == pytest.approx(8 + per) and cm.per_stage[1]["w"] == 8

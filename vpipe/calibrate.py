@@ -9,11 +9,14 @@ F, I, W and B spans, a per-action overhead, and the communication latency:
   a linear layer have equal FLOPs), except on stage 0, whose I has no input gradient to
   compute (the batch needs none), so its whole backward is W (vpipe's runtime measures
   I(0) at well under 1% of W(0)).
-- **Overhead**: a rank's step holds more than its compute and its waits (the executor's own
-  work, posting sends and receives, the loss). Per rank and step, (window - busy - wait) /
-  number of compute actions, median over ranks and steps, is added to every F and I/B cost
-  (W actions get none, so a B costs exactly its measured time plus one overhead). Only runs
-  with WAIT spans (vpipe's runtime) have it; elsewhere idle time and overhead look alike.
+- **Overhead**: a rank's step holds more than compute and waits. Posting a SEND or RECV
+  occupies the rank (the simulator charges nothing for it): ``post`` is the median SEND/RECV
+  span. Between spans the executor's own work leaves gaps: ``gap`` is, per rank and step, the
+  time covered by no span divided by the number of actions (median). For a predicted schedule,
+  each rank's posts and gaps (its lowered program's comm and compute action counts times
+  ``post`` and ``gap``) are spread evenly over its F and I/B actions (W gets none). Only runs
+  with WAIT spans (vpipe's runtime) have these; in other tables idle time and overhead look
+  alike, and both are 0.
 - **Communication**: for each receive the rank waited on, the time from the end of the
   matching SEND on the peer to the end of the wait is one message's latency; the median is the
   cost model's ``comm_latency`` (0 when no wait overlapped a send, e.g. no WAIT spans).
@@ -22,7 +25,7 @@ F, I, W and B spans, a per-action overhead, and the communication latency:
   pieces (MLP blocks, GPT layers) as :func:`vpipe.models.build_model` splits them (contiguous,
   earlier stages take the extra piece); a calibrated stage's cost is shared equally by its
   pieces and a predicted stage costs the sum of its pieces (F, and the whole backward, which is
-  then split as above). Per-action overhead does not scale.
+  then split as above). Overheads are per action and do not scale.
   This is exact for equal blocks; a model with a heavier first or last piece (GPT's embedding
   and head) is approximated.
 
@@ -37,7 +40,7 @@ from typing import Any
 import numpy as np
 import pandas as pd
 
-from vpipe.analysis import COMPUTE_KINDS, rank_metrics, step_metrics
+from vpipe.analysis import COMPUTE_KINDS, KEYS, _union_ns, rank_metrics, step_metrics
 from vpipe.errors import TraceError
 
 US = 1e3  # ns per cost-model time unit
@@ -50,7 +53,8 @@ class Calibration:
     f: np.ndarray
     b: np.ndarray  # input gradient (I)
     w: np.ndarray  # weight gradient (W)
-    overhead: float
+    post: float  # per SEND/RECV action
+    gap: float  # per action
     comm_latency: float
     w_share: float | None  # the assumed W share of B, or None when I and W were measured
     run_id: str = ""
@@ -59,10 +63,12 @@ class Calibration:
     def n_stages(self) -> int:
         return len(self.f)
 
-    def cost_model(self, n_stages: int, n_units: int | None = None) -> Any:
-        """A CostModel for a split of the same model into ``n_stages`` stages."""
+    def cost_model(self, schedule: Any, n_units: int | None = None) -> Any:
+        """A CostModel for ``schedule`` on the same model (split into its stage count)."""
+        from vpipe.passes import lower
         from vpipe.sim import CostModel
 
+        n_stages = schedule.n_stages
         if n_stages == self.n_stages:
             f, b, w = self.f, self.b, self.w
         else:
@@ -71,9 +77,17 @@ class Calibration:
             w = total * self.share_of_w()
             w[0] = total[0]  # the first stage computes no input gradient: all of it is W
             b = total - w
+        extra = np.zeros(n_stages)
+        program = schedule if schedule.is_lowered else lower(schedule)
+        for rank, actions in enumerate(program.actions):
+            parts = [p for a in actions if a.is_compute for p in a.compute_parts()]
+            n_comm = sum(a.is_comm for a in actions)
+            carriers = sum(p.kind.value != "W" for p in parts)
+            if carriers:
+                per = (n_comm * (self.post + self.gap) + len(actions) * self.gap) / carriers
+                extra[program.stages_of(rank)] = per
         per_stage = {
-            s: {"f": f[s] + self.overhead, "b": b[s] + self.overhead, "w": w[s]}
-            for s in range(n_stages)
+            s: {"f": f[s] + extra[s], "b": b[s] + extra[s], "w": w[s]} for s in range(n_stages)
         }
         return CostModel(comm_latency=self.comm_latency, per_stage=per_stage)
 
@@ -90,7 +104,8 @@ class Calibration:
             "f_us": self.f.round(1).tolist(),
             "i_us": self.b.round(1).tolist(),
             "w_us": self.w.round(1).tolist(),
-            "overhead_us": round(self.overhead, 1),
+            "post_us": round(self.post, 1),
+            "gap_us": round(self.gap, 1),
             "comm_latency_us": round(self.comm_latency, 1),
             "w_share": self.w_share,
         }
@@ -143,20 +158,32 @@ def calibrate(events: pd.DataFrame, *, w_share: float = 0.5) -> Calibration:
             measured_iw = False
         else:
             raise TraceError(f"run has neither B nor I and W spans for stage {s}")
-    overhead = 0.0  # without WAIT spans (simulated runs) idle time cannot be told from overhead
+    post = gap = 0.0  # without WAIT spans (simulated runs) idle time looks like overhead
     if (kind == "WAIT").any():
-        r = rank_metrics(events)
-        other = (r["window_s"] - r["busy_s"] - r["comm_wait_s"]).clip(lower=0)
-        overhead = float((other / r["n_compute"].where(r["n_compute"] > 0)).median() * 1e6)
+        post = float(dur_us[kind.isin(["SEND_F", "RECV_F", "SEND_B", "RECV_B"])].median())
+        gap = _gap_per_action_us(ev)
     return Calibration(
         f,
         b,
         w,
-        overhead if np.isfinite(overhead) else 0.0,
+        post if np.isfinite(post) else 0.0,
+        gap,
         comm_latency_us(ev),
         None if measured_iw else w_share,
         str(ev["run_id"].iloc[0]) if len(ev) else "",
     )
+
+
+def _gap_per_action_us(ev: pd.DataFrame) -> float:
+    """Per rank and step: time in the step covered by no span, over the number of actions."""
+    r = rank_metrics(ev).set_index(KEYS)
+    kind = ev["kind"].astype(str)
+    spans = ev[kind != "other"]
+    covered = _union_ns(spans, KEYS) / 1e9
+    n_actions = spans[kind[kind != "other"] != "WAIT"].groupby(KEYS, observed=True).size()
+    gap = (r["window_s"] - covered.reindex(r.index).fillna(0)).clip(lower=0)
+    per = (gap / n_actions.reindex(r.index)).dropna()
+    return float(per.median() * 1e6) if len(per) else 0.0
 
 
 def comm_latency_us(events: pd.DataFrame) -> float:
@@ -207,7 +234,7 @@ def predict(cal: Calibration, schedule: Any, n_units: int | None = None) -> Any:
     """Simulate ``schedule`` with costs calibrated on another run; returns the SimResult."""
     from vpipe.sim import simulate
 
-    return simulate(schedule, cal.cost_model(schedule.n_stages, n_units))
+    return simulate(schedule, cal.cost_model(schedule, n_units))
 
 
 def fidelity_table(

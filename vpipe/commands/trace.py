@@ -240,7 +240,8 @@ def _fidelity(
     d = cal.to_dict()
     head = (
         f"calibrated on {d['run_id']}: F {d['f_us']} us, I {d['i_us']} us, W {d['w_us']} us per "
-        f"stage; overhead {d['overhead_us']} us per action; comm latency {d['comm_latency_us']} us"
+        f"stage; posting {d['post_us']} us per send/recv, gap {d['gap_us']} us per action; "
+        f"comm latency {d['comm_latency_us']} us"
         + (f"; I/W split assumed (W = {d['w_share']} of B)" if d["w_share"] is not None else "")
         + (f"; model in {units} pieces" if units else "")
     )
