@@ -1,7 +1,8 @@
 """Calibrate the simulator from a measured run and predict other schedules (fidelity).
 
-From a measured run's event table :func:`calibrate` takes, per stage, the median duration of
-F, I, W and B spans, a per-action overhead, and the communication latency:
+From a measured run's event table :func:`calibrate` takes, per stage, the median (or, with
+``stat="mean"``, the mean) duration of F, I, W and B spans, per-action overheads, and the
+communication latency:
 
 - **I/W split**: the simulator's full backward costs ``b + w`` (I plus W). When the run has I
   and W spans they give ``b`` and ``w``; when it has only B (1f1b, interleaved-1f1b) the split
@@ -10,9 +11,10 @@ F, I, W and B spans, a per-action overhead, and the communication latency:
   compute (the batch needs none), so its whole backward is W (vpipe's runtime measures
   I(0) at well under 1% of W(0)).
 - **Overhead**: a rank's step holds more than compute and waits. Posting a SEND or RECV
-  occupies the rank (the simulator charges nothing for it): ``post`` is the median SEND/RECV
-  span. Between spans the executor's own work leaves gaps: ``gap`` is, per rank and step, the
-  time covered by no span divided by the number of actions (median). For a predicted schedule,
+  occupies the rank (the simulator charges nothing for it): ``post`` is the mean SEND/RECV
+  span (a total over many actions is what matters, and posting times are heavy-tailed).
+  Between spans the executor's own work leaves gaps: ``gap`` is the time of the steps covered
+  by no span on a rank divided by the number of actions. For a predicted schedule,
   each rank's posts and gaps (its lowered program's comm and compute action counts times
   ``post`` and ``gap``) are spread evenly over its F and I/B actions (W gets none). Only runs
   with WAIT spans (vpipe's runtime) have these; in other tables idle time and overhead look
@@ -133,7 +135,7 @@ def _rescale(per_stage: np.ndarray, n_units: int, n_stages: int) -> np.ndarray:
     return np.array([unit[bounds[i] : bounds[i + 1]].sum() for i in range(n_stages)])
 
 
-def calibrate(events: pd.DataFrame, *, w_share: float = 0.5) -> Calibration:
+def calibrate(events: pd.DataFrame, *, w_share: float = 0.5, stat: str = "median") -> Calibration:
     """Calibrate from one measured run's event table (see the module docstring)."""
     if events.empty:
         raise TraceError("cannot calibrate from an empty event table")
@@ -141,7 +143,9 @@ def calibrate(events: pd.DataFrame, *, w_share: float = 0.5) -> Calibration:
     kind = ev["kind"].astype(str)
     dur_us = (ev["end_ns"] - ev["start_ns"]) / US
     plain = ~ev["name"].astype(str).str.startswith("(")  # overlap parts share one span
-    med = dur_us[plain & kind.isin(COMPUTE_KINDS)].groupby([ev["stage"], kind]).median()
+    if stat not in ("median", "mean"):
+        raise TraceError(f"unknown statistic {stat!r}: use 'median' or 'mean'")
+    med = dur_us[plain & kind.isin(COMPUTE_KINDS)].groupby([ev["stage"], kind]).agg(stat)
     n_stages = int(ev.loc[kind.isin(COMPUTE_KINDS), "stage"].max()) + 1
     f, b, w = np.zeros(n_stages), np.zeros(n_stages), np.zeros(n_stages)
     measured_iw = True
@@ -160,7 +164,7 @@ def calibrate(events: pd.DataFrame, *, w_share: float = 0.5) -> Calibration:
             raise TraceError(f"run has neither B nor I and W spans for stage {s}")
     post = gap = 0.0  # without WAIT spans (simulated runs) idle time looks like overhead
     if (kind == "WAIT").any():
-        post = float(dur_us[kind.isin(["SEND_F", "RECV_F", "SEND_B", "RECV_B"])].median())
+        post = float(dur_us[kind.isin(["SEND_F", "RECV_F", "SEND_B", "RECV_B"])].mean())
         gap = _gap_per_action_us(ev)
     return Calibration(
         f,
@@ -182,8 +186,8 @@ def _gap_per_action_us(ev: pd.DataFrame) -> float:
     covered = _union_ns(spans, KEYS) / 1e9
     n_actions = spans[kind[kind != "other"] != "WAIT"].groupby(KEYS, observed=True).size()
     gap = (r["window_s"] - covered.reindex(r.index).fillna(0)).clip(lower=0)
-    per = (gap / n_actions.reindex(r.index)).dropna()
-    return float(per.median() * 1e6) if len(per) else 0.0
+    n = n_actions.reindex(r.index).fillna(0)
+    return float(gap.sum() / n.sum() * 1e6) if n.sum() else 0.0
 
 
 def comm_latency_us(events: pd.DataFrame) -> float:

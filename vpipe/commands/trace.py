@@ -57,6 +57,12 @@ def register(subparsers: argparse._SubParsersAction) -> None:
         default=0.5,
         help="W's assumed share of a B when the run has no I/W spans (default 0.5)",
     )
+    a.add_argument(
+        "--stat",
+        choices=("median", "mean"),
+        default="median",
+        help="per stage and kind statistic of span durations to calibrate with (default median)",
+    )
     a.set_defaults(func=analyze_command)
 
 
@@ -110,7 +116,12 @@ def _run_columns(meta: dict) -> dict:
 def analyze_command(args: argparse.Namespace) -> int:
     print(
         analyze_report(
-            args.source, run=args.run, predict=args.predict, batch=args.batch, w_share=args.w_share
+            args.source,
+            run=args.run,
+            predict=args.predict,
+            batch=args.batch,
+            w_share=args.w_share,
+            stat=args.stat,
         )
     )
     return 0
@@ -169,6 +180,7 @@ def analyze_report(
     predict: list[str],
     batch: int | None = None,
     w_share: float = 0.5,
+    stat: str = "median",
 ) -> str:
     """The text `vpipe analyze` prints."""
     from vpipe.analysis import kind_durations, summarize
@@ -213,12 +225,12 @@ def analyze_report(
         lines.append("  median span (ms) per stage and kind:")
         lines.extend("    " + ln for ln in table.round(3).to_string().splitlines())
     if predict:
-        lines.extend(_fidelity(source, events, meta, predict, w_share))
+        lines.extend(_fidelity(source, events, meta, predict, w_share, stat))
     return "\n".join(lines)
 
 
 def _fidelity(
-    source: str, events: Any, meta: dict, predict: list[str], w_share: float
+    source: str, events: Any, meta: dict, predict: list[str], w_share: float, stat: str
 ) -> list[str]:
     from vpipe.calibrate import calibrate, fidelity_table, model_units
     from vpipe.schedules import make_schedule
@@ -226,7 +238,7 @@ def _fidelity(
     ranks, mbs = _int(meta.get("ranks")), _int(meta.get("microbatches"))
     if not ranks or not mbs:
         raise TraceError("--predict needs the run's ranks and microbatches in its metadata")
-    cal = calibrate(events, w_share=w_share)
+    cal = calibrate(events, w_share=w_share, stat=stat)
     units = model_units(meta)
     cases = []
     own = str(meta.get("schedule", "unknown"))
@@ -239,7 +251,7 @@ def _fidelity(
     table = fidelity_table(cal, cases, units)
     d = cal.to_dict()
     head = (
-        f"calibrated on {d['run_id']}: F {d['f_us']} us, I {d['i_us']} us, W {d['w_us']} us per "
+        f"calibrated on {d['run_id']} ({stat}s): F {d['f_us']} us, I {d['i_us']} us, W {d['w_us']} us per "
         f"stage; posting {d['post_us']} us per send/recv, gap {d['gap_us']} us per action; "
         f"comm latency {d['comm_latency_us']} us"
         + (f"; I/W split assumed (W = {d['w_share']} of B)" if d["w_share"] is not None else "")
