@@ -650,8 +650,10 @@ def replay(
     e1 = np.where(one, wait, 0)
     n_msg = len(prog.send_op)
     w_so = np.where(one, prog.send_op[e1] if n_msg else -1, np.where(wait == -1, -1, -2))
-    w_ro = np.where(one, prog.recv_op[e1] if n_msg else -1, -1)
     w_c = np.where(one, cost[e1] if n_msg else 0.0, 0.0)
+    # A receive is posted by the end of the previous op, so its post time only matters when
+    # the transfer takes time.
+    w_ro = np.where(one & (w_c > 0), prog.recv_op[e1] if n_msg else -1, -1)
     several = {
         i: [(int(prog.send_op[x]), int(prog.recv_op[x]), float(cost[x])) for x in prog.multi[k]]
         for i, k in ((i, -2 - int(wait[i])) for i in np.flatnonzero(wait < -1).tolist())
@@ -710,7 +712,8 @@ def replay(
             if waiter[i] >= 0:
                 ready.append(waiter[i])
                 waiter[i] = -1
-                ready.extend(extra_waiters.pop(i, ()))
+                if extra_waiters:
+                    ready.extend(extra_waiters.pop(i, ()))
         clocks[r] = t
     stuck = [r for r in range(P) if pending[r] is not None]
     if stuck:
