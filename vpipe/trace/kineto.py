@@ -79,10 +79,10 @@ def trace_files(paths: Iterable[str | os.PathLike[str]]) -> list[Path]:
 
 def _classify(name: str) -> tuple[str, int, int, str, tuple]:
     """(kind, stage, microbatch, row name, overlap parts) of one span name."""
-    if name.startswith("ProfilerStep#"):
-        return _PROF_STEP_MARK, -1, int(name[13:] or 0), "STEP", ()
-    body = name[3:]
-    if body.startswith("STEP:"):
+    if name.startswith("ProfilerStep#") and name[13:].isdigit():
+        return _PROF_STEP_MARK, -1, int(name[13:]), "STEP", ()
+    body = name[3:] if name.startswith("PP:") else name
+    if body.startswith("STEP:") and body[5:].isdigit():
         return _STEP_MARK, -1, int(body[5:]), "STEP", ()
     try:
         if body.startswith("WAIT:"):
@@ -253,8 +253,11 @@ def _memory_rows(
         ),
     ]
     if samples:
-        s = pd.DataFrame(samples)
-        parts.append(s[["t_ns", "bytes", "what"]].astype({"t_ns": "int64", "bytes": "int64"}))
+        try:
+            s = pd.DataFrame(samples)[["t_ns", "bytes", "what"]]
+            parts.append(s.astype({"t_ns": "int64", "bytes": "int64", "what": str}))
+        except (KeyError, TypeError, ValueError) as e:
+            raise TraceError(f"malformed vpipe_samples in the trace metadata: {e!r}") from None
     return pd.concat(parts, ignore_index=True)
 
 
@@ -283,7 +286,10 @@ def convert(
         if rank in ranks:
             raise TraceError(f"{path}: rank {rank} also comes from {ranks[rank]}")
         ranks[rank] = path
-        ev, mem, vpipe_steps = _convert_file(raw, rank)
+        try:
+            ev, mem, vpipe_steps = _convert_file(raw, rank)
+        except TraceError as e:
+            raise TraceError(f"{path}: {e}") from None
         ev_parts.append(ev)
         mem_parts.append(mem)
         meta = raw.header.get("vpipe")
