@@ -1,0 +1,116 @@
+"""``vpipe run``: validation in-process, then a few real runs (local spawn and torchrun)."""
+
+import json
+import re
+import shutil
+import subprocess
+
+import pytest
+import torch
+
+from vpipe.cli import main
+from vpipe.commands.run import check_against_reference, parse_sizes
+from vpipe.errors import VpipeError
+from vpipe.models import build_model
+
+TINY = "d_model=16,d_hidden=32"
+
+
+@pytest.fixture
+def no_spawn(monkeypatch):
+    import vpipe.runtime.launch as launch
+
+    monkeypatch.setattr(launch, "spawn", lambda *a, **k: pytest.fail("a process was spawned"))
+
+
+def test_run_csv_schedule_gpt_with_check_and_profile(tmp_path):
+    """A schedule from a torch-format CSV, local spawn, GPT model, --check and --profile."""
+    from vpipe.passes import lower
+    from vpipe.schedules import make_schedule
+
+    csv = tmp_path / "gpipe2.csv"
+    lower(make_schedule("gpipe", 2, 2)).to_csv(csv)
+    prof = tmp_path / "prof"
+    sizes = "vocab=32,d_model=16,n_heads=2,n_layers=2,seq_len=8"
+    argv = [str(csv), "--batch", "4", "--steps", "3", "--model", "gpt", "--sizes", sizes]
+    # ranks print to the forkserver's stdout, so this in-process run is judged by its exit
+    # status (0: every --check comparison passed) and its files; stdout: the torchrun test
+    assert main(["run", *argv, "--check", "--profile", str(prof)]) == 0
+    for rank in (0, 1):
+        trace = json.loads((prof / f"rank{rank}.json").read_text())
+        names = {e.get("name") for e in trace["traceEvents"]}
+        assert any(str(n).startswith("PP:") for n in names)
+
+
+@pytest.mark.skipif(shutil.which("torchrun") is None, reason="torchrun not on PATH")
+def test_run_under_torchrun_joins_the_job():
+    r = subprocess.run(
+        ["torchrun", "--standalone", "--nproc-per-node", "2", "-m", "vpipe", "run",
+         "dualpipev", "-p", "2", "-m", "4", "--batch", "8", "--steps", "3", "--sizes", TINY,
+         "--check"],
+        capture_output=True, text=True, timeout=180,
+    )  # fmt: skip
+    assert r.returncode == 0, r.stderr[-3000:]
+    steps = re.findall(r"^step (\d+): ([\d.]+) ms  loss ([\d.]+)$", r.stdout, re.M)
+    assert [s[0] for s in steps] == ["0", "1", "2"], r.stdout
+    assert len({s[2] for s in steps}) == 1  # same batch and parameters: same loss every step
+    assert re.search(r"check: OK \(\d+ comparisons", r.stdout)
+    summary = r"summary: dualpipev impl=vpipe ranks=2 stages=4 microbatches=4 .* samples/s"
+    assert re.search(summary, r.stdout), r.stdout
+
+
+def test_check_reports_a_wrong_gradient_by_stage_and_parameter():
+    model = build_model("mlp", 2, d_model=8, d_hidden=8, n_blocks=2)
+    reference = model.reference_model()
+    x, y = model.make_batch(4)
+    out = model.stages[1](model.stages[0](x))
+    losses = [model.loss_fn(o, t) for o, t in zip(out.chunk(2), y.chunk(2), strict=True)]
+    (sum(losses) / 2).backward()
+    cpu = torch.device("cpu")
+    found = check_against_reference(reference, model, [0, 1], losses, x, y, 2, 1e-5, cpu)
+    assert found and all(f["ok"] for f in found)
+    model = build_model("mlp", 2, d_model=8, d_hidden=8, n_blocks=2)
+    reference = model.reference_model()
+    out = model.stages[1](model.stages[0](x))
+    losses = [model.loss_fn(o, t) for o, t in zip(out.chunk(2), y.chunk(2), strict=True)]
+    (sum(losses) / 2).backward()
+    model.stages[1].pieces[0].fc2.weight.grad[0, 0] += 1e-3
+    found = check_against_reference(reference, model, [0, 1], losses, x, y, 2, 1e-5, cpu)
+    bad = [f for f in found if not f["ok"]]
+    assert [f["where"] for f in bad] == ["stage 1 parameter pieces.0.fc2.weight"]
+    assert bad[0]["err"] > 1e-5
+
+
+def test_check_failure_is_loud(capsys):
+    from vpipe.commands.run import _print_check
+
+    good = {"where": "losses", "what": "per-microbatch losses", "err": 0.0, "ok": True}
+    bad = {"where": "stage 3 parameter pieces.0.fc1.bias", "what": "gradient", "err": 0.25}
+    bad["ok"] = False
+    _print_check([(0, [good]), (1, [bad])], [(1, bad)])
+    err = capsys.readouterr().err
+    assert "MISMATCH rank 1 stage 3 parameter pieces.0.fc1.bias" in err
+    assert "2.500e-01" in err and "FAILED (1 of 2 comparisons)" in err
+
+
+def test_validation_errors_before_spawn(no_spawn, capsys):
+    cases = [
+        (["zbv", "-p", "2", "-m", "4", "--batch", "6"], "does not split into 4"),
+        (["zbv", "-p", "2"], "needs --ranks and --microbatches"),
+        (["zbv", "-p", "2", "-m", "4", "--batch", "8", "--sizes", "n_blocks=2"], "cannot split"),
+        (["zbv", "-p", "2", "-m", "4", "--batch", "8", "--sizes", "depth"], "NAME=INT"),
+        (["gpipe", "-p", "2", "-m", "2", "--batch", "4", "--impl", "torch", "-v", "2"], "stage"),
+        (["zbv", "-p", "0", "-m", "4"], "--ranks must be >= 1"),
+    ]
+    for argv, message in cases:
+        assert main(["run", *argv]) == 2, argv
+        err = capsys.readouterr().err
+        assert message in err, (argv, err)
+        assert err.count("\n") == 1, err  # one line, no traceback
+
+
+def test_parse_sizes():
+    assert parse_sizes("d_model=64, n_blocks=8") == {"d_model": 64, "n_blocks": 8}
+    assert parse_sizes("") == {}
+    with pytest.raises(VpipeError, match="NAME=INT"):
+        parse_sizes("d_model=-1")
