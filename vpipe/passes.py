@@ -47,7 +47,18 @@ import numpy as np
 
 from vpipe.ir import Action, Kind, Schedule, ScheduleError, format_action
 
-__all__ = ["lower", "validate", "Flat", "Program", "flatten", "compile_program", "replay"]
+__all__ = [
+    "lower",
+    "validate",
+    "CommPlan",
+    "Flat",
+    "Program",
+    "check_static",
+    "compile_program",
+    "flatten",
+    "plan_comm",
+    "replay",
+]
 
 _F, _B, _I, _W = Kind.F, Kind.B, Kind.I, Kind.W
 _SF, _RF, _SB, _RB = Kind.SEND_F, Kind.RECV_F, Kind.SEND_B, Kind.RECV_B
