@@ -187,9 +187,7 @@ def analyze_report(
 
     events, memory, meta = _load(source, run)
     batch = batch or _int(meta.get("batch"))
-    tps = _int(meta.get("tokens_per_sample")) or (
-        _int(meta.get("seq_len")) if meta.get("model") == "gpt" else None
-    )
+    tps = _int(meta.get("tokens_per_sample")) or _gpt_seq_len(meta)
     s = summarize(events, memory, batch=batch, tokens_per_sample=tps)
     run_id = str(meta.get("run_id") or (events["run_id"].iloc[0] if len(events) else "?"))
     desc = ", ".join(
@@ -258,6 +256,18 @@ def _fidelity(
         + (f"; model in {units} pieces" if units else "")
     )
     return ["", head, table.to_string(index=False, float_format=lambda x: f"{x:.3f}")]
+
+
+def _gpt_seq_len(meta: dict) -> int | None:
+    """Tokens per sample of a GPT run (its seq_len), else None."""
+    if meta.get("model") != "gpt":
+        return None
+    sizes = meta.get("sizes") if isinstance(meta.get("sizes"), dict) else {}
+    if "seq_len" in sizes:
+        return _int(sizes["seq_len"])
+    from vpipe.models import DEFAULT_SIZES
+
+    return DEFAULT_SIZES["gpt"]["seq_len"]
 
 
 def _int(v: Any) -> int | None:
