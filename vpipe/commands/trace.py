@@ -4,6 +4,7 @@ measured run, and simulator predictions calibrated from it, side by side with th
 from __future__ import annotations
 
 import argparse
+import json
 import time
 from pathlib import Path
 from typing import Any
@@ -69,7 +70,7 @@ def register(subparsers: argparse._SubParsersAction) -> None:
 def trace_command(args: argparse.Namespace) -> int:
     from vpipe.analysis import summarize
     from vpipe.trace.kineto import convert
-    from vpipe.trace.store import Store, write_parquet
+    from vpipe.trace.store import Store, meta_columns, write_parquet
 
     if not args.output and not args.store:
         raise TraceError("nothing to write: give -o OUT and/or --store ROOT")
@@ -83,7 +84,7 @@ def trace_command(args: argparse.Namespace) -> int:
         write_parquet(tr.memory, memory_path(out), {"table": "memory", **meta})
     if args.store:
         batch = args.batch or meta.get("batch")
-        row = {**_run_columns(meta), "source": "measured", "status": "ok"}
+        row = {**meta_columns(meta), "source": "measured", "status": "ok"}
         row.update(
             summarize(
                 tr.events, tr.memory, batch=batch, tokens_per_sample=meta.get("tokens_per_sample")
@@ -103,14 +104,6 @@ def memory_path(events_path: Path) -> Path:
     """Where ``vpipe trace -o OUT`` puts the memory table: OUT with ``.memory.parquet``."""
     name = events_path.name.removesuffix(".parquet")
     return events_path.with_name(f"{name}.memory.parquet")
-
-
-def _run_columns(meta: dict) -> dict:
-    from vpipe.trace.store import RUN_COLUMNS
-
-    out = {k: meta[k] for k in RUN_COLUMNS if k in meta}
-    out["run_id"] = meta["run_id"]
-    return out
 
 
 def analyze_command(args: argparse.Namespace) -> int:
@@ -146,6 +139,8 @@ def _load(source: str, run: str | None) -> tuple[Any, Any, dict]:
         if row.empty:
             raise TraceError(f"{path}: no run {run!r} in the store")
         meta = {k: v for k, v in row.iloc[0].items() if not pd.isna(v)}
+        if isinstance(meta.get("sizes"), str):
+            meta["sizes"] = json.loads(meta["sizes"])
         return store.events([run]), store.memory([run]), meta
     if path.suffix == ".parquet":
         events, meta = read_parquet(path)

@@ -109,11 +109,11 @@ def store_runs(
 ) -> Path:
     """Append each schedule's run, with its metrics, to ``OUT/store``."""
     from vpipe.analysis import summarize
-    from vpipe.trace.store import RUN_COLUMNS, Store
+    from vpipe.trace.store import Store, meta_columns
 
     store = Store(Path(spec.out_dir) / "store")
     for events, memory, meta in tables.values():
-        row = {k: v for k, v in meta.items() if k in RUN_COLUMNS}
+        row = meta_columns(meta)
         row.update(source="measured", status="ok", rounds=spec.rounds)
         row.update(
             summarize(

@@ -146,6 +146,17 @@ def runs_frame(
     return df[list(RUN_COLUMNS) + extra]
 
 
+def meta_columns(meta: Mapping[str, Any]) -> dict[str, Any]:
+    """Run metadata as runs-table columns: scalars as they are, nested values as JSON text."""
+    out: dict[str, Any] = {}
+    for k, v in meta.items():
+        if isinstance(v, (dict, list, tuple)):
+            out[k] = json.dumps(v, default=str)
+        elif v is None or isinstance(v, (str, int, float, bool)):
+            out[k] = v
+    return out
+
+
 class Store:
     """A results directory; see the module docstring for the layout and guarantees."""
 
