@@ -43,18 +43,22 @@ def test_saved_tensor_meter_counts_activations_until_backward():
 
     lin = torch.nn.Linear(64, 64)
     x = torch.randn(32, 64)
-    meter = SavedTensorMeter()
+    meter = SavedTensorMeter(exclude=lin.parameters())
     with meter.hooks():
         h = torch.relu(lin(x))
         y = torch.tanh(lin(h)).sum()
-    # at least the two saved activations (relu output, tanh output) of 32x64 float32
-    assert meter.peak >= 2 * 32 * 64 * 4
-    assert meter.live > 0
+    # saved: x (for the weight gradient), relu's output (also lin's second input: one storage)
+    # and tanh's output, 32x64 float32 each; the weight and its transposed view are excluded
+    assert meter.peak == meter.live == 3 * 32 * 64 * 4
     y.backward()
     del y, h
     assert meter.live == 0
     assert lin.weight.grad is not None
-    assert meter.samples[-1][1] == 0 and len(meter.samples) >= 3
+    assert meter.samples[-1][1] == 0 and len(meter.samples) >= 6
+    with_params = SavedTensorMeter()
+    with with_params.hooks():
+        torch.tanh(lin(x.requires_grad_())).sum()
+    assert with_params.peak == 2 * 32 * 64 * 4 + 64 * 64 * 4  # x, tanh output, the weight
 
 
 def test_quick_sweep_writes_store_plots_and_report(tmp_path, capsys):

@@ -20,7 +20,7 @@ import socket
 import sys
 import tempfile
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterable, Sequence
 from dataclasses import asdict, dataclass, field, replace
 from pathlib import Path
 from typing import Any
@@ -30,6 +30,8 @@ from vpipe.errors import VpipeError
 DEFAULT_SCHEDULES = ("1f1b", "interleaved-1f1b", "zb-h1", "zbv", "dualpipev")
 QUICK_SCHEDULES = ("interleaved-1f1b", "zbv")
 IMPLS = ("vpipe", "torch")
+# Smaller than the models' defaults so that the default sweep takes about a minute on 2 cores.
+BENCH_SIZES = {"mlp": {"d_model": 256, "d_hidden": 1024}}
 
 
 class BenchError(VpipeError, ValueError):
@@ -64,7 +66,7 @@ class SweepSpec:
     impls: tuple[str, ...] = IMPLS
     warmup: int = 2
     steps: int = 3
-    rounds: int = 4
+    rounds: int = 3
     profile: bool = True
     seed: int = 0
     trace_dir: str | None = None
@@ -167,12 +169,14 @@ class _Progress:
 class SavedTensorMeter:
     """Live bytes of tensors autograd saved for backward (activations), and their peak.
 
-    Parameters are not counted; a storage saved several times counts once. A packed tensor is
+    Parameters given as ``exclude`` (and views of them) are not counted; a storage saved several times counts once. A packed tensor is
     released when autograd frees the node that saved it (after its backward or weight-gradient
     computation), so the peak includes activations held for a deferred W.
     """
 
-    def __init__(self) -> None:
+    def __init__(self, exclude: Iterable[Any] = ()) -> None:
+        # storages of parameters (and views of them, e.g. a transposed weight) are not counted
+        self._exclude = {t.untyped_storage().data_ptr() for t in exclude}
         self.live = 0
         self.peak = 0
         self.samples: list[tuple[int, int]] = []
@@ -213,7 +217,8 @@ class SavedTensorMeter:
                 meter._drop(self.key)
 
         def pack(t: Any) -> Any:
-            if isinstance(t, torch.nn.Parameter) or t.untyped_storage().nbytes() == 0:
+            storage = t.untyped_storage()
+            if storage.nbytes() == 0 or storage.data_ptr() in meter._exclude:
                 return t
             return _Held(t)
 
@@ -241,7 +246,7 @@ def _sizes_for(spec: SweepSpec, max_stages: int) -> dict[str, int]:
     """Model sizes fixed across the sweep, so every schedule splits the same model."""
     from vpipe.models import DEFAULT_SIZES
 
-    sizes = dict(DEFAULT_SIZES[spec.model]) if spec.model in DEFAULT_SIZES else {}
+    sizes = {**DEFAULT_SIZES.get(spec.model, {}), **BENCH_SIZES.get(spec.model, {})}
     for key, need in (("n_blocks", max_stages), ("n_layers", max_stages - 2)):
         if key in sizes:
             sizes[key] = max(sizes[key], need)
@@ -348,7 +353,7 @@ def _memory_config(runner: _Runner, cuda: bool) -> dict[str, Any]:
     import torch
     import torch.distributed as dist
 
-    meter = SavedTensorMeter()
+    meter = SavedTensorMeter(exclude=runner.params)
     if cuda:
         torch.cuda.reset_peak_memory_stats()
     dist.barrier()

@@ -206,9 +206,10 @@ def collect(
         ev = _config_events(results, cfg, run_id)
         events[run_id] = ev
         memory[run_id] = _config_memory(results, cfg, run_id)
-        if len(ev):
+        traced = has_actions(ev)  # torch's single-stage classes record no per-action spans
+        if traced:
             row.update(_measured_metrics(ev))
-        if len(ev) and simulate:
+        if traced and simulate:
             sim_row, sim_ev = simulate_config(spec, cfg, ev, f"{run_id}-sim")
             row["sim_step_time_s"] = sim_row["step_time_s"]
             row["sim_error"] = sim_row["step_time_s"] / row["profiled_step_time_s"] - 1
@@ -226,7 +227,7 @@ def collect(
                 }
             )
             events[f"{run_id}-sim"] = sim_ev
-        runs.insert(len(runs) - (1 if len(ev) and simulate else 0), row)
+        runs.insert(len(runs) - (1 if traced and simulate else 0), row)
     from vpipe.trace.store import runs_frame
 
     return BenchResults(
@@ -239,6 +240,11 @@ def collect(
         events,
         memory,
     )
+
+
+def has_actions(events: pd.DataFrame) -> bool:
+    """Whether an event table holds compute spans (F, B, I, W) to analyse."""
+    return bool(events["kind"].isin(["F", "B", "I", "W"]).any())
 
 
 def simulate_config(
@@ -320,8 +326,11 @@ def report_sections(res: BenchResults) -> list[Section]:
             summary_table(runs),
             "step time: slowest rank, median over interleaved timed steps (IQR shown); peak: "
             "bytes of tensors saved for backward, max over ranks; bubble: idle/(idle+busy) per rank "
-            "over the whole profiled step, mean over ranks; sim: simulator calibrated from this "
-            "config's profiled step, error vs that step.",
+            "over the whole profiled step (1 - total busy / total window over ranks); sim: simulator "
+            "calibrated from this "
+            "config's profiled step, error vs that step. torch's single-stage schedule classes (gpipe, "
+            "1f1b) record no per-action profiler spans, so they have no bubble, timeline or "
+            "simulation.",
         )
     )
     vv = v_vs_baseline(runs)
@@ -366,30 +375,30 @@ def _timeline_sections(res: BenchResults) -> list[Section]:
         "One profiled step per config; simulated with the calibrated cost model.",
     )
     mem = Section(f"Memory over time (M={m})")
+    mems = []
     for sched in schedule_order(runs["schedule"].unique()):
         panels = []
         for impl in ("vpipe", "torch"):
             rid = f"{res.bench_id}-{sched}-m{m}-{impl}"
             ev = res.events.get(rid)
-            if ev is not None and len(ev):
+            if ev is not None and has_actions(ev):
                 panels.append((f"{sched} {impl} measured", _one_step(ev)))
         sim = res.events.get(f"{res.bench_id}-{sched}-m{m}-vpipe-sim")
         if sim is not None and len(sim):
             panels.append((f"{sched} simulated (vpipe costs)", sim))
         if panels:
             gantt.images[f"Gantt {sched} M={m}"] = to_png(plot_gantt(panels))
-        mems = [
-            res.memory.get(f"{res.bench_id}-{sched}-m{m}-{impl}") for impl in ("vpipe", "torch")
-        ]
-        mems = [x for x in mems if x is not None and len(x)]
-        if mems:
-            mem.images[f"Saved activations over time {sched} M={m}"] = to_png(
-                plot_memory_timeline(
-                    pd.concat(mems, ignore_index=True),
-                    f"{sched}: saved-activation bytes during one step "
-                    "(one panel per implementation)",
-                )
+        for impl in ("vpipe", "torch"):
+            x = res.memory.get(f"{res.bench_id}-{sched}-m{m}-{impl}")
+            if x is not None and len(x):
+                mems.append(x.assign(label=f"{sched} {impl}"))
+    if mems:
+        mem.images[f"Saved activations over time M={m}"] = to_png(
+            plot_memory_timeline(
+                pd.concat(mems, ignore_index=True),
+                "Bytes saved for backward during one step, per rank",
             )
+        )
     return [s for s in (gantt, mem) if s.images]
 
 

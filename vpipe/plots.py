@@ -24,6 +24,7 @@ from matplotlib.patches import Patch  # noqa: E402
 SCHEDULE_ORDER = ("gpipe", "1f1b", "interleaved-1f1b", "looped-bfs", "zb-h1", "zbv", "dualpipev")
 BASELINE = "interleaved-1f1b"
 IMPL_ORDER = ("vpipe", "torch")
+COMPUTE = ("F", "B", "I", "W")
 
 KIND_COLORS = {
     "F": "#4c72b0",
@@ -54,7 +55,7 @@ def _impl_order(names: Sequence[str]) -> list[str]:
 def to_png(fig: Figure, dpi: int = 80) -> bytes:
     """Render a figure to PNG bytes and close it."""
     buf = io.BytesIO()
-    fig.savefig(buf, format="png", dpi=dpi, bbox_inches="tight")
+    fig.savefig(buf, format="png", dpi=dpi)
     plt.close(fig)
     return buf.getvalue()
 
@@ -103,6 +104,7 @@ def plot_throughput(steps: pd.DataFrame) -> Figure:
         ax.set_ylabel("samples/s (median, IQR)")
         ax.tick_params(axis="x", rotation=30)
     fig.suptitle("Throughput (higher is better)")
+    fig.tight_layout()
     return fig
 
 
@@ -123,6 +125,7 @@ def plot_memory(ranks: pd.DataFrame, column: str = "peak_bytes") -> Figure:
         ax.set_ylabel("peak activation MiB (max over ranks; dots: ranks)")
         ax.tick_params(axis="x", rotation=30)
     fig.suptitle("Peak memory (lower is better)")
+    fig.tight_layout()
     return fig
 
 
@@ -137,15 +140,15 @@ def _gantt(ax, events: pd.DataFrame, title: str, unit: str = "ms") -> None:
                 ((s - t0) / scale, (e - s) / scale)
                 for s, e in zip(g.start_ns, g.end_ns, strict=True)
             ]
-            ax.broken_barh(
-                spans, (rank - 0.4, 0.8), facecolors=color, edgecolors="white", linewidth=0.3
-            )
-    compute = events[events["kind"].isin(["F", "B", "I", "W"])]
-    if len(compute) <= 120:
+            # compute on the main bar; comm and waits on a thin strip below, so they never hide it
+            lane = (rank - 0.4, 0.55) if str(kind) in COMPUTE else (rank + 0.2, 0.2)
+            ax.broken_barh(spans, lane, facecolors=color, edgecolors="white", linewidth=0.3)
+    compute = events[events["kind"].isin(COMPUTE)]
+    if len(compute) <= 64:  # labels stay legible (and cheap to draw) only for short programs
         for r in compute.itertuples():
             ax.text(
                 (r.start_ns + r.end_ns) / 2 / scale - t0 / scale,
-                r.rank,
+                r.rank - 0.125,
                 str(r.name),
                 ha="center",
                 va="center",
@@ -162,6 +165,7 @@ def _gantt(ax, events: pd.DataFrame, title: str, unit: str = "ms") -> None:
 
 def plot_gantt(panels: Sequence[tuple[str, pd.DataFrame]], unit: str = "ms") -> Figure:
     """Per-rank timelines side by side, one panel per (title, events of one step)."""
+    panels = [(t, e[e["kind"] != "other"]) for t, e in panels]  # step spans would cover all
     fig, axes = plt.subplots(
         1,
         len(panels),
@@ -178,41 +182,41 @@ def plot_gantt(panels: Sequence[tuple[str, pd.DataFrame]], unit: str = "ms") -> 
         key=lambda k: list(KIND_COLORS).index(k) if k in KIND_COLORS else 99,
     )
     handles = [Patch(color=KIND_COLORS.get(k, "#999999"), label=k) for k in kinds]
-    fig.legend(
-        handles=handles,
-        loc="lower center",
-        ncol=len(handles),
-        fontsize=7,
-        bbox_to_anchor=(0.5, -0.08),
-    )
-    fig.tight_layout()
+    fig.legend(handles=handles, loc="upper center", ncol=len(handles), fontsize=7)
+    fig.tight_layout(rect=(0, 0, 1, 0.88))
     return fig
 
 
 def plot_memory_timeline(memory: pd.DataFrame, title: str = "") -> Figure:
-    """Memory over time: one line per rank, one panel per run (time from its first sample)."""
+    """Memory over time: one panel per run (rows: ``label`` column if present, else run_id),
+    one step line per rank, time from the run's first sample."""
     d = memory.copy()
     d["ms"] = (d["t_ns"] - d.groupby("run_id", observed=True)["t_ns"].transform("min")) / 1e6
     d["MiB"] = d["bytes"] / 2**20
-    d["rank"] = d["rank"].astype(str)
-    run_ids = list(dict.fromkeys(d["run_id"].astype(str)))
-    fig, axes = _facets(len(run_ids), width=5.0, height=3.0)
-    for ax, rid in zip(axes, run_ids, strict=True):
-        sub = d[d["run_id"].astype(str) == rid]
-        style = "what" if sub["what"].nunique() > 1 else None
-        sns.lineplot(
-            data=sub,
-            x="ms",
-            y="MiB",
-            hue="rank",
-            style=style,
-            drawstyle="steps-post",
-            estimator=None,
-            ax=ax,
-        )
-        ax.set_xlabel("time in step (ms)")
-        ax.set_ylabel("MiB")
-        ax.set_title(rid.rsplit("-", 1)[-1] if len(run_ids) > 1 else rid, fontsize=8)
+    labels = d["label"].astype(str) if "label" in d.columns else d["run_id"].astype(str)
+    order = list(dict.fromkeys(labels))
+    ncols = min(2, len(order))
+    nrows = -(-len(order) // ncols)
+    fig, axes = plt.subplots(
+        nrows, ncols, figsize=(5.5 * ncols, 2.4 * nrows), squeeze=False, sharey=True
+    )
+    palette = sns.color_palette(n_colors=max(2, int(d["rank"].max()) + 1))
+    for ax, label in zip(axes.flat, order, strict=False):
+        sub = d[labels == label]
+        for (rank, what), g in sub.groupby(["rank", "what"], observed=True):
+            ax.step(
+                g["ms"],
+                g["MiB"],
+                where="post",
+                color=palette[int(rank)],
+                label=f"rank {rank}" + (f" {what}" if sub["what"].nunique() > 1 else ""),
+            )
+        ax.set_title(label, fontsize=8)
+        ax.set_xlabel("time in step (ms)", fontsize=8)
+        ax.set_ylabel("MiB", fontsize=8)
+        ax.legend(fontsize=6, loc="upper right")
+    for ax in list(axes.flat)[len(order) :]:
+        ax.set_visible(False)
     fig.suptitle(title or "Memory over time", fontsize=9)
     fig.tight_layout()
     return fig

@@ -51,7 +51,8 @@ def register(subparsers: argparse._SubParsersAction) -> None:
         "--sizes",
         type=_sizes,
         default={},
-        help="model sizes, e.g. d_model=256,d_hidden=1024,n_blocks=4",
+        help="model sizes, e.g. d_model=512,d_hidden=2048,n_blocks=4 (default for mlp: "
+        "d_model=256,d_hidden=1024; n_blocks/n_layers grow to the largest stage count)",
     )
     p.add_argument("--batch", type=int, default=32, help="samples per step (default 32)")
     p.add_argument(
@@ -66,7 +67,7 @@ def register(subparsers: argparse._SubParsersAction) -> None:
         "--steps", type=int, default=3, help="timed steps per config per round (default 3)"
     )
     p.add_argument(
-        "--rounds", type=int, default=4, help="interleaved rounds over all configs (default 4)"
+        "--rounds", type=int, default=3, help="interleaved rounds over all configs (default 3)"
     )
     p.add_argument(
         "--no-profile",
