@@ -124,18 +124,39 @@ def _jobs(n_ranks: int) -> list[tuple[Schedule, str, list]]:
     ]
 
 
-def run_jobs(rank: int, n_ranks: int, jobs: list) -> list[dict]:
-    """Worker (spawned, or in-process for P=1): every job on this rank; their last stats."""
-    return [check_config(sched, model, rank, steps) for sched, model, steps in jobs]
+def run_jobs(rank: int, n_ranks: int, jobs: list) -> tuple[list[dict], list[str]]:
+    """Worker (spawned, or in-process for P=1): every job on this rank; their last stats, and
+    the span names of two profiled zbv steps."""
+    stats = [check_config(sched, model, rank, steps) for sched, model, steps in jobs]
+    return stats, profiled_spans(rank, n_ranks)
+
+
+def profiled_spans(rank: int, n_ranks: int) -> list[str]:
+    """The PP: span names recorded by torch.profiler over a pipeline's second step."""
+    sched = make_schedule("zbv", n_ranks, 2)
+    bm = _build("mlp", sched.n_stages)
+    mine = sched.stages_of(rank)
+    pipe = Pipeline(sched, {s: bm.stages[s] for s in mine}, bm.loss_fn)
+    x, y = _batch(bm, 4, 0)
+    args = (x if 0 in mine else None, y if sched.loss_stage in mine else None)
+    pipe.step(*args)
+    with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU]) as prof:
+        pipe.step(*args)
+    return sorted({e.name for e in prof.events() if e.name.startswith("PP:")})
 
 
 def _check_results(results: list, n_ranks: int, n_jobs: int) -> None:
     assert len(results) == n_ranks
-    for per_rank in results:
+    sched = lower(make_schedule("zbv", n_ranks, 2))
+    for rank, (per_rank, spans) in enumerate(results):
         assert len(per_rank) == n_jobs
         for stats in per_rank:
             assert stats["peak_live_activations"] >= 1
             assert stats["step_time_s"] > 0
+        # One span per action, the step span (second step: k=1), and waits on receives.
+        want = {f"PP:{a}" for a in sched.actions[rank]} | {"PP:STEP:1"}
+        want |= {f"PP:WAIT:{a}" for a in sched.actions[rank] if a.kind.name.startswith("RECV")}
+        assert set(spans) == want, (rank, sorted(set(spans) ^ want))
 
 
 @pytest.fixture(autouse=True)

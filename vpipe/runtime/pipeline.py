@@ -142,6 +142,8 @@ class Pipeline:
         if left:
             ex.reset()
             raise PipelineError(f"rank {self.rank}: the program left {left} stashed values behind")
+        if self.device.type == "cuda":
+            torch.cuda.synchronize(self.device)  # step_time_s covers the GPU work too
         self._step += 1
         self.stats = {
             "peak_live_activations": ex.peak_live,
