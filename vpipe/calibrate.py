@@ -245,9 +245,18 @@ def fidelity_table(
     cal: Calibration,
     cases: list[tuple[str, Any, pd.DataFrame | None]],
     n_units: int | None = None,
+    calibration_events: pd.DataFrame | None = None,
+    **calibrate_kw: Any,
 ) -> pd.DataFrame:
     """Measured vs predicted step time and bubble ratio for (label, schedule, measured events)
-    cases; error = predicted / measured - 1."""
+    cases; ``error`` = predicted / measured - 1 of the medians over steps.
+
+    With ``calibration_events``, also ``paired_error``: for every step number present in both
+    the calibration run and a case's run, calibrate on that step alone, predict, and compare
+    with the case's same step; the median over steps. Runs recorded interleaved (step k of
+    every schedule in the same round, as :mod:`vpipe.trace.profile_run` does) then share the
+    machine's state within a pair, which cancels most of the load noise of a shared machine.
+    """
     rows = []
     for label, schedule, measured in cases:
         sim = predict(cal, schedule, n_units)
@@ -265,5 +274,21 @@ def fidelity_table(
             row["measured_iqr_ms"] = f"{q1:.2f}-{q3:.2f}"
             row["measured_bubble"] = float(m["bubble_ratio"].median())
             row["error"] = row["predicted_step_ms"] / row["measured_step_ms"] - 1
+            if calibration_events is not None:
+                row["paired_error"], row["pairs"] = _paired_error(
+                    calibration_events, schedule, m, n_units, calibrate_kw
+                )
         rows.append(row)
     return pd.DataFrame(rows)
+
+
+def _paired_error(
+    cal_events: pd.DataFrame, schedule: Any, measured: pd.DataFrame, n_units: int | None, kw: dict
+) -> tuple[float, int]:
+    errors = []
+    by_step = measured.set_index("step")["step_time_s"]
+    for step, ev in cal_events[cal_events["step"] >= 0].groupby("step"):
+        if step in by_step.index:
+            made = predict(calibrate(ev, **kw), schedule, n_units).makespan * US / 1e9
+            errors.append(made / by_step[step] - 1)
+    return (float(np.median(errors)) if errors else float("nan")), len(errors)

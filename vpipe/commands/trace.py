@@ -241,7 +241,7 @@ def _fidelity(
         name, _, trace = item.partition("=")
         measured = _load(trace, None)[0] if trace else _counterpart(source, meta, name)
         cases.append((name, make_schedule(name, ranks, mbs), measured))
-    table = fidelity_table(cal, cases, units)
+    table = fidelity_table(cal, cases, units, events, w_share=w_share, stat=stat)
     d = cal.to_dict()
     head = (
         f"calibrated on {d['run_id']} ({stat}s): F {d['f_us']} us, I {d['i_us']} us, W {d['w_us']} us per "
