@@ -41,10 +41,14 @@ def test_round_trip_through_the_simulator():
     assert cal2.share_of_w() == pytest.approx(W / (I + W))
     truth = simulate(make_schedule("zbv", 2, 4), block_costs(4)).makespan
     assert predict(cal2, make_schedule("zbv", 2, 4), n_units=4).makespan == pytest.approx(truth)
-    table = fidelity_table(cal, [("zbv", make_schedule("zbv", 2, 4), None)], 4)
+    zbv = make_schedule("zbv", 2, 4)
+    truth_ev = simulate(zbv, block_costs(4)).to_events("zbv", zbv)
+    table = fidelity_table(cal, [("zbv", zbv, truth_ev)], 4, ev, w_share=W / (I + W))
     assert table.loc[0, "predicted_step_ms"] == pytest.approx(
-        simulate(make_schedule("zbv", 2, 4), block_costs(4)).makespan / 1e3
+        simulate(zbv, block_costs(4)).makespan / 1e3
     )
+    assert table.loc[0, "error"] == pytest.approx(0, abs=1e-9)
+    assert table.loc[0, "paired_error"] == pytest.approx(0, abs=1e-9) and table.loc[0, "pairs"] == 1
 
 
 def row(rank, kind, name, start, end, stage=0, mb=0):
