@@ -86,6 +86,7 @@ class Pipeline:
             self.device,
         )
         self._key: tuple[TensorMeta, ...] | None = None
+        self._key_work: Any = None
         self._step = 0
         self.stats: dict[str, float] = {}
 
@@ -135,6 +136,7 @@ class Pipeline:
         ex.profiling = profiling
         try:
             losses = ex.run(mb_inputs, mb_targets, n)
+            self._finish_key_broadcast()
         except VpipeError:
             ex.reset()
             raise
@@ -154,14 +156,32 @@ class Pipeline:
 
     # -- shapes ------------------------------------------------------------------------------
     def _input_key(self, mb_inputs: list[tuple[torch.Tensor, ...]]) -> tuple[TensorMeta, ...]:
-        """Microbatch input metadata, agreed by all ranks (broadcast from stage 0's rank)."""
+        """Microbatch input metadata, agreed by all ranks: broadcast from stage 0's rank every
+        step (other ranks cannot know the batch shape). The source does not wait for it; the
+        others need it before their first receive anyway."""
         key = meta_of(mb_inputs[0]) if mb_inputs else None
         if self.comm is None:
             return key
         words = torch.tensor(encode(key) if key is not None else [0] * META_LEN, dtype=torch.int64)
         words = words.to(self.device)
-        dist.broadcast(words, group=self.comm.group, group_src=self.schedule.placement[0])
+        src = self.schedule.placement[0]
+        work = dist.broadcast(words, group=self.comm.group, group_src=src, async_op=True)
+        if self.rank == src:
+            self._key_work = work  # completed at the end of the step
+            return key
+        work.wait()
         return decode(words.tolist())
+
+    def _finish_key_broadcast(self) -> None:
+        work, self._key_work = self._key_work, None
+        if work is not None:
+            try:
+                work.wait()
+            except Exception as e:
+                raise PipelineError(
+                    f"rank {self.rank}: step {self._step}: broadcasting the input shape failed: "
+                    f"{type(e).__name__}: {str(e).strip().splitlines()[0] if str(e).strip() else ''}"
+                ) from e
 
     def _infer_meta(self, first: tuple[TensorMeta, ...]) -> None:
         """Propagate input/output metadata through the stages in order (see meta.py)."""
