@@ -2,7 +2,8 @@
 (``in_torchrun`` / ``init_from_env``).
 
 ``spawn`` hosts the rendezvous store in the parent (no port race, and it outlives any rank),
-starts one process per rank with torch's spawn context, and polls them: a rank that raises
+starts one process per rank from a fork server that has imported torch once (so a launch costs
+about a second, not a torch import per rank), and polls them: a rank that raises
 reports its one-line error, a rank that dies is noticed by its exit code, and in both cases the
 other ranks are terminated at once and PipelineError names the failed rank. The process group
 gets a finite timeout too, so a rank blocked on a dead peer cannot wait forever.
@@ -199,6 +200,10 @@ def _worker(
 
     torch.set_num_threads(threads)
     try:
+        kwargs = {}
+        if backend == "nccl":  # one GPU per rank
+            kwargs["device_id"] = torch.device("cuda", rank % torch.cuda.device_count())
+            torch.cuda.set_device(kwargs["device_id"])
         store = dist.TCPStore(
             "127.0.0.1", port, n_ranks + 1, False, timedelta(seconds=pg_timeout_s)
         )
@@ -208,6 +213,7 @@ def _worker(
             rank=rank,
             world_size=n_ranks,
             timeout=timedelta(seconds=pg_timeout_s),
+            **kwargs,
         )
         fn, args = pickle.loads(payload)
         value = fn(rank, n_ranks, *args)

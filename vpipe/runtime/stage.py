@@ -16,6 +16,7 @@ import torch
 from torch import nn
 from torch.autograd.graph import saved_tensors_hooks
 
+from vpipe.errors import PipelineError
 from vpipe.runtime.backward import WeightTask, backward_full, backward_input, grad_node
 from vpipe.runtime.meta import TensorMeta, as_tuple
 
@@ -101,7 +102,12 @@ class Stage:
     def _run(self, values: tuple[torch.Tensor, ...], target: Any) -> Any:
         out = self.module(*values)
         if self.is_last:
-            return self.loss_fn(out, target)
+            loss = self.loss_fn(out, target)
+            if not isinstance(loss, torch.Tensor) or loss.numel() != 1:
+                raise PipelineError(
+                    "loss_fn must return a scalar tensor (a mean over the microbatch)"
+                )
+            return loss
         return out
 
     def _measured_forward(self, values: tuple[torch.Tensor, ...], target: Any) -> tuple[Any, int]:
