@@ -63,33 +63,8 @@ def test_saved_tensor_meter_counts_activations_until_backward():
 
 def test_quick_sweep_writes_store_plots_and_report(tmp_path, capsys):
     out = tmp_path / "out"
-    rc = main(
-        [
-            "bench",
-            "--ranks",
-            "2",
-            "--schedules",
-            "interleaved-1f1b,zbv",
-            "--microbatches",
-            "4",
-            "--impl",
-            "vpipe,torch",
-            "--model",
-            "mlp",
-            "--sizes",
-            "d_model=32,d_hidden=64",
-            "--batch",
-            "8",
-            "--warmup",
-            "1",
-            "--steps",
-            "2",
-            "--rounds",
-            "2",
-            "--out",
-            str(out),
-        ]
-    )
+    # --quick: interleaved-1f1b and zbv, M=4, both implementations (a tinier MLP here)
+    rc = main(["bench", "--quick", "--sizes", "d_model=32,d_hidden=64", "--out", str(out)])
     assert rc == 0
     printed = capsys.readouterr().out
     assert "zbv" in printed and "report:" in printed
@@ -113,7 +88,7 @@ def test_quick_sweep_writes_store_plots_and_report(tmp_path, capsys):
     assert len(simulated) == 4 and (simulated["step_time_s"] > 0).all()
 
     steps = pd.read_parquet(out / "steps.parquet")
-    assert len(steps) == 4 * 2 * 2  # configs x rounds x steps
+    assert len(steps) == 4 * 2 * 2  # configs x rounds x steps (quick: 2 x 2)
 
     for row in measured.itertuples():
         ev = store.events([row.run_id])

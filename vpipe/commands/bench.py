@@ -102,11 +102,9 @@ def register(subparsers: argparse._SubParsersAction) -> None:
 
 def run_bench(args: argparse.Namespace) -> int:
     from vpipe.bench import QUICK_SCHEDULES, SweepSpec, new_run_id, parse_list, run_sweep
-    from vpipe.bench_results import collect, write_outputs
-    from vpipe.runtime.launch import in_torchrun
 
-    if args.ranks is None:
-        args.ranks = int(os.environ["WORLD_SIZE"]) if in_torchrun() else 2
+    if args.ranks is None:  # torchrun sets WORLD_SIZE; validate before importing torch
+        args.ranks = int(os.environ.get("WORLD_SIZE", 2))
     if args.quick:
         spec = SweepSpec(
             ranks=args.ranks,
@@ -140,6 +138,8 @@ def run_bench(args: argparse.Namespace) -> int:
             profile=not args.no_profile,
         )
     spec.validate()
+    from vpipe.bench_results import collect, write_outputs
+
     out = Path(args.out)
     spec.trace_dir = args.traces
     bench_id = new_run_id()
