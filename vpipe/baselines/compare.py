@@ -128,7 +128,12 @@ def _timed_step(dist: Any, pipe: Any, x: Any, y: Any, params: list) -> float:
 
 
 def _step_peak_bytes(dist: Any, pipe: Any, x: Any, y: Any, params: list) -> int:
-    """Peak allocator bytes during one step above the step's start (profiler memory events)."""
+    """Peak allocator bytes during one step above the step's start: the running sum of the
+    profiler's allocation/free events (the ``[memory]`` instants of its trace)."""
+    import json
+    import os
+    import tempfile
+
     from torch.profiler import profile
 
     for p in params:
@@ -137,13 +142,17 @@ def _step_peak_bytes(dist: Any, pipe: Any, x: Any, y: Any, params: list) -> int:
     with profile(profile_memory=True) as prof:
         pipe.step(x, y)
     dist.barrier()
-    mem = sorted(
-        (e.time_range.start, e.cpu_memory_usage + e.device_memory_usage)
-        for e in prof.events()
-        if e.name == "[memory]"
-    )
+    fd, path = tempfile.mkstemp(suffix=".json")
+    os.close(fd)
+    try:
+        prof.export_chrome_trace(path)
+        with open(path) as f:
+            events = json.load(f)["traceEvents"]
+    finally:
+        os.unlink(path)
+    deltas = sorted((e["ts"], e["args"]["Bytes"]) for e in events if e.get("name") == "[memory]")
     level = peak = 0
-    for _, delta in mem:
+    for _, delta in deltas:
         level += delta
         peak = max(peak, level)
     return peak
