@@ -86,7 +86,10 @@ def spawn(
     store = dist.TCPStore("127.0.0.1", 0, n_ranks + 1, True, timedelta(seconds=pg_timeout_s), False)
     ctx = mp.get_context("forkserver")
     # The fork server imports torch once; every later rank process forks from it, ready.
-    ctx.set_forkserver_preload(["torch", "torch.distributed", "vpipe.runtime.pipeline"])
+    # symbolic_shapes (sympy) is what torch.autograd.backward imports on its first call.
+    ctx.set_forkserver_preload(
+        ["torch", "torch.distributed", "torch.fx.experimental.symbolic_shapes", "vpipe.runtime"]
+    )
     results_q = ctx.SimpleQueue()
     # Plain pickle, not torch's fd-sharing reductions: tensors in args and results travel as
     # bytes, so neither side has to outlive the transfer and no file descriptors pile up.
