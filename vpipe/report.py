@@ -259,7 +259,10 @@ def comparison_table(sweeps: Sequence[tuple[str, pd.DataFrame]]) -> pd.DataFrame
         raise ReportError(
             f"the runs share no (schedule, microbatches, impl) config with {base_label}"
         )
-    return pd.DataFrame(rows)
+    df = pd.DataFrame(rows)
+    order = {x: i for i, x in enumerate(schedule_order(df["schedule"].unique()))}
+    df = df.assign(_o=df["schedule"].map(order)).sort_values(["run", "M", "impl", "_o"])
+    return df.drop(columns="_o").reset_index(drop=True)
 
 
 RUNS_COLUMNS = (
