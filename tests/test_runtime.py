@@ -337,3 +337,15 @@ def _kill_rank1(rank: int, n_ranks: int) -> None:
 def test_killed_rank_ends_the_job():
     with pytest.raises(PipelineError, match=r"rank 1 died \(killed by SIGKILL\)"):
         spawn(_kill_rank1, 2, timeout_s=60, pg_timeout_s=20)
+
+
+def _raise_on_rank1(rank: int, n_ranks: int) -> int:
+    if rank == 1:
+        raise ValueError("bad thing\nsecond line")
+    return rank
+
+
+def test_failing_rank_is_named():
+    with pytest.raises(PipelineError, match=r"^rank 1 failed: ValueError: bad thing$"):
+        spawn(_raise_on_rank1, 2, timeout_s=60)
+    assert spawn(_raise_on_rank1, 1, timeout_s=60) == [0]

@@ -126,7 +126,7 @@ def _collect(procs: list, results_q: Any, n_ranks: int, timeout_s: float) -> lis
             if ok:
                 value = pickle.loads(value)
             else:
-                _raise_failure(procs, results_q, rank, value)
+                _raise_failure(procs, results_q, rank, value, set(results))
             results[rank] = value
         dead = _dead_without_report(procs, results)
         if dead is not None and results_q.empty():
@@ -145,10 +145,10 @@ def _dead_without_report(procs: list, reported: dict | set) -> int | None:
     return None
 
 
-def _raise_failure(procs: list, results_q: Any, rank: int, message: str) -> None:
+def _raise_failure(procs: list, results_q: Any, rank: int, message: str, done: set) -> None:
     """Raise for a rank's reported error, unless another rank died first: a peer's death
     makes the survivors fail with connection errors, so the death is the cause to name."""
-    reported = {rank}
+    reported = done | {rank}
     grace = time.monotonic() + 1.0
     while time.monotonic() < grace:
         while not results_q.empty():
