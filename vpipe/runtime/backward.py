@@ -22,6 +22,11 @@ from collections.abc import Sequence
 import torch
 from torch.autograd.graph import GradientEdge, Node
 
+try:  # the engine call behind torch.autograd.backward/grad, without their argument checks
+    from torch.autograd.graph import _engine_run_backward
+except ImportError:  # pragma: no cover - older torch
+    _engine_run_backward = None
+
 __all__ = ["WeightTask", "backward_full", "backward_input", "grad_node"]
 
 
@@ -47,7 +52,7 @@ class WeightTask:
         """Accumulate this microbatch's weight gradients into ``.grad`` and free the graph."""
         parts, self.parts = self.parts, []
         for roots, grads, params in parts:
-            torch.autograd.backward(roots, grads, inputs=params)
+            _accumulate(roots, grads, params)
 
 
 def backward_full(
@@ -55,7 +60,7 @@ def backward_full(
 ) -> tuple[torch.Tensor | None, ...]:
     """B: accumulate parameter gradients and return the gradients of ``inputs`` (None where an
     input got none). Inputs are this stage's own leaves, so reading ``.grad`` is exact."""
-    torch.autograd.backward(list(roots), list(grads))
+    _accumulate(roots, grads, ())
     out = []
     for x in inputs:
         out.append(x.grad)
@@ -82,14 +87,14 @@ def backward_input(
     in_c, order = _nodes_reaching(root_nodes, input_nodes)
     plan = _frontier_plan(root_nodes, in_c, order, param_nodes)
     if plan is None:
-        got = torch.autograd.grad(roots, needed, grads, retain_graph=True, allow_unused=True)
+        got = _input_grads(roots, grads, needed)
         return _align(inputs, needed, got), WeightTask(whole, True)
 
     frontier, root_parts = plan
     captured: dict[Node, tuple] = {}
     handles = [n.register_prehook(_recorder(captured, n)) for n, _ in frontier]
     try:
-        got = torch.autograd.grad(roots, needed, grads, retain_graph=True, allow_unused=True)
+        got = _input_grads(roots, grads, needed)
     finally:
         for h in handles:
             h.remove()
@@ -108,6 +113,40 @@ def backward_input(
     for i, params in root_parts:
         parts.append(([roots[i]], [grads[i]], params))
     return _align(inputs, needed, got), WeightTask(parts, False)
+
+
+def _accumulate(roots: Sequence, grads: Sequence, params: Sequence) -> None:
+    """Backward from ``roots`` accumulating into ``.grad`` of ``params`` (all leaves if empty).
+    Calls the engine directly: torch.autograd.backward's Python argument handling costs tens
+    of microseconds per call, and this runs for every B and every W part. The engine still
+    checks gradient shapes against the roots."""
+    if _engine_run_backward is None:
+        torch.autograd.backward(list(roots), list(grads), inputs=list(params) or None)
+        return
+    _engine_run_backward(
+        tuple(roots),
+        tuple(grads),
+        False,
+        False,
+        tuple(params),
+        allow_unreachable=True,
+        accumulate_grad=True,
+    )
+
+
+def _input_grads(roots: Sequence, grads: Sequence, inputs: Sequence) -> tuple:
+    """Gradients of ``inputs`` (None where unused), keeping the graph for W."""
+    if _engine_run_backward is None:
+        return torch.autograd.grad(roots, inputs, grads, retain_graph=True, allow_unused=True)
+    return _engine_run_backward(
+        tuple(roots),
+        tuple(grads),
+        True,
+        False,
+        tuple(inputs),
+        allow_unreachable=True,
+        accumulate_grad=False,
+    )
 
 
 def _recorder(store: dict, node: Node):
