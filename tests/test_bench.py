@@ -21,6 +21,8 @@ from vpipe.cli import main
         (["--batch", "10", "--microbatches", "4"], "batch 10 is not divisible into 4"),
         (["--microbatches", "4,x"], "--microbatches must be comma-separated integers"),
         (["--rounds", "0"], "--rounds must be >= 1"),
+        (["--model", "cnn"], "unknown model 'cnn'"),
+        (["--sizes", "depth=3"], "model 'mlp' has no size 'depth'"),
     ],
 )
 def test_bad_sweep_is_rejected_before_launch(args, message, tmp_path, capsys):

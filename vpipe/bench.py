@@ -106,6 +106,18 @@ class SweepSpec:
         for impl in self.impls:
             if impl not in IMPLS:
                 raise BenchError(f"unknown implementation {impl!r}: choose from {', '.join(IMPLS)}")
+        from vpipe.models import DEFAULT_SIZES  # imports torch; still far cheaper than a launch
+
+        if self.model not in DEFAULT_SIZES:
+            raise BenchError(
+                f"unknown model {self.model!r}: choose from {', '.join(DEFAULT_SIZES)}"
+            )
+        unknown = sorted(set(self.sizes) - set(DEFAULT_SIZES[self.model]))
+        if unknown:
+            raise BenchError(
+                f"model {self.model!r} has no size {unknown[0]!r}: sizes are "
+                f"{', '.join(DEFAULT_SIZES[self.model])}"
+            )
         if self.device not in ("cpu", "cuda"):
             raise BenchError(f"unknown device {self.device!r}: choose cpu or cuda")
         for s in self.schedules:
@@ -169,13 +181,13 @@ class _Progress:
 class SavedTensorMeter:
     """Live bytes of tensors autograd saved for backward (activations), and their peak.
 
-    Parameters given as ``exclude`` (and views of them) are not counted; a storage saved several times counts once. A packed tensor is
-    released when autograd frees the node that saved it (after its backward or weight-gradient
-    computation), so the peak includes activations held for a deferred W.
+    Storages of the tensors given as ``exclude`` (parameters, and so also views of them such
+    as a transposed weight) are not counted; a storage saved several times counts once. A
+    packed tensor is released when autograd frees the node that saved it (after its backward or
+    weight-gradient computation), so the peak includes activations held for a deferred W.
     """
 
     def __init__(self, exclude: Iterable[Any] = ()) -> None:
-        # storages of parameters (and views of them, e.g. a transposed weight) are not counted
         self._exclude = {t.untyped_storage().data_ptr() for t in exclude}
         self.live = 0
         self.peak = 0
@@ -201,6 +213,7 @@ class SavedTensorMeter:
             self.samples.append((time.time_ns(), self.live))
 
     def hooks(self) -> Any:
+        """A context manager under which autograd's saved tensors are metered."""
         import torch
 
         meter = self
@@ -246,7 +259,7 @@ def _sizes_for(spec: SweepSpec, max_stages: int) -> dict[str, int]:
     """Model sizes fixed across the sweep, so every schedule splits the same model."""
     from vpipe.models import DEFAULT_SIZES
 
-    sizes = {**DEFAULT_SIZES.get(spec.model, {}), **BENCH_SIZES.get(spec.model, {})}
+    sizes = {**DEFAULT_SIZES[spec.model], **BENCH_SIZES.get(spec.model, {})}
     for key, need in (("n_blocks", max_stages), ("n_layers", max_stages - 2)):
         if key in sizes:
             sizes[key] = max(sizes[key], need)
