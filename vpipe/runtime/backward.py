@@ -84,8 +84,8 @@ def backward_input(
         return tuple(None for _ in inputs), WeightTask(whole, False)
     input_nodes = {grad_node(x) for x in needed}
     root_nodes = [grad_node(t) for t in roots]
-    in_c, order = _nodes_reaching(root_nodes, input_nodes)
-    plan = _frontier_plan(root_nodes, in_c, order, param_nodes)
+    in_c, order, kids = _nodes_reaching(root_nodes, input_nodes)
+    plan = _frontier_plan(root_nodes, in_c, order, kids, param_nodes)
     if plan is None:
         got = _input_grads(roots, grads, needed)
         return _align(inputs, needed, got), WeightTask(whole, True)
@@ -161,37 +161,36 @@ def _align(inputs, needed, got) -> tuple[torch.Tensor | None, ...]:
     return tuple(by_id.get(id(x)) for x in inputs)
 
 
-def _children(node: Node) -> list[Node]:
-    return [fn for fn, _ in node.next_functions if fn is not None]
-
-
-def _nodes_reaching(roots: list[Node | None], targets: set[Node]) -> tuple[set[Node], list[Node]]:
-    """The set of nodes (from ``roots`` down) with a path to a target, and all nodes in
-    children-first order."""
+def _nodes_reaching(
+    roots: list[Node | None], targets: set[Node]
+) -> tuple[set[Node], list[Node], dict[Node, list[Node]]]:
+    """The nodes (from ``roots`` down) with a path to a target; all nodes in children-first
+    order; each node's children (read once: ``next_functions`` builds new tuples per call)."""
     order: list[Node] = []
-    seen: set[Node] = set()
+    kids: dict[Node, list[Node]] = {}
     stack = [(n, False) for n in roots if n is not None]
     while stack:
         node, expanded = stack.pop()
         if expanded:
             order.append(node)
             continue
-        if node in seen:
+        if node in kids:
             continue
-        seen.add(node)
+        children = kids[node] = [fn for fn, _ in node.next_functions if fn is not None]
         stack.append((node, True))
-        stack.extend((c, False) for c in _children(node) if c not in seen)
+        stack.extend((c, False) for c in children if c not in kids)
     reach: set[Node] = set()
     for node in order:
-        if node in targets or any(c in reach for c in _children(node)):
+        if node in targets or any(c in reach for c in kids[node]):
             reach.add(node)
-    return reach, order
+    return reach, order, kids
 
 
 def _frontier_plan(
     root_nodes: list[Node | None],
     in_c: set[Node],
     order: list[Node],
+    kids: dict[Node, list[Node]],
     param_nodes: dict[Node, torch.Tensor],
 ) -> tuple[list[tuple[Node, list]], list[tuple[int, list]]] | None:
     """Frontier nodes with the parameters each reaches through D only, plus output roots that
@@ -213,13 +212,13 @@ def _frontier_plan(
             p = param_nodes.get(n)
             if p is not None:
                 params.append(p)
-            stack.extend(_children(n))
+            stack.extend(kids[n])
         return params
 
     for node in order:
         if node not in in_c:
             continue
-        d_children = [c for c in _children(node) if c not in in_c]
+        d_children = [c for c in kids[node] if c not in in_c]
         if not d_children:
             continue
         params = claim(d_children, len(frontier) + len(root_parts))
