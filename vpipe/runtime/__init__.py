@@ -1,6 +1,18 @@
 """vpipe's pipeline runtime: execute lowered schedules on torch.distributed.
 
-``Pipeline`` is the public entry point; ``launch`` starts local processes or joins torchrun.
+``Pipeline`` (pipeline.py) is the public entry point; ``launch`` starts local processes or
+joins torchrun. Inside:
+
+- executor.py compiles this rank's program once into one closure per action and runs them in
+  order. Values move between actions through per-stage, per-microbatch dicts (stage.py).
+- Local handoff (the V-schedule case): when stages s and s+1 share a rank, F(s) puts its output,
+  detached, straight into stage s+1's input slot, and B/I(s+1) puts its input gradient straight
+  into stage s's output-gradient slot. No copy, no communication, nothing to wait for.
+- Split backward (backward.py): I computes input gradients while recording the gradient at
+  each autograd node that also feeds a parameter branch; W later runs only those branches.
+- Communication (comm.py): receives are posted where the program puts them and waited right
+  before the consuming compute; adjacent communication actions are posted as one batch.
+- Shapes (meta.py): inferred per microbatch input shape by a one-off probe through the stages.
 """
 
 from vpipe.runtime.pipeline import Pipeline
