@@ -44,6 +44,10 @@ class P2P:
         group = self.group
         return [[group.send([t], p, 0) if s else group.recv([t], p, 0)] for s, t, p in ops]
 
+    def discard(self) -> None:
+        """Drop queued, unposted operations (after a failed step)."""
+        self._queue.clear()
+
     def send_now(self, tensor: torch.Tensor, peer: int) -> None:
         """Blocking send (metadata handshake)."""
         self.group.send([tensor], peer, 0).wait()

@@ -130,7 +130,7 @@ class Executor:
         self._sends.clear()
         self.live = self.live_bytes = 0
         if self.comm is not None:
-            self.comm.flush()
+            self.comm.discard()
 
     def _describe(self, action: Action | None, e: Exception) -> PipelineError:
         where = f"rank {self.rank}"
