@@ -138,6 +138,7 @@ def summary_table(runs: pd.DataFrame) -> pd.DataFrame:
                 "step ms (median)": _fmt(r.step_time_s * 1e3),
                 "step ms IQR": f"{r.step_time_q1_s * 1e3:.2f}-{r.step_time_q3_s * 1e3:.2f}",
                 "samples/s": _fmt(r.samples_per_s, 1),
+                "tokens/s": _fmt(getattr(r, "tokens_per_s", float("nan")), 0),
                 f"thru vs {BASELINE}": _ratio(r.samples_per_s, b.samples_per_s)
                 if b is not None
                 else "",
@@ -150,7 +151,10 @@ def summary_table(runs: pd.DataFrame) -> pd.DataFrame:
                 "sim err %": _fmt(getattr(r, "sim_error", float("nan")) * 100, 1),
             }
         )
-    return pd.DataFrame(rows)
+    df = pd.DataFrame(rows)
+    if len(df) and (df["tokens/s"] == "").all():  # token counts exist only for token models
+        df = df.drop(columns="tokens/s")
+    return df
 
 
 def impl_table(steps: pd.DataFrame) -> pd.DataFrame:

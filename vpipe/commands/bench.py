@@ -111,7 +111,7 @@ def run_bench(args: argparse.Namespace) -> int:
             device=args.device,
             backend=args.backend,
             model=args.model,
-            sizes=args.sizes or {"d_model": 128, "d_hidden": 512},
+            sizes=args.sizes or ({"d_model": 128, "d_hidden": 512} if args.model == "mlp" else {}),
             batch=16,
             schedules=QUICK_SCHEDULES,
             microbatches=(4,),
