@@ -19,7 +19,7 @@ test: $(STAMP)
 	$(PY) -m pytest -q
 
 bench: $(STAMP)
-	$(VENV)/bin/vpipe compare --ranks 4 --microbatches 8
+	$(VENV)/bin/vpipe bench --out results/latest
 
 lint: $(STAMP)
 	$(PY) -m ruff check vpipe tests bench
