@@ -326,9 +326,10 @@ def report_sections(res: BenchResults) -> list[Section]:
             summary_table(runs),
             "step time: slowest rank, median over interleaved timed steps (IQR shown); peak: "
             "bytes of tensors saved for backward, max over ranks; bubble: idle/(idle+busy) per rank "
-            "over the whole profiled step (1 - total busy / total window over ranks); sim: simulator "
-            "calibrated from this "
-            "config's profiled step, error vs that step. torch's single-stage schedule classes (gpipe, "
+            "over the whole profiled step (1 - total busy / total window over ranks); profiled step: "
+            "the one step recorded under torch.profiler (slower than the timed steps: profiling "
+            "costs time per span); sim: simulator calibrated from that profiled step, error vs "
+            "that step. torch's single-stage schedule classes (gpipe, "
             "1f1b) record no per-action profiler spans, so they have no bubble, timeline or "
             "simulation.",
         )

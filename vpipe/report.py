@@ -147,6 +147,7 @@ def summary_table(runs: pd.DataFrame) -> pd.DataFrame:
                 if b is not None
                 else "",
                 "bubble": _fmt(getattr(r, "bubble_ratio", float("nan")), 3),
+                "profiled step ms": _fmt(getattr(r, "profiled_step_time_s", float("nan")) * 1e3),
                 "sim step ms": _fmt(getattr(r, "sim_step_time_s", float("nan")) * 1e3),
                 "sim err %": _fmt(getattr(r, "sim_error", float("nan")) * 100, 1),
             }
