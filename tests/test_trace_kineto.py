@@ -138,6 +138,31 @@ def test_fast_path_equals_full_parse_and_falls_back(tmp_path):
     assert kineto_json.read_trace(path).spans == full.spans
 
 
+def test_fast_path_memory_events_in_any_key_order(tmp_path):
+    path = write_synthetic_run(tmp_path, PROGRAMS, meta=META)[0]
+    doc = orjson.loads(path.read_bytes())
+    mem = [e for e in doc["traceEvents"] if e["name"] == "[memory]"]
+    for e in mem:
+        e["args"] = dict(reversed(e["args"].items()))
+    raw = orjson.dumps({k: doc[k] for k in reversed(doc)}, option=orjson.OPT_INDENT_2)
+    fast, full = kineto_json._fast(raw, path), kineto_json._full(raw, path)
+    assert fast is not None and len(full.memory["ts"]) == len(mem)
+    assert fast.spans == full.spans and fast.n_events == full.n_events
+    for k in full.memory:
+        np.testing.assert_array_equal(fast.memory[k], full.memory[k])
+    # a [memory] event lacking a field, or a span named like one: the full parse decides
+    del mem[0]["args"]["Device Type"]
+    assert kineto_json._fast(orjson.dumps(doc), path) is None
+    mem[0]["args"]["Device Type"] = 0
+    doc["traceEvents"][0]["name"] = "[memory] span"
+    assert kineto_json._fast(orjson.dumps(doc), path) is None
+    # without [memory] events the fast path equals the full parse too
+    doc["traceEvents"] = [e for e in doc["traceEvents"] if not e["name"].startswith("[memory]")]
+    raw = orjson.dumps(doc)
+    fast, full = kineto_json._fast(raw, path), kineto_json._full(raw, path)
+    assert fast is not None and fast.spans == full.spans and len(fast.memory["ts"]) == 0
+
+
 def test_rank_conflicts_and_missing_files(tmp_path):
     write_synthetic_run(tmp_path / "a", PROGRAMS, meta=META)
     write_synthetic_run(tmp_path / "b", PROGRAMS, meta=META)

@@ -2,21 +2,24 @@
 
 A 30 MB trace holds ~100k events of which vpipe needs the ``PP:`` spans, ``ProfilerStep#``
 spans and ``[memory]`` instant events. Parsing every event into Python dicts dominates the
-conversion time, so :func:`read_trace` first tries a *fast path*: it finds the wanted events by
+conversion time, so :func:`read_trace` first tries a *fast path*: it finds the wanted spans by
 their ``"name"`` with a regular expression over the raw bytes, slices each one out (objects
-nested at most one level, as Kineto writes them), parses only those slices, and takes the
-``[memory]`` fields with regular expressions. Anything unexpected (unbalanced braces,
-NUL bytes, a file not ending in ``}``, an event slice that does not parse, field counts that do
-not line up) falls back to the *full parse* with orjson, which either succeeds or raises a
-TraceError naming the file, line, column and byte of the damage. So truncated and corrupt files
-are always reported; corruption that keeps the JSON structure balanced and lies outside the
-wanted events can go unnoticed by the fast path, and does not affect the result.
+nested at most one level, as Kineto writes them) and parses only those slices. ``[memory]``
+events, when there are any, come from arrow's JSON reader, which parses the whole file but
+builds only their name, ts and args fields as columns (any key order). Anything unexpected
+(unbalanced braces, NUL bytes, a file not ending in ``}``, an event slice that does not parse,
+JSON arrow rejects, a [memory] event lacking a field) falls back to the *full parse* with
+orjson, which either succeeds or raises a TraceError naming the file, line, column and byte of
+the damage. So truncated and corrupt files are always reported; without [memory] events,
+corruption that keeps the JSON structure balanced and lies outside the wanted events can go
+unnoticed by the fast path, and does not affect the result.
 """
 
 from __future__ import annotations
 
 import gc
 import gzip
+import io
 import re
 from dataclasses import dataclass
 from pathlib import Path
@@ -24,24 +27,29 @@ from typing import Any
 
 import numpy as np
 import orjson
+import pyarrow as pa
+import pyarrow.compute as pc
+import pyarrow.json as pj
 
 from vpipe.errors import TraceError
 
-_WANTED = re.compile(rb'"name"\s*:\s*"(PP:|ProfilerStep#|\[memory\])')
-_SPAN_NAME = re.compile(rb'"name"\s*:\s*"(PP:|ProfilerStep#)')
-# A [memory] event laid out as Kineto writes it: name, ..., ts, ..., args with these in order.
-_MEMORY_EVENT = re.compile(
-    rb'"\[memory\]"[^{}]*?"ts"\s*:\s*([-+0-9.eE]+)[^{}]*\{[^{}]*?'
-    rb'"Total Reserved"\s*:\s*(-?\d+)[^{}]*?"Total Allocated"\s*:\s*(-?\d+)[^{}]*?'
-    rb'"Device Type"\s*:\s*(-?\d+)[^{}]*\}'
+_MEMORY_ARGS = {"alloc": "Total Allocated", "reserved": "Total Reserved", "device": "Device Type"}
+# The fields vpipe reads from each event; arrow skips the rest (and checks the whole file parses).
+_MEMORY_EVENTS = pa.schema(
+    [
+        pa.field(
+            "traceEvents",
+            pa.list_(
+                pa.struct(
+                    [("name", pa.string()), ("ts", pa.float64())]
+                    + [("args", pa.struct([(f, pa.int64()) for f in _MEMORY_ARGS.values()]))]
+                )
+            ),
+        )
+    ]
 )
+_SPAN_NAME = re.compile(rb'"name"\s*:\s*"(PP:|ProfilerStep#)')
 _OBJECT_TAIL = re.compile(rb"[^{}]*(?:\{[^{}]*\}[^{}]*)*\}")
-_MEM_FIELDS = {
-    "ts": re.compile(rb'"ts"\s*:\s*([-+0-9.eE]+)'),
-    "alloc": re.compile(rb'"Total Allocated"\s*:\s*(-?\d+)'),
-    "reserved": re.compile(rb'"Total Reserved"\s*:\s*(-?\d+)'),
-    "device": re.compile(rb'"Device Type"\s*:\s*(-?\d+)'),
-}
 
 
 @dataclass
@@ -96,7 +104,7 @@ def _full(raw: bytes, path: Path) -> RawTrace:
 
 def _pick(events: list[tuple[int, dict]], path: Path) -> tuple[dict[str, list], dict]:
     spans: dict[str, list] = {"name": [], "ts": [], "dur": []}
-    mem: dict[str, list] = {k: [] for k in _MEM_FIELDS}
+    mem: dict[str, list] = {"ts": [], **{k: [] for k in _MEMORY_ARGS}}
     for i, e in events:
         try:
             name = e["name"]
@@ -116,18 +124,16 @@ def _pick(events: list[tuple[int, dict]], path: Path) -> tuple[dict[str, list], 
             ) from None
     return spans, {
         "ts": np.asarray(mem["ts"], np.float64),
-        **{k: np.asarray(mem[k], np.int64) for k in ("alloc", "reserved", "device")},
+        **{k: np.asarray(mem[k], np.int64) for k in _MEMORY_ARGS},
     }
 
 
 def _fast(raw: bytes, path: Path) -> RawTrace | None:
     """The fast path; None whenever the file does not look exactly as expected."""
     body = raw.rstrip()
-    if not body.endswith(b"}") or b"\x00" in raw or raw.count(b"{") != raw.count(b"}"):
-        return None
     key = raw.find(b'"traceEvents"')
     end = body.rfind(b"]")
-    if key < 0 or end < key:
+    if not body.endswith(b"}") or key < 0 or end < key:
         return None
     try:
         header = orjson.loads(raw[:key] + b'"traceEvents": 0}')
@@ -137,68 +143,56 @@ def _fast(raw: bytes, path: Path) -> RawTrace | None:
         del header["traceEvents"]
     except (orjson.JSONDecodeError, KeyError, TypeError):
         return None
-    # [memory] events in bulk when they all have Kineto's layout, else one slice each
-    memory = _memory_bulk(raw, key)
-    span_slices, mem_slices = [], []
-    for m in (_SPAN_NAME if memory is not None else _WANTED).finditer(raw, key):
+    if raw.find(b'"[memory]', key) >= 0:
+        found = _memory(raw)
+        if found is None:
+            return None
+        memory, n_events = found
+    elif b"\x00" in raw or raw.count(b"{") != raw.count(b"}"):
+        return None
+    else:
+        memory = {"ts": np.zeros(0), **{k: np.zeros(0, np.int64) for k in _MEMORY_ARGS}}
+        n_events = raw.count(b'"ph"')
+    span_slices = []
+    for m in _SPAN_NAME.finditer(raw, key):
         start = raw.rfind(b"{", key, m.start())
         if start < 0 or raw.find(b"}", start, m.start()) >= 0:
             return None  # an object nested before "name": not the layout we slice
         tail = _OBJECT_TAIL.match(raw, m.end())
         if tail is None:
             return None
-        (mem_slices if m.group(1) == b"[memory]" else span_slices).append(raw[start : tail.end()])
+        span_slices.append(raw[start : tail.end()])
     try:
         events = orjson.loads(b"[" + b",".join(span_slices) + b"]")
     except orjson.JSONDecodeError:
         return None
     spans, _ = _pick(list(enumerate(events)), path)
-    if memory is None:
-        memory = _memory_fields(mem_slices)
-    if memory is None:
-        return None
-    return RawTrace(header, spans, memory, raw.count(b'"ph"'))
+    return RawTrace(header, spans, memory, n_events)
 
 
-def _memory_bulk(raw: bytes, start: int) -> dict[str, np.ndarray] | None:
-    """All [memory] events by one regex pass; None unless it matched every one of them."""
-    found = _MEMORY_EVENT.findall(raw, start)
-    if len(found) != raw.count(b'"[memory]"', start):
-        return None
-    if not found:
-        return {
-            "ts": np.zeros(0),
-            **{k: np.zeros(0, np.int64) for k in ("alloc", "reserved", "device")},
-        }
-    cols = np.array(found, dtype=bytes)
+def _memory(raw: bytes) -> tuple[dict[str, np.ndarray], int] | None:
+    """The [memory] columns and the event count, by arrow's JSON reader (which parses the whole
+    file but builds only these fields); None if anything is missing or off."""
     try:
-        return {
-            "ts": cols[:, 0].astype(np.float64),
-            "reserved": cols[:, 1].astype(np.int64),
-            "alloc": cols[:, 2].astype(np.int64),
-            "device": cols[:, 3].astype(np.int64),
-        }
-    except ValueError:
+        table = pj.read_json(
+            io.BytesIO(raw),
+            read_options=pj.ReadOptions(use_threads=False, block_size=len(raw) + 1),
+            parse_options=pj.ParseOptions(
+                explicit_schema=_MEMORY_EVENTS,
+                unexpected_field_behavior="ignore",
+                newlines_in_values=True,
+            ),
+        )
+    except pa.ArrowException:
         return None
-
-
-def _memory_fields(slices: list[bytes]) -> dict[str, np.ndarray] | None:
-    """The [memory] fields of the slices by regex; None unless every slice has each once."""
-    blob = b"\n".join(slices)
-    found = {k: rx.findall(blob) for k, rx in _MEM_FIELDS.items()}
-    if any(len(v) != len(slices) for v in found.values()):
+    col = table.column("traceEvents")
+    if table.num_rows != 1 or col.null_count:
         return None
-    try:
-        return {
-            "ts": np.array(found["ts"], dtype=bytes).astype(np.float64)
-            if slices
-            else np.zeros(0, np.float64),
-            **{
-                k: np.array(found[k], dtype=bytes).astype(np.int64)
-                if slices
-                else np.zeros(0, np.int64)
-                for k in ("alloc", "reserved", "device")
-            },
-        }
-    except ValueError:
-        return None
+    name, ts, args = col.chunk(0).flatten().flatten()  # a null event has null fields
+    is_memory = pc.equal(name, "[memory]")
+    cols = [pc.filter(a, is_memory) for a in (ts, *args.flatten())]
+    if any(a.null_count for a in cols) or pc.sum(pc.starts_with(name, "[memory]")).as_py() != len(
+        cols[0]
+    ):
+        return None  # a missing field (the full parse decides) or a span named [memory]...
+    return {k: np.array(a) for k, a in zip(("ts", *_MEMORY_ARGS), cols, strict=True)}, len(name)
