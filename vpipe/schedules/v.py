@@ -4,6 +4,7 @@ DualPipeV. The last rank holds the adjacent stages P-1 and P, handed over locall
 from __future__ import annotations
 
 from collections import deque
+from collections.abc import Callable
 
 from vpipe.ir import Action, Schedule, v_placement
 from vpipe.schedules._common import (
@@ -58,6 +59,24 @@ class _Counters:
         raise AssertionError("no deferred W for this chunk")  # generator bug, not user input
 
 
+def _v_schedule(
+    name: str,
+    rank_program: Callable[[int, int, int], list[Action]],
+    ranks: int,
+    microbatches: int,
+    stages_per_rank: int | None,
+) -> Schedule:
+    """A V-placement family whose full shape needs 2P-1 microbatches: build it for
+    max(M, 2P-1) and drop the microbatches beyond M (still valid, with more bubble)."""
+    p, m = check_counts(name, ranks, microbatches)
+    resolve_stages_per_rank(name, stages_per_rank, default=2, fixed=_V)
+    n = max(m, 2 * p - 1)
+    actions = [rank_program(p, n, r) for r in range(p)]
+    if n > m:
+        actions = [keep_microbatches(acts, m) for acts in actions]
+    return build(name, p, m, v_placement(p), actions, stages_per_rank=2)
+
+
 def _zbv_rank(ranks: int, n: int, rank: int) -> list[Action]:
     c = _Counters(ranks, rank)
     acts: list[Action] = []
@@ -95,14 +114,7 @@ def zbv(ranks: int, microbatches: int, stages_per_rank: int | None = None) -> Sc
     handed over locally); any M >= 1: the shape needs 2P-1 microbatches, so for fewer it is
     built for 2P-1 and the missing microbatches are dropped (still valid, with more bubble).
     """
-    name = "zbv"
-    p, m = check_counts(name, ranks, microbatches)
-    resolve_stages_per_rank(name, stages_per_rank, default=2, fixed=_V)
-    n = max(m, 2 * p - 1)
-    actions = [_zbv_rank(p, n, r) for r in range(p)]
-    if n > m:
-        actions = [keep_microbatches(acts, m) for acts in actions]
-    return build(name, p, m, v_placement(p), actions, stages_per_rank=2)
+    return _v_schedule("zbv", _zbv_rank, ranks, microbatches, stages_per_rank)
 
 
 def _dualpipev_rank(ranks: int, n: int, rank: int) -> list[Action]:
@@ -170,11 +182,4 @@ def dualpipev(ranks: int, microbatches: int, stages_per_rank: int | None = None)
     of stage 0 before its first backward, so the shape needs M >= 2P-1; for fewer it is built
     for 2P-1 and the missing microbatches are dropped (valid, more bubble).
     """
-    name = "dualpipev"
-    p, m = check_counts(name, ranks, microbatches)
-    resolve_stages_per_rank(name, stages_per_rank, default=2, fixed=_V)
-    n = max(m, 2 * p - 1)
-    actions = [_dualpipev_rank(p, n, r) for r in range(p)]
-    if n > m:
-        actions = [keep_microbatches(acts, m) for acts in actions]
-    return build(name, p, m, v_placement(p), actions, stages_per_rank=2)
+    return _v_schedule("dualpipev", _dualpipev_rank, ranks, microbatches, stages_per_rank)
