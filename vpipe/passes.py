@@ -315,21 +315,17 @@ def _explain(s: Schedule) -> None:
             elif code >= 4:
                 lowered = True
                 e, peer = _explain_comm(r, i, a, S, M, place)
-                if k is _SF or k is _SB:
-                    if sk[e] >= 0:
-                        raise ScheduleError(
-                            f"{_where(r, i, a)}: duplicate send (also at position "
-                            f"{sk[e] >> _PART_BITS})"
-                        )
-                    sk[e] = i << _PART_BITS
+                is_send = k is _SF or k is _SB
+                seen, what = (sk, "send") if is_send else (rk, "receive")
+                if seen[e] >= 0:
+                    raise ScheduleError(
+                        f"{_where(r, i, a)}: duplicate {what} (also at position "
+                        f"{seen[e] >> _PART_BITS})"
+                    )
+                seen[e] = i << _PART_BITS
+                if is_send:
                     chan_send.setdefault(r * P + peer, []).append(e)
                 else:
-                    if rk[e] >= 0:
-                        raise ScheduleError(
-                            f"{_where(r, i, a)}: duplicate receive (also at position "
-                            f"{rk[e] >> _PART_BITS})"
-                        )
-                    rk[e] = i << _PART_BITS
                     chan_recv.setdefault(peer * P + r, []).append(e)
             else:
                 raise ScheduleError(f"{_where(r, i, a)}: unknown action kind {k!r}")
