@@ -2,8 +2,8 @@
 
 Every command works on a built-in schedule name or on a CSV file in torch's format, so
 schedules dumped by torch.distributed.pipelining can be viewed, checked and simulated too.
-User errors surface as one-line :class:`~vpipe.errors.VpipeError` messages; argument errors
-are shortened to one line as well. No torch import here.
+User errors surface as one-line :class:`~vpipe.errors.VpipeError` messages (argument errors are
+shortened by the CLI's parser class). No torch import here.
 """
 
 from __future__ import annotations
@@ -16,7 +16,7 @@ import shutil
 import sys
 from collections.abc import Callable, Sequence
 from pathlib import Path
-from typing import Any, NoReturn
+from typing import Any
 
 from vpipe.errors import ScheduleError, VpipeError
 from vpipe.ir import Schedule, format_action
@@ -87,17 +87,7 @@ def _add(
 ) -> argparse.ArgumentParser:
     p = subparsers.add_parser(name, help=help_text, description=help_text)
     p.set_defaults(func=func)
-    p.error = _one_line_error(p)  # type: ignore[method-assign]
     return p
-
-
-def _one_line_error(parser: argparse.ArgumentParser) -> Callable[[str], NoReturn]:
-    """argparse prints usage plus the error; print one line instead (usage is in --help)."""
-
-    def error(message: str) -> NoReturn:
-        parser.exit(2, f"{parser.prog}: error: {message} (see {parser.prog} --help)\n")
-
-    return error
 
 
 def _add_source(p: argparse.ArgumentParser) -> None:

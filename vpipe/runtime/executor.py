@@ -23,7 +23,7 @@ from typing import Any
 import torch
 from torch.profiler import record_function
 
-from vpipe.errors import PipelineError
+from vpipe.errors import PipelineError, one_line
 from vpipe.ir import Action, Kind
 from vpipe.runtime.comm import P2P
 from vpipe.runtime.stage import Stage
@@ -135,7 +135,7 @@ class Executor:
     def _describe(self, action: Action | None, e: Exception) -> PipelineError:
         where = f"rank {self.rank}"
         if action is None:
-            return PipelineError(f"{where}: {_one_line(e)}")
+            return PipelineError(f"{where}: {one_line(e)}")
         shown, part = str(action), action
         if isinstance(e, _PartFailed):
             part, e = e.part, e.error
@@ -151,7 +151,7 @@ class Executor:
             )
         return PipelineError(
             f"{where}: action {shown} (stage {part.stage}, microbatch {part.microbatch}) "
-            f"failed: {detail}{_one_line(e)}"
+            f"failed: {detail}{one_line(e)}"
         )
 
     # -- helpers used by the closures --------------------------------------------------------
@@ -338,8 +338,3 @@ class Executor:
                 self._flush()
 
         return send_b
-
-
-def _one_line(e: BaseException) -> str:
-    text = str(e).strip().splitlines()
-    return f"{type(e).__name__}: {text[0] if text else ''}".rstrip(": ")

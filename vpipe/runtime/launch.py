@@ -19,7 +19,7 @@ from collections.abc import Callable
 from datetime import timedelta
 from typing import Any
 
-from vpipe.errors import PipelineError, VpipeError
+from vpipe.errors import PipelineError, one_line
 
 __all__ = ["in_torchrun", "init_from_env", "spawn"]
 
@@ -221,20 +221,11 @@ def _worker(
         fn, args = pickle.loads(payload)
         value = fn(rank, n_ranks, *args)
     except BaseException as e:  # report, then exit non-zero
-        results_q.put((rank, False, _one_line(e)))
+        results_q.put((rank, False, one_line(e)))
         raise SystemExit(1) from None
     try:
         results_q.put((rank, True, pickle.dumps(value)))
     except Exception as e:
-        results_q.put((rank, False, f"result not picklable: {_one_line(e)}"))
+        results_q.put((rank, False, f"result not picklable: {one_line(e)}"))
         raise SystemExit(1) from None
     dist.destroy_process_group()
-
-
-def _one_line(e: BaseException) -> str:
-    if isinstance(e, VpipeError):
-        text = str(e)
-    else:
-        text = f"{type(e).__name__}: {e}"
-    lines = text.strip().splitlines()
-    return lines[0] if lines else type(e).__name__
