@@ -14,7 +14,6 @@ import statistics
 import sys
 import time
 from dataclasses import dataclass, field
-from pathlib import Path
 from typing import Any
 
 from vpipe.errors import PipelineError, ScheduleError, VpipeError
@@ -163,26 +162,15 @@ def build_config(args: argparse.Namespace) -> RunConfig:
 
 
 def resolve_schedule(args: argparse.Namespace) -> Schedule:
-    """A built-in schedule (lowered and validated) or a CSV file's; torch impl: compute-only."""
+    """A built-in schedule or a CSV file's (as the schedule commands load them), lowered and
+    validated; for the torch impl, a built-in schedule, compute-only."""
+    from vpipe.commands.schedule import is_csv_source, load_schedule
     from vpipe.passes import lower, validate
 
     name = args.schedule
-    if name.endswith(".csv") or Path(name).is_file():
-        if args.impl == "torch":
-            raise ScheduleError("--impl torch runs torch's built-in schedules, not a CSV file")
-        schedule = Schedule.from_csv(name, n_ranks=args.ranks)
-        if args.microbatches is not None and args.microbatches != schedule.n_microbatches:
-            raise ScheduleError(
-                f"{name}: has {schedule.n_microbatches} microbatches, --microbatches says "
-                f"{args.microbatches}"
-            )
-    else:
-        if args.ranks is None or args.microbatches is None:
-            raise VpipeError(f"schedule {name!r} needs --ranks and --microbatches")
-        from vpipe.schedules import make_schedule
-
-        schedule = make_schedule(name, args.ranks, args.microbatches, args.stages_per_rank)
-    validate(schedule)
+    if args.impl == "torch" and is_csv_source(name):
+        raise ScheduleError("--impl torch runs torch's built-in schedules, not a CSV file")
+    schedule = load_schedule(name, args.ranks, args.microbatches, args.stages_per_rank)
     if args.impl == "torch":
         from vpipe.baselines.torch_pp import torch_placement
 

@@ -127,6 +127,11 @@ def _is_file(text: str) -> bool:
         return False
 
 
+def is_csv_source(source: str) -> bool:
+    """Whether a NAME_OR_CSV argument names a CSV file rather than a built-in schedule."""
+    return _is_file(source) or source.lower().endswith(".csv")
+
+
 def load_schedule(
     source: str,
     ranks: int | None = None,
@@ -134,7 +139,7 @@ def load_schedule(
     stages_per_rank: int | None = None,
 ) -> Schedule:
     """A built-in schedule by name, or a CSV file (validated, compared with the given sizes)."""
-    if _is_file(source) or source.lower().endswith(".csv"):
+    if is_csv_source(source):
         if stages_per_rank is not None:
             raise ScheduleError(f"{source}: --stages-per-rank applies to built-in schedules only")
         schedule = Schedule.from_csv(source, n_ranks=ranks)
