@@ -26,6 +26,7 @@ from torch.profiler import record_function
 from vpipe.errors import PipelineError, one_line
 from vpipe.ir import Action, Kind
 from vpipe.runtime.comm import P2P
+from vpipe.runtime.meta import TensorMeta
 from vpipe.runtime.stage import Stage
 
 __all__ = ["Executor"]
@@ -124,8 +125,7 @@ class Executor:
     def reset(self) -> None:
         """Drop every stashed value (after a failed step)."""
         for st in self.stages.values():
-            for d in (st.fwd_in, st.grad_out, st.grad_in, st.weight, st._inputs, st._outputs):
-                d.clear()
+            st.clear()
         self._queued.clear()
         self._sends.clear()
         self.live = self.live_bytes = 0
@@ -211,8 +211,16 @@ class Executor:
 
             return overlap
         if a.is_comm:
-            flush = i + 1 == len(program) or not program[i + 1].is_comm
-            return self._compile_comm(a, flush)
+            post = self._compile_comm(a)
+            if i + 1 < len(program) and program[i + 1].is_comm:
+                return post  # the next action joins this batch
+            flush = self._flush
+
+            def post_and_flush() -> None:
+                post()
+                flush()
+
+            return post_and_flush
         return self._compile_compute(a)
 
     def _compile_compute(self, a: Action) -> Callable[[], None]:
@@ -220,7 +228,8 @@ class Executor:
         st = self.stages[s]
         prev = self.stages.get(s - 1)
         nxt = self.stages.get(s + 1)
-        route_back = s > 0
+        # Where B/I put the input gradient: stage s-1 here, else SEND_B's queue; stage 0: nowhere.
+        grads_to = None if s == 0 else prev.grad_out if prev is not None else st.grad_in
         kind = a.kind
 
         def take(d: dict, what: str) -> Any:
@@ -232,11 +241,8 @@ class Executor:
             return v
 
         def give_back(grads: tuple) -> None:
-            if route_back:
-                if prev is not None:
-                    prev.grad_out[m] = grads
-                else:
-                    st.grad_in[m] = grads
+            if grads_to is not None:
+                grads_to[m] = grads
 
         if kind is Kind.F:
 
@@ -274,7 +280,7 @@ class Executor:
 
         return backward_weight
 
-    def _compile_comm(self, a: Action, flush: bool) -> Callable[[], None]:
+    def _compile_comm(self, a: Action) -> Callable[[], None]:
         s, m, kind = a.stage, a.microbatch, a.kind
         st = self.stages[s]
         comm = self.comm
@@ -284,7 +290,7 @@ class Executor:
         )
         queued = self._queued
 
-        def post_recv(metas: list) -> None:
+        def post_recv(metas: tuple[TensorMeta, ...]) -> None:
             bufs = tuple(torch.empty(shape, dtype=dt, device=device) for shape, dt in metas)
             posted = Posted(bufs, a)
             for b in bufs:
@@ -301,25 +307,19 @@ class Executor:
         if kind is Kind.RECV_F:
 
             def recv_f() -> None:
-                post_recv(list(st.in_meta))
-                if flush:
-                    self._flush()
+                post_recv(st.in_meta)
 
             return recv_f
         if kind is Kind.RECV_B:
 
             def recv_b() -> None:
-                post_recv([st.out_meta[i] for i in st.float_out])
-                if flush:
-                    self._flush()
+                post_recv(st.float_out_meta)
 
             return recv_b
         if kind is Kind.SEND_F:
 
             def send_f() -> None:
                 post_send(st.sent_values(m))
-                if flush:
-                    self._flush()
 
             return send_f
 
@@ -327,14 +327,11 @@ class Executor:
             grads = st.grad_in.pop(m, None)
             if grads is None:
                 raise PipelineError(f"no input gradient of microbatch {m} to send")
-            metas = [st.in_meta[i] for i in st.float_in]
             post_send(
                 tuple(
                     g.contiguous() if g is not None else torch.zeros(shape, dtype=dt, device=device)
-                    for g, (shape, dt) in zip(grads, metas, strict=True)
+                    for g, (shape, dt) in zip(grads, st.float_in_meta, strict=True)
                 )
             )
-            if flush:
-                self._flush()
 
         return send_b

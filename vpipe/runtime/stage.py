@@ -51,6 +51,9 @@ class Stage:
         self.out_meta: tuple[TensorMeta, ...] = ()
         self.float_in: tuple[int, ...] = ()
         self.float_out: tuple[int, ...] = ()
+        # The metadata of the float positions: the shapes of the gradients exchanged.
+        self.float_in_meta: tuple[TensorMeta, ...] = ()
+        self.float_out_meta: tuple[TensorMeta, ...] = ()
         self.act_bytes: int | None = None  # measured at the first F after a shape change
         self.fwd_in: dict[int, Any] = {}
         self.grad_out: dict[int, Any] = {}
@@ -58,27 +61,32 @@ class Stage:
         self.weight: dict[int, WeightTask] = {}
         self._inputs: dict[int, tuple[torch.Tensor, ...]] = {}
         self._outputs: dict[int, tuple[torch.Tensor, ...]] = {}
+        self._per_microbatch = (
+            self.fwd_in,
+            self.grad_out,
+            self.grad_in,
+            self.weight,
+            self._inputs,
+            self._outputs,
+        )
         self.loss_scale = 1.0
 
     def set_meta(self, in_meta: tuple[TensorMeta, ...], out_meta: tuple[TensorMeta, ...]) -> None:
         self.in_meta, self.out_meta = in_meta, out_meta
         self.float_in = tuple(i for i, (_, d) in enumerate(in_meta) if d.is_floating_point)
         self.float_out = tuple(i for i, (_, d) in enumerate(out_meta) if d.is_floating_point)
+        self.float_in_meta = tuple(in_meta[i] for i in self.float_in)
+        self.float_out_meta = tuple(out_meta[i] for i in self.float_out)
         self.act_bytes = None
 
     def live_entries(self) -> int:
         """Stashed per-microbatch entries (zero between steps)."""
-        return sum(
-            len(d)
-            for d in (
-                self.fwd_in,
-                self.grad_out,
-                self.grad_in,
-                self.weight,
-                self._inputs,
-                self._outputs,
-            )
-        )
+        return sum(len(d) for d in self._per_microbatch)
+
+    def clear(self) -> None:
+        """Drop every per-microbatch entry (after a failed step)."""
+        for d in self._per_microbatch:
+            d.clear()
 
     # -- forward -----------------------------------------------------------------------------
     def forward(self, m: int, values: tuple[torch.Tensor, ...], target: Any) -> Any:
