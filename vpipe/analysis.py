@@ -20,13 +20,14 @@ Spread over steps is given as the interquartile range (``*_q1``/``*_q3``) next t
 
 from __future__ import annotations
 
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from typing import Any
 
 import numpy as np
 import pandas as pd
 
-COMPUTE_KINDS = ("F", "B", "I", "W")
+from vpipe.events import COMM_KINDS, COMPUTE_KINDS
+
 KEYS = ["run_id", "step", "rank"]
 # Headline peak memory, first present wins: CUDA allocator peak, CUDA allocated, profiler's
 # CPU allocation tracking, process RSS.
@@ -128,7 +129,9 @@ def headline_peak_bytes(memory: pd.DataFrame | None) -> int | None:
     return None
 
 
-def _quartiles(s: pd.Series) -> tuple[float, float, float]:
+def quartiles(values: Sequence[float] | pd.Series) -> tuple[float, float, float]:
+    """(q1, median, q3) of the non-missing values; all NaN when there are none."""
+    s = pd.Series(values, dtype="float64")
     q = s.dropna().quantile([0.25, 0.5, 0.75]) if s.notna().any() else None
     return (float("nan"),) * 3 if q is None else (float(q[0.25]), float(q[0.5]), float(q[0.75]))
 
@@ -143,15 +146,15 @@ def summarize(
     """Run-level metrics of one run (medians over steps, IQR as spread), with the names of the
     runs table (see :data:`vpipe.trace.store.RUN_COLUMNS`)."""
     s = step_metrics(events)
-    q1, med, q3 = _quartiles(s["step_time_s"])
+    q1, med, q3 = quartiles(s["step_time_s"])
     out: dict[str, Any] = {
         "step_time_s": med,
         "step_time_q1_s": q1,
         "step_time_q3_s": q3,
         "steps": int(len(s)),
-        "bubble_ratio": _quartiles(s["bubble_ratio"])[1],
-        "bubble_ratio_excl_skew": _quartiles(s["bubble_ratio_excl_skew"])[1],
-        "comm_wait_s": _quartiles(s["comm_wait_s"])[1],
+        "bubble_ratio": quartiles(s["bubble_ratio"])[1],
+        "bubble_ratio_excl_skew": quartiles(s["bubble_ratio_excl_skew"])[1],
+        "comm_wait_s": quartiles(s["comm_wait_s"])[1],
         "samples_per_s": batch / med if batch and med > 0 else float("nan"),
         "tokens_per_s": batch * tokens_per_sample / med
         if batch and tokens_per_sample and med > 0
@@ -167,11 +170,7 @@ def summarize(
 
 def kind_durations(events: pd.DataFrame) -> pd.DataFrame:
     """Median, q1, q3 and count of span durations (seconds) per (stage, kind)."""
-    ev = events[
-        events["kind"]
-        .astype(str)
-        .isin([*COMPUTE_KINDS, "SEND_F", "RECV_F", "SEND_B", "RECV_B", "WAIT"])
-    ]
+    ev = events[events["kind"].astype(str).isin([*COMPUTE_KINDS, *COMM_KINDS, "WAIT"])]
     d = ev.assign(dur_s=(ev["end_ns"] - ev["start_ns"]) / 1e9, kind=ev["kind"].astype(str))
     g = d.groupby(["stage", "kind"])["dur_s"]
     return pd.DataFrame(

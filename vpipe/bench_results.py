@@ -18,8 +18,9 @@ from typing import Any
 
 import pandas as pd
 
+from vpipe.analysis import quartiles, step_metrics
 from vpipe.bench import Config, SweepSpec, spec_dict
-from vpipe.events import events_frame, memory_frame
+from vpipe.events import COMPUTE_KINDS, events_frame, memory_frame
 from vpipe.report import (
     Section,
     impl_table,
@@ -70,11 +71,6 @@ def git_commit(cwd: str | Path | None = None) -> str | None:
     except (OSError, subprocess.SubprocessError):
         return None
     return out.stdout.strip() or None
-
-
-def _quartiles(xs: list[float]) -> tuple[float, float, float]:
-    s = pd.Series(xs, dtype="float64")
-    return float(s.median()), float(s.quantile(0.25)), float(s.quantile(0.75))
 
 
 def _config_events(results: list[dict[str, Any]], cfg: Config, run_id: str) -> pd.DataFrame:
@@ -170,7 +166,7 @@ def collect(
                     "samples_per_s": spec.batch / t,
                 }
             )
-        med, q1, q3 = _quartiles(times)
+        q1, med, q3 = quartiles(times)
         peaks = []
         for r in results:
             m = r["memory"][cfg.key]
@@ -244,7 +240,7 @@ def collect(
 
 def has_actions(events: pd.DataFrame) -> bool:
     """Whether an event table holds compute spans (F, B, I, W) to analyse."""
-    return bool(events["kind"].isin(["F", "B", "I", "W"]).any())
+    return bool(events["kind"].isin(COMPUTE_KINDS).any())
 
 
 def simulate_config(
@@ -274,8 +270,6 @@ def simulate_config(
 
 def _measured_metrics(ev: pd.DataFrame) -> dict[str, float]:
     """Bubble ratios and the profiled step's time from one config's measured events."""
-    from vpipe.analysis import step_metrics
-
     m = step_metrics(ev)
     return {
         "bubble_ratio": float(m["bubble_ratio"].median()),

@@ -42,8 +42,9 @@ from typing import Any
 import numpy as np
 import pandas as pd
 
-from vpipe.analysis import COMPUTE_KINDS, KEYS, _union_ns, rank_metrics, step_metrics
+from vpipe.analysis import KEYS, _union_ns, rank_metrics, step_metrics
 from vpipe.errors import TraceError
+from vpipe.events import COMPUTE_KINDS
 
 US = 1e3  # ns per cost-model time unit
 

@@ -32,7 +32,9 @@ EVENT_COLUMNS: dict[str, str] = {
     "end_ns": "int64",
 }
 
-EVENT_KINDS = ("F", "B", "I", "W", "SEND_F", "RECV_F", "SEND_B", "RECV_B", "WAIT", "other")
+COMPUTE_KINDS = ("F", "B", "I", "W")
+COMM_KINDS = ("SEND_F", "RECV_F", "SEND_B", "RECV_B")
+EVENT_KINDS = (*COMPUTE_KINDS, *COMM_KINDS, "WAIT", "other")
 
 MEMORY_COLUMNS: dict[str, str] = {
     "run_id": "category",

@@ -20,11 +20,12 @@ import seaborn as sns  # noqa: E402
 from matplotlib.figure import Figure  # noqa: E402
 from matplotlib.patches import Patch  # noqa: E402
 
+from vpipe.events import COMPUTE_KINDS  # noqa: E402
+
 # Baselines first, then the V-schedules they are compared with.
 SCHEDULE_ORDER = ("gpipe", "1f1b", "interleaved-1f1b", "looped-bfs", "zb-h1", "zbv", "dualpipev")
 BASELINE = "interleaved-1f1b"
 IMPL_ORDER = ("vpipe", "torch")
-COMPUTE = ("F", "B", "I", "W")
 
 KIND_COLORS = {
     "F": "#4c72b0",
@@ -141,9 +142,9 @@ def _gantt(ax, events: pd.DataFrame, title: str, unit: str = "ms") -> None:
                 for s, e in zip(g.start_ns, g.end_ns, strict=True)
             ]
             # compute on the main bar; comm and waits on a thin strip below, so they never hide it
-            lane = (rank - 0.4, 0.55) if str(kind) in COMPUTE else (rank + 0.2, 0.2)
+            lane = (rank - 0.4, 0.55) if str(kind) in COMPUTE_KINDS else (rank + 0.2, 0.2)
             ax.broken_barh(spans, lane, facecolors=color, edgecolors="white", linewidth=0.3)
-    compute = events[events["kind"].isin(COMPUTE)]
+    compute = events[events["kind"].isin(COMPUTE_KINDS)]
     if len(compute) <= 64:  # labels stay legible (and cheap to draw) only for short programs
         for r in compute.itertuples():
             ax.text(

@@ -42,11 +42,16 @@ import numpy as np
 import pandas as pd
 
 from vpipe.errors import ScheduleError, TraceError
-from vpipe.events import EVENT_COLUMNS, MEMORY_COLUMNS, events_frame, memory_frame
+from vpipe.events import (
+    COMPUTE_KINDS,
+    EVENT_COLUMNS,
+    MEMORY_COLUMNS,
+    events_frame,
+    memory_frame,
+)
 from vpipe.ir import Kind, parse_action
 from vpipe.trace.kineto_json import RawTrace, read_trace
 
-COMPUTE_KINDS = ("F", "B", "I", "W")
 _RANK_IN_NAME = re.compile(r"rank[_-]?(\d+)", re.IGNORECASE)
 _STEP_MARK, _PROF_STEP_MARK = "STEP", "PROFSTEP"
 
