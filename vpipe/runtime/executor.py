@@ -145,13 +145,10 @@ class Executor:
             src = self.placement.get(e.action.stage + (-1 if e.action.kind is Kind.RECV_F else 1))
             detail = f"waiting for {e.action} from rank {src}: "
             e = e.error
-        if isinstance(e, PipelineError):
-            return PipelineError(
-                f"{where}: action {shown} (stage {part.stage}, microbatch {part.microbatch}) failed: {e}"
-            )
+        text = str(e) if isinstance(e, PipelineError) else one_line(e)
         return PipelineError(
             f"{where}: action {shown} (stage {part.stage}, microbatch {part.microbatch}) "
-            f"failed: {detail}{one_line(e)}"
+            f"failed: {detail}{text}"
         )
 
     # -- helpers used by the closures --------------------------------------------------------
