@@ -18,8 +18,6 @@ class P2P:
 
     def __init__(self, group: dist.ProcessGroup | None, device: torch.device) -> None:
         self.group = group if group is not None else dist.group.WORLD
-        self.rank = dist.get_rank(self.group)
-        self.size = dist.get_world_size(self.group)
         backend = self.group._get_backend(device)
         self.coalesce = bool(getattr(backend, "supports_coalescing", False))
         self._queue: list[tuple[bool, torch.Tensor, int]] = []

@@ -11,7 +11,7 @@ import torch.distributed as dist
 from torch import nn
 from torch.profiler import record_function
 
-from vpipe.errors import PipelineError, VpipeError
+from vpipe.errors import PipelineError, VpipeError, one_line
 from vpipe.ir import Schedule
 from vpipe.runtime.comm import P2P
 from vpipe.runtime.executor import Executor
@@ -76,6 +76,8 @@ class Pipeline:
             for s in mine
         }
         self.n_microbatches = program.n_microbatches
+        for st in self.stages.values():
+            st.loss_scale = 1.0 / self.n_microbatches
         self.comm = P2P(group, self.device) if distributed else None
         self._executor = Executor(
             self.rank,
@@ -128,10 +130,8 @@ class Pipeline:
         except Exception as e:
             raise PipelineError(
                 f"rank {self.rank}: step {self._step}: exchanging input shapes failed: "
-                f"{type(e).__name__}: {str(e).strip().splitlines()[0] if str(e).strip() else ''}"
+                f"{one_line(e)}"
             ) from e
-        for st in self.stages.values():
-            st.loss_scale = 1.0 / n
         ex = self._executor
         ex.profiling = profiling
         try:
@@ -180,7 +180,7 @@ class Pipeline:
             except Exception as e:
                 raise PipelineError(
                     f"rank {self.rank}: step {self._step}: broadcasting the input shape failed: "
-                    f"{type(e).__name__}: {str(e).strip().splitlines()[0] if str(e).strip() else ''}"
+                    f"{one_line(e)}"
                 ) from e
 
     def _infer_meta(self, first: tuple[TensorMeta, ...]) -> None:
