@@ -17,6 +17,7 @@ dicts:
 
 from __future__ import annotations
 
+from collections import deque
 from collections.abc import Callable
 from typing import Any
 
@@ -82,7 +83,7 @@ class Executor:
         self._queued: list[
             Posted | torch.Tensor
         ] = []  # per queued op: its receive, or the sent tensor
-        self._sends: list[tuple[list, torch.Tensor]] = []
+        self._sends: deque[tuple[list, list[torch.Tensor]]] = deque()  # works, tensors sent
         self.live = self.live_bytes = self.peak_live = self.peak_live_bytes = 0
         self._program = [(a, f"PP:{a}", self._compile(program, i)) for i, a in enumerate(program)]
 
@@ -166,16 +167,24 @@ class Executor:
         return posted.bufs
 
     def _flush(self) -> None:
+        # A coalesced batch gives all its operations one works list: a receive takes it once,
+        # and its sends share one entry.
         works = self.comm.flush()
+        sends = self._sends
+        posted = posted_works = None  # the receive last given works, and those works
         for owner, w in zip(self._queued, works, strict=True):
             if type(owner) is Posted:
-                owner.works.extend(w)
+                if owner is not posted or w is not posted_works:
+                    owner.works.extend(w)
+                    posted, posted_works = owner, w
+            elif sends and sends[-1][0] is w:
+                sends[-1][1].append(owner)
             else:
-                self._sends.append((w, owner))  # keeps the tensor alive until sent
+                sends.append((w, [owner]))  # keeps the tensors alive until sent
         self._queued.clear()  # in place: the closures hold this list
 
     def _finish_sends(self) -> None:
-        sends, self._sends = self._sends, []
+        sends, self._sends = self._sends, deque()
         for works, _ in sends:
             for w in works:
                 w.wait()
@@ -183,7 +192,7 @@ class Executor:
     def _prune_sends(self) -> None:
         sends = self._sends
         while sends and all(w.is_completed() for w in sends[0][0]):
-            sends.pop(0)
+            sends.popleft()
 
     def _add_live(self, st: Stage, sign: int) -> None:
         self.live += sign
