@@ -12,17 +12,13 @@ from __future__ import annotations
 
 import os
 
+from vpipe.bench import parse_list
+
 RANKS = 2
 BATCH = 16
 SIZES = {"d_model": 256, "d_hidden": 1024}
-
-
-def _grid(var: str, default: str) -> list[str]:
-    return [s.strip() for s in os.environ.get(var, default).split(",") if s.strip()]
-
-
-SCHEDULES = _grid("VPIPE_ASV_SCHEDULES", "1f1b,interleaved-1f1b,zbv,dualpipev")
-MICROBATCHES = [int(m) for m in _grid("VPIPE_ASV_MICROBATCHES", "4,8")]
+SCHEDULES = parse_list(os.environ.get("VPIPE_ASV_SCHEDULES", "1f1b,interleaved-1f1b,zbv,dualpipev"))
+MICROBATCHES = [int(m) for m in parse_list(os.environ.get("VPIPE_ASV_MICROBATCHES", "4,8"))]
 
 
 class PipelineCPU:

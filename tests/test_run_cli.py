@@ -8,8 +8,9 @@ import subprocess
 import pytest
 import torch
 
+from vpipe.bench import parse_sizes
 from vpipe.cli import main
-from vpipe.commands.run import check_against_reference, parse_sizes
+from vpipe.commands.run import check_against_reference
 from vpipe.errors import VpipeError
 from vpipe.models import build_model
 

@@ -19,6 +19,7 @@ import time
 from collections.abc import Sequence
 from typing import Any
 
+from vpipe.bench import parse_list
 from vpipe.errors import VpipeError
 
 DEFAULT_SCHEDULES = ("zbv", "interleaved-1f1b", "dualpipev")
@@ -249,7 +250,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     if args.skip_pipelines:
         return 0
     rows = compare(
-        args.schedules.split(","),
+        parse_list(args.schedules),
         ranks=args.ranks,
         microbatches=args.microbatches,
         batch=args.batch,

@@ -9,20 +9,6 @@ import time
 from pathlib import Path
 
 
-def _sizes(text: str) -> dict[str, int]:
-    out: dict[str, int] = {}
-    for item in (text or "").split(","):
-        if not item.strip():
-            continue
-        key, sep, value = item.partition("=")
-        if not sep or not value.strip().isdigit():
-            raise argparse.ArgumentTypeError(
-                f"bad size {item!r}: expected name=int, e.g. d_model=256"
-            )
-        out[key.strip()] = int(value)
-    return out
-
-
 def register(subparsers: argparse._SubParsersAction) -> None:
     from vpipe.bench import DEFAULT_SCHEDULES
 
@@ -49,8 +35,7 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     p.add_argument("--model", default="mlp", help="mlp, gpt or tuple (default mlp)")
     p.add_argument(
         "--sizes",
-        type=_sizes,
-        default={},
+        default="",
         help="model sizes, e.g. d_model=512,d_hidden=2048,n_blocks=4 (default for mlp: "
         "d_model=256,d_hidden=1024; n_blocks/n_layers grow to the largest stage count)",
     )
@@ -101,7 +86,16 @@ def register(subparsers: argparse._SubParsersAction) -> None:
 
 
 def run_bench(args: argparse.Namespace) -> int:
-    from vpipe.bench import QUICK_SCHEDULES, SweepSpec, new_run_id, parse_list, run_sweep
+    from vpipe.bench import (
+        QUICK_SCHEDULES,
+        SweepSpec,
+        new_run_id,
+        parse_list,
+        parse_sizes,
+        run_sweep,
+    )
+
+    sizes = parse_sizes(args.sizes)
 
     if args.ranks is None:  # torchrun sets WORLD_SIZE; validate before importing torch
         args.ranks = int(os.environ.get("WORLD_SIZE", 2))
@@ -111,7 +105,7 @@ def run_bench(args: argparse.Namespace) -> int:
             device=args.device,
             backend=args.backend,
             model=args.model,
-            sizes=args.sizes or ({"d_model": 128, "d_hidden": 512} if args.model == "mlp" else {}),
+            sizes=sizes or ({"d_model": 128, "d_hidden": 512} if args.model == "mlp" else {}),
             batch=16,
             schedules=QUICK_SCHEDULES,
             microbatches=(4,),
@@ -127,7 +121,7 @@ def run_bench(args: argparse.Namespace) -> int:
             device=args.device,
             backend=args.backend,
             model=args.model,
-            sizes=args.sizes,
+            sizes=sizes,
             batch=args.batch,
             schedules=tuple(parse_list(args.schedules)),
             microbatches=tuple(_ints(args.microbatches)),

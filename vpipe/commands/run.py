@@ -16,6 +16,7 @@ import time
 from dataclasses import dataclass, field
 from typing import Any
 
+from vpipe.bench import parse_sizes
 from vpipe.errors import PipelineError, ScheduleError, VpipeError
 from vpipe.ir import Schedule
 
@@ -180,17 +181,6 @@ def resolve_schedule(args: argparse.Namespace) -> Schedule:
     lowered = schedule if schedule.is_lowered else lower(schedule)
     validate(lowered)
     return lowered
-
-
-def parse_sizes(text: str) -> dict[str, int]:
-    """``"d_model=64,n_blocks=8"`` -> ``{"d_model": 64, "n_blocks": 8}``."""
-    sizes: dict[str, int] = {}
-    for item in filter(None, (s.strip() for s in text.split(","))):
-        key, sep, value = item.partition("=")
-        if not sep or not value.strip().isdigit():
-            raise VpipeError(f"--sizes: expected NAME=INT items, got {item!r}")
-        sizes[key.strip()] = int(value)
-    return sizes
 
 
 # ---------------------------------------------------------------------------------------------
