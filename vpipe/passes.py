@@ -248,15 +248,12 @@ def _static_ok(fl: Flat) -> bool:
         return False
     if not fl.lowered:
         return True
-    cs, ck, cm, cr = fl.c_stage, fl.c_kind, fl.c_mb, fl.c_rank
+    cs, cm, cr = fl.c_stage, fl.c_mb, fl.c_rank
     if cs.min() < 0 or cs.max() >= S or cm.min() < 0 or cm.max() >= M:
         return False
-    up = (ck == 0) | (ck == 3)  # SEND_F / RECV_B talk to stage + 1
-    nb = np.where(up, cs + 1, cs - 1)
+    e, send, nb = _comm_messages(fl)
     if nb.min() < 0 or nb.max() >= S or (place[cs] != cr).any() or (place[nb] == cr).any():
         return False
-    e = ((ck >= 2) * NB + np.where(up, cs, cs - 1)) * M + cm
-    send = (ck == 0) | (ck == 2)
     cross = np.repeat(np.tile(place[1:] != place[:-1], 2), M)
     n_msg = 2 * NB * M
     if not (np.bincount(e[send], minlength=n_msg) == cross).all():
@@ -278,6 +275,18 @@ def _static_ok(fl: Flat) -> bool:
     es = e[send][np.argsort(ch_s, kind="stable")]
     er = e[~send][np.argsort(ch_r, kind="stable")]
     return bool((es == er).all())
+
+
+def _comm_messages(fl: Flat) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """Per SEND/RECV row: message id, whether it is a send, and the neighbour stage it talks
+    to (the message id is meaningful only once that neighbour is in range)."""
+    s = fl.schedule
+    M, NB = s.n_microbatches, s.n_stages - 1
+    cs, ck = fl.c_stage, fl.c_kind
+    up = (ck == 0) | (ck == 3)  # SEND_F / RECV_B talk to stage + 1
+    nb = np.where(up, cs + 1, cs - 1)
+    e = ((ck >= 2) * NB + np.minimum(cs, nb)) * M + fl.c_mb
+    return e, (ck == 0) | (ck == 2), nb
 
 
 def _decode(e: np.ndarray, NB: int, M: int) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
@@ -610,14 +619,10 @@ def compile_program(fl: Flat, plan: CommPlan | None = None) -> Program:
     send_op = np.full(n_msg, -1, np.int64)
     recv_op = np.full(n_msg, -1, np.int64)
     if fl.lowered:
-        S, M = s.n_stages, s.n_microbatches
-        ck, cs = fl.c_kind, fl.c_stage
-        up = (ck == 0) | (ck == 3)
-        e = ((ck >= 2) * (S - 1) + np.where(up, cs, cs - 1)) * M + fl.c_mb
+        e, send, _ = _comm_messages(fl)
         okey = fl.o_rank << 32 | fl.o_pos
         prev = np.searchsorted(okey, fl.c_rank << 32 | fl.c_pos) - 1
         prev = np.where((prev >= 0) & (fl.o_rank[np.maximum(prev, 0)] == fl.c_rank), prev, -1)
-        send = (ck == 0) | (ck == 2)
         send_op[e[send]] = prev[send]
         recv_op[e[~send]] = prev[~send]
     else:
@@ -855,25 +860,16 @@ def materialize(fl: Flat, plan: CommPlan) -> list[list[Action]]:
     """Per-rank lowered action lists: original compute actions plus the plan's SEND/RECVs."""
     s = fl.schedule
     M, NB = s.n_microbatches, s.n_stages - 1
-    lo = fl.o_lo
-    n_ops = len(fl.o_rank)
     by_channel = np.argsort(plan.order)  # RECVs in channel order, so a stable sort keeps it
     d, b, m = _decode(plan.e, NB, M)
     dr, br, mr = d[by_channel], b[by_channel], m[by_channel]
     n = len(plan.e)
-    # Sort key: rank, then 3 * compute index + (0 RECV, 1 compute, 2 SEND); ties keep the
-    # concatenation order (sends in part order, receives in channel order).
-    send_rank = fl.o_rank[plan.send_op]
-    recv_rank = plan.dst[by_channel]
-    rank = np.concatenate([fl.o_rank, send_rank, recv_rank])
-    local = np.concatenate(
-        [
-            3 * (np.arange(n_ops) - lo[fl.o_rank]) + 1,
-            3 * (plan.send_op - lo[send_rank]) + 2,
-            3 * plan.slot[by_channel],
-        ]
-    )
-    width = 3 * int(np.diff(lo).max(initial=0)) + 3
+    # Sort key: rank, then the slot key; ties keep the concatenation order (sends in part
+    # order, receives in channel order).
+    op_key, send_key, recv_key = _slot_keys(fl, plan)
+    rank = np.concatenate([fl.o_rank, fl.o_rank[plan.send_op], plan.dst[by_channel]])
+    local = np.concatenate([op_key, send_key, recv_key[by_channel]])
+    width = 3 * int(np.diff(fl.o_lo).max(initial=0)) + 3
     order = np.argsort(rank * width + local, kind="stable").tolist()
     with _gc_paused():
         objs = list(chain.from_iterable(s.actions))  # compute-only: every action is an op
@@ -897,6 +893,14 @@ def materialize(fl: Flat, plan: CommPlan) -> list[list[Action]]:
         flat_sorted = [objs[k] for k in order]
         bounds = np.searchsorted(rank[order], np.arange(s.n_ranks + 1)).tolist()
         return [flat_sorted[bounds[r] : bounds[r + 1]] for r in range(s.n_ranks)]
+
+
+def _slot_keys(fl: Flat, plan: CommPlan) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """Program order of the lowered actions within their rank: 3 * compute index + 0 for a
+    RECV (posted before that compute action), 1 for the compute action, 2 for a SEND (after
+    it). Per op, per planned SEND and per planned RECV (plan order)."""
+    op_key = 3 * (np.arange(len(fl.o_rank)) - fl.o_lo[fl.o_rank]) + 1
+    return op_key, op_key[plan.send_op] + 1, 3 * plan.slot
 
 
 @contextmanager

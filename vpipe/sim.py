@@ -39,9 +39,13 @@ import numpy as np
 from vpipe.errors import VpipeError
 from vpipe.ir import Schedule
 from vpipe.passes import (
+    _PART_BITS,
     CommPlan,
     Flat,
     Program,
+    _comm_messages,
+    _decode,
+    _slot_keys,
     check_static,
     compile_program,
     flatten,
@@ -435,30 +439,25 @@ def _timeline_columns(raw: _Raw) -> dict[str, np.ndarray]:
     fl, prog, plan = raw.fl, raw.prog, raw.plan
     s = fl.schedule
     M, NB = s.n_microbatches, s.n_stages - 1
-    lo = fl.o_lo
     if fl.lowered:
-        ck = fl.c_kind
-        up = (ck == 0) | (ck == 3)
-        e = ((ck >= 2) * NB + np.where(up, fl.c_stage, fl.c_stage - 1)) * M + fl.c_mb
-        c_rank, c_stage, c_kind, c_mb = fl.c_rank, fl.c_stage, ck + 4, fl.c_mb
-        p_seq, c_seq = fl.p_pos << 6 | fl.p_sub, fl.c_pos << 6
+        e, is_send, _ = _comm_messages(fl)
+        c_rank, c_stage, c_kind, c_mb = fl.c_rank, fl.c_stage, fl.c_kind + 4, fl.c_mb
+        p_seq, c_seq = fl.p_pos << _PART_BITS | fl.p_sub, fl.c_pos << _PART_BITS
         tie = np.zeros(len(fl.p_rank) + len(e), np.int64)
     else:
-        q, mm = np.divmod(plan.e, M)
-        d, b = np.divmod(q, NB) if NB else (q, q)
+        d, b, mm = _decode(plan.e, NB, M)
+        n = len(plan.e)
         e = np.concatenate([plan.e, plan.e])
-        send_rank = fl.o_rank[plan.send_op]
-        c_rank = np.concatenate([send_rank, plan.dst])
+        is_send = np.arange(2 * n) < n
+        c_rank = np.concatenate([fl.o_rank[plan.send_op], plan.dst])
         c_stage = np.concatenate([b + d, b + 1 - d])
         c_kind = np.concatenate([4 + 2 * d, 5 + 2 * d])
         c_mb = np.concatenate([mm, mm])
-        # Program order as lower() writes it: RECVs of slot j, compute j, its SENDs.
-        p_seq = (3 * (fl.p_op - lo[fl.p_rank]) + 1) << 6 | fl.p_sub
-        c_seq = np.concatenate(
-            [(3 * (plan.send_op - lo[send_rank]) + 2) << 6 | plan.send_sub, (3 * plan.slot) << 6]
-        )
-        tie = np.concatenate([np.zeros(len(fl.p_rank) + len(plan.e), np.int64), plan.order])
-    is_send = (c_kind == 4) | (c_kind == 6)
+        # Program order as lower() writes it.
+        op_key, send_key, recv_key = _slot_keys(fl, plan)
+        p_seq = op_key[fl.p_op] << _PART_BITS | fl.p_sub
+        c_seq = np.concatenate([send_key << _PART_BITS | plan.send_sub, recv_key << _PART_BITS])
+        tie = np.concatenate([np.zeros(len(fl.p_rank) + n, np.int64), plan.order])
     post_op = np.where(is_send, prog.send_op[e], prog.recv_op[e])
     c_start = np.zeros(len(e))
     c_start[post_op >= 0] = raw.end[post_op[post_op >= 0]]
