@@ -50,6 +50,10 @@ class Config:
     def key(self) -> str:
         return f"{self.schedule}-m{self.microbatches}-{self.impl}"
 
+    def run_id(self, bench_id: str, *, simulated: bool = False) -> str:
+        """The runs-table id of this config's measured (or simulated) run in sweep ``bench_id``."""
+        return f"{bench_id}-{self.key}" + ("-sim" if simulated else "")
+
 
 @dataclass
 class SweepSpec:

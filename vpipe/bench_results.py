@@ -152,7 +152,7 @@ def collect(
     events: dict[str, pd.DataFrame] = {}
     memory: dict[str, pd.DataFrame] = {}
     for i, cfg in enumerate(spec.configs()):
-        run_id = f"{bench_id}-{cfg.key}"
+        run_id, sim_id = cfg.run_id(bench_id), cfg.run_id(bench_id, simulated=True)
         times = r0["times"][i]
         for j, t in enumerate(times):
             steps.append(
@@ -206,14 +206,14 @@ def collect(
         if traced:
             row.update(_measured_metrics(ev))
         if traced and simulate:
-            sim_row, sim_ev = simulate_config(spec, cfg, ev, f"{run_id}-sim")
+            sim_row, sim_ev = simulate_config(spec, cfg, ev, sim_id)
             row["sim_step_time_s"] = sim_row["step_time_s"]
             row["sim_error"] = sim_row["step_time_s"] / row["profiled_step_time_s"] - 1
             runs.append(
                 {
                     **common,
                     **sim_row,
-                    "run_id": f"{run_id}-sim",
+                    "run_id": sim_id,
                     "source": "simulated",
                     "impl": cfg.impl,
                     "schedule": cfg.schedule,
@@ -222,7 +222,7 @@ def collect(
                     "status": "ok",
                 }
             )
-            events[f"{run_id}-sim"] = sim_ev
+            events[sim_id] = sim_ev
         runs.insert(len(runs) - (1 if traced and simulate else 0), row)
     from vpipe.trace.store import runs_frame
 
@@ -374,17 +374,16 @@ def _timeline_sections(res: BenchResults) -> list[Section]:
     for sched in schedule_order(runs["schedule"].unique()):
         panels = []
         for impl in ("vpipe", "torch"):
-            rid = f"{res.bench_id}-{sched}-m{m}-{impl}"
-            ev = res.events.get(rid)
+            ev = res.events.get(Config(sched, m, impl).run_id(res.bench_id))
             if ev is not None and has_actions(ev):
                 panels.append((f"{sched} {impl} measured", _one_step(ev)))
-        sim = res.events.get(f"{res.bench_id}-{sched}-m{m}-vpipe-sim")
+        sim = res.events.get(Config(sched, m, "vpipe").run_id(res.bench_id, simulated=True))
         if sim is not None and len(sim):
             panels.append((f"{sched} simulated (vpipe costs)", sim))
         if panels:
             gantt.images[f"Gantt {sched} M={m}"] = to_png(plot_gantt(panels))
         for impl in ("vpipe", "torch"):
-            x = res.memory.get(f"{res.bench_id}-{sched}-m{m}-{impl}")
+            x = res.memory.get(Config(sched, m, impl).run_id(res.bench_id))
             if x is not None and len(x):
                 mems.append(x.assign(label=f"{sched} {impl}"))
     if mems:
