@@ -40,6 +40,7 @@ import gc
 from collections.abc import Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass
+from functools import cached_property
 from itertools import chain, repeat
 from operator import index, itemgetter
 
@@ -95,12 +96,14 @@ def _send_action(d: int, b: int, m: int) -> Action:
 class Flat:
     """A schedule as numpy columns, rank-major in program order.
 
-    ``p_*``: one row per compute part (an overlap action contributes one row per part),
-    ``o_*``: one row per compute action ("op"), ``c_*``: one row per SEND/RECV action. Kind
-    codes follow :data:`KIND_ORDER` (comm rows use 4-7). ``o_lo[r]:o_lo[r+1]`` are rank r's ops.
+    ``place[stage]``: the stage's rank (from the checked header). ``p_*``: one row per compute
+    part (an overlap action contributes one row per part), ``o_*``: one row per compute action
+    ("op"), ``c_*``: one row per SEND/RECV action. Kind codes follow :data:`KIND_ORDER` (comm
+    rows use 4-7). ``o_lo[r]:o_lo[r+1]`` are rank r's ops.
     """
 
     schedule: Schedule
+    place: np.ndarray
     p_rank: np.ndarray
     p_pos: np.ndarray
     p_sub: np.ndarray
@@ -121,6 +124,27 @@ class Flat:
     @property
     def lowered(self) -> bool:
         return len(self.c_rank) > 0
+
+    @cached_property
+    def part_messages(self) -> tuple[np.ndarray, np.ndarray]:
+        """Per compute part: the message id it waits on and the one it sends (-1: none, e.g.
+        a W, an end stage or a same-rank neighbour)."""
+        s = self.schedule
+        M, NB = s.n_microbatches, s.n_stages - 1
+        st, k = self.p_stage, self.p_kind
+        if NB == 0:
+            none = np.full(len(st), -1, np.int64)
+            return none, none
+        # Boundary b lies between stages b and b + 1; cross[b + 1]: it spans two ranks.
+        cross = np.zeros(NB + 2, bool)
+        cross[1:-1] = self.place[1:] != self.place[:-1]
+        fwd = k == 0
+        moves = k < 3  # F, B and I take and pass on a tensor; W does neither
+        b_in, b_out = np.where(fwd, st - 1, st), np.where(fwd, st, st - 1)
+        base = np.where(fwd, 0, NB * M) + self.p_mb
+        e_in = np.where(moves & cross[b_in + 1], base + b_in * M, -1)
+        e_out = np.where(moves & cross[b_out + 1], base + b_out * M, -1)
+        return e_in, e_out
 
 
 def _header(s: Schedule) -> list[int]:
@@ -148,7 +172,7 @@ def _header(s: Schedule) -> list[int]:
 
 def flatten(schedule: Schedule) -> Flat:
     """Columns of a schedule (header checked; rows not yet validated)."""
-    _header(schedule)
+    place = np.array(_header(schedule), np.int64)
     i64 = np.int64
     sizes = [len(acts) for acts in schedule.actions]
     n = sum(sizes)
@@ -195,6 +219,7 @@ def flatten(schedule: Schedule) -> Flat:
     o_lo = np.searchsorted(o_rank, np.arange(schedule.n_ranks + 1))
     return Flat(
         schedule,
+        place,
         *p,
         op_ids,
         o_rank,
@@ -220,7 +245,7 @@ def _static_ok(fl: Flat) -> bool:
     s = fl.schedule
     S, M, P = s.n_stages, s.n_microbatches, s.n_ranks
     NB, SM = S - 1, S * M
-    place = np.array(_header(s), np.int64)
+    place = fl.place
     st, k, m, r = fl.p_stage, fl.p_kind, fl.p_mb, fl.p_rank
     if len(st) and (st.min() < 0 or st.max() >= S or m.min() < 0 or m.max() >= M):
         return False
@@ -295,11 +320,10 @@ def _decode(e: np.ndarray, NB: int, M: int) -> tuple[np.ndarray, np.ndarray, np.
     return d, b, m
 
 
-def _explain(s: Schedule) -> None:
+def _explain(s: Schedule, place: list[int]) -> None:
     """Find and raise the first static problem, naming rank, position and action. Plain
     Python and slow, used only once the vectorised check has failed."""
     P, S, M = s.n_ranks, s.n_stages, s.n_microbatches
-    place = _header(s)
     NB = S - 1
     n = S * M
     fk, bk, wk = [-1] * n, [-1] * n, [-1] * n
@@ -520,7 +544,7 @@ def _explain_comm_edges(s: Schedule, place, fk, bk, sk, rk, chan_send, chan_recv
 def check_static(fl: Flat) -> None:
     """Raise ScheduleError naming the first static problem, if any."""
     if not _static_ok(fl):
-        _explain(fl.schedule)
+        _explain(fl.schedule, fl.place.tolist())
         raise ScheduleError("invalid schedule")  # pragma: no cover - the two checks agree
 
 
@@ -552,43 +576,6 @@ class Program:
         return 2 * (s.n_stages - 1) * s.n_microbatches
 
 
-def _messages_in(fl: Flat) -> tuple[np.ndarray, np.ndarray]:
-    """(message id or -1, its source stage) that each compute part waits on."""
-    s = fl.schedule
-    S, M = s.n_stages, s.n_microbatches
-    place = np.array(_header(s), np.int64)
-    NB = S - 1
-    st, k, m = fl.p_stage, fl.p_kind, fl.p_mb
-    if NB == 0:
-        return np.full(len(st), -1, np.int64), st
-    fwd = k == 0
-    bwd = (k == 1) | (k == 2)
-    src = np.where(fwd, st - 1, st + 1)
-    ok = (fwd & (st > 0)) | (bwd & (st < NB))
-    src_c = np.clip(src, 0, NB)
-    ok &= place[src_c] != place[st]
-    e = np.where(fwd, (st - 1) * M + m, (NB + st) * M + m)
-    return np.where(ok, e, -1), src_c
-
-
-def _messages_out(fl: Flat) -> np.ndarray:
-    """Message id each compute part sends (-1: none, e.g. W or a same-rank neighbour)."""
-    s = fl.schedule
-    S, M = s.n_stages, s.n_microbatches
-    place = np.array(_header(s), np.int64)
-    NB = S - 1
-    st, k, m = fl.p_stage, fl.p_kind, fl.p_mb
-    if NB == 0:
-        return np.full(len(st), -1, np.int64)
-    fwd = k == 0
-    bwd = (k == 1) | (k == 2)
-    ok = (fwd & (st < NB)) | (bwd & (st > 0))
-    dst = np.clip(np.where(fwd, st + 1, st - 1), 0, NB)
-    ok &= place[dst] != place[st]
-    e = np.where(fwd, st * M + m, (NB + st - 1) * M + m)
-    return np.where(ok, e, -1)
-
-
 def compile_program(fl: Flat, plan: CommPlan | None = None) -> Program:
     """Build the replay program of a (statically valid) flat schedule.
 
@@ -599,7 +586,7 @@ def compile_program(fl: Flat, plan: CommPlan | None = None) -> Program:
     s = fl.schedule
     n_ops = len(fl.o_rank)
     n_msg = 2 * (s.n_stages - 1) * s.n_microbatches
-    e_in, _ = _messages_in(fl)
+    e_in, e_out = fl.part_messages
     waits = np.full(n_ops, -1, np.int64)
     has = e_in >= 0
     ops_in, e_sel = fl.p_op[has], e_in[has]
@@ -626,7 +613,6 @@ def compile_program(fl: Flat, plan: CommPlan | None = None) -> Program:
         send_op[e[send]] = prev[send]
         recv_op[e[~send]] = prev[~send]
     else:
-        e_out = _messages_out(fl)
         has = e_out >= 0
         send_op[e_out[has]] = fl.p_op[has]
         if plan is not None:
@@ -806,19 +792,17 @@ def plan_comm(fl: Flat, recv_lookahead: int = 1) -> CommPlan:
     s = fl.schedule
     P, M, NB = s.n_ranks, s.n_microbatches, s.n_stages - 1
     n_msg = 2 * NB * M
-    place = np.array(_header(s), np.int64)
-    e_out = _messages_out(fl)
+    e_in, e_out = fl.part_messages
     has = e_out >= 0
     e = e_out[has]  # in send order: rank-major, program order, part order
     send_op, send_sub = fl.p_op[has], fl.p_sub[has]
     src = fl.p_rank[has]
-    e_in, _ = _messages_in(fl)
     consumer = np.zeros(n_msg, np.int64)
     hin = e_in >= 0
     consumer[e_in[hin]] = fl.p_op[hin]
     cons = consumer[e]
     d, b, _ = _decode(e, NB, M)
-    dst = np.where(d == 0, place[np.minimum(b + 1, NB)], place[b])
+    dst = np.where(d == 0, fl.place[np.minimum(b + 1, NB)], fl.place[b])
     lo = fl.o_lo
     want = np.maximum(cons - lo[dst] - recv_lookahead, 0)
     # FIFO: within a channel (stable: send order), a RECV may not come after a later one.
