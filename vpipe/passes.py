@@ -377,14 +377,18 @@ def _ints(r: int, i: int, a: Action, p: Action) -> tuple[int, Kind, int]:
         ) from None
 
 
-def _explain_compute(r, i, a, pi, p, S, M, place, fk, bk, wk, is_i) -> None:
-    if not isinstance(p, Action) or _KID.get(id(p[1]), -1) not in (0, 1, 2, 3):
-        raise ScheduleError(f"{_where(r, i, a)}: part {pi} is not an F, B, I or W action")
-    s, pk, m = _ints(r, i, a, p)
+def _check_range(r: int, i: int, a: Action, s: int, m: int, S: int, M: int) -> None:
     if not 0 <= s < S:
         raise ScheduleError(f"{_where(r, i, a)}: stage {s} out of range 0..{S - 1}")
     if not 0 <= m < M:
         raise ScheduleError(f"{_where(r, i, a)}: microbatch {m} out of range 0..{M - 1}")
+
+
+def _explain_compute(r, i, a, pi, p, S, M, place, fk, bk, wk, is_i) -> None:
+    if not isinstance(p, Action) or _KID.get(id(p[1]), -1) not in (0, 1, 2, 3):
+        raise ScheduleError(f"{_where(r, i, a)}: part {pi} is not an F, B, I or W action")
+    s, pk, m = _ints(r, i, a, p)
+    _check_range(r, i, a, s, m, S, M)
     if place[s] != r:
         raise ScheduleError(
             f"{_where(r, i, a)}: runs stage {s}, which lives on rank {place[s]} "
@@ -422,10 +426,7 @@ def _explain_comm(r: int, i: int, a: Action, S: int, M: int, place: list[int]):
     s, k, m = _ints(r, i, a, a)
     up = k is _SF or k is _RB
     b, nb, d = (s, s + 1, 0 if k is _SF else 1) if up else (s - 1, s - 1, 0 if k is _RF else 1)
-    if not 0 <= s < S:
-        raise ScheduleError(f"{_where(r, i, a)}: stage {s} out of range 0..{S - 1}")
-    if not 0 <= m < M:
-        raise ScheduleError(f"{_where(r, i, a)}: microbatch {m} out of range 0..{M - 1}")
+    _check_range(r, i, a, s, m, S, M)
     if place[s] != r:
         raise ScheduleError(
             f"{_where(r, i, a)}: stage {s} lives on rank {place[s]}, so its communication "
@@ -441,13 +442,15 @@ def _explain_comm(r: int, i: int, a: Action, S: int, M: int, place: list[int]):
     return (d * (S - 1) + b) * M + m, place[nb]
 
 
+def _at(acts: list[list[Action]], key: int, r: int) -> str:
+    """:func:`_where` of the action an ordering key (position << _PART_BITS | part) names."""
+    i = key >> _PART_BITS
+    return _where(r, i, acts[r][i])
+
+
 def _explain_complete(s: Schedule, place, fk, bk, wk, is_i) -> None:
     S, M = s.n_stages, s.n_microbatches
     acts = s.actions
-
-    def at(key: int, r: int) -> str:
-        i = key >> _PART_BITS
-        return _where(r, i, acts[r][i])
 
     for st in range(S):
         r = place[st]
@@ -467,25 +470,28 @@ def _explain_complete(s: Schedule, place, fk, bk, wk, is_i) -> None:
                     f"{st}I{m} followed by {st}W{m}"
                 )
             if b < f:
-                raise ScheduleError(f"{at(b, r)}: backward runs before its forward {st}F{m}")
+                raise ScheduleError(f"{_at(acts, b, r)}: backward runs before its forward {st}F{m}")
             if is_i[idx]:
                 if w < 0:
-                    raise ScheduleError(f"{at(b, r)}: input gradient without a later {st}W{m}")
+                    raise ScheduleError(
+                        f"{_at(acts, b, r)}: input gradient without a later {st}W{m}"
+                    )
                 if w < b:
-                    raise ScheduleError(f"{at(w, r)}: weight gradient runs before {st}I{m}")
+                    raise ScheduleError(f"{_at(acts, w, r)}: weight gradient runs before {st}I{m}")
             elif w >= 0:
                 raise ScheduleError(
-                    f"{at(w, r)}: {st}W{m} after a full backward {st}B{m} (use I and W instead)"
+                    f"{_at(acts, w, r)}: {st}W{m} after a full backward {st}B{m} "
+                    "(use I and W instead)"
                 )
             if local_prev and fk[idx - M] > f:
                 raise ScheduleError(
-                    f"{at(f, r)}: needs {st - 1}F{m}'s output, which runs later on the same "
-                    f"rank ({at(fk[idx - M], r)})"
+                    f"{_at(acts, f, r)}: needs {st - 1}F{m}'s output, which runs later on the same "
+                    f"rank ({_at(acts, fk[idx - M], r)})"
                 )
             if local_next and bk[idx + M] > b:
                 raise ScheduleError(
-                    f"{at(b, r)}: needs the gradient from stage {st + 1}, whose backward runs "
-                    f"later on the same rank ({at(bk[idx + M], r)})"
+                    f"{_at(acts, b, r)}: needs the gradient from stage {st + 1}, whose backward "
+                    f"runs later on the same rank ({_at(acts, bk[idx + M], r)})"
                 )
 
 
@@ -493,10 +499,6 @@ def _explain_comm_edges(s: Schedule, place, fk, bk, sk, rk, chan_send, chan_recv
     S, M, P = s.n_stages, s.n_microbatches, s.n_ranks
     NB = S - 1
     acts = s.actions
-
-    def at(key: int, r: int) -> str:
-        i = key >> _PART_BITS
-        return _where(r, i, acts[r][i])
 
     for b in range(NB):
         ra, rb = place[b], place[b + 1]
@@ -512,17 +514,19 @@ def _explain_comm_edges(s: Schedule, place, fk, bk, sk, rk, chan_send, chan_recv
                 if sk[e] < 0:
                     send = format_action(_send_action(d, b, m))
                     raise ScheduleError(
-                        f"{at(prod, src)}: no {send} sends its output to rank {dst}"
+                        f"{_at(acts, prod, src)}: no {send} sends its output to rank {dst}"
                     )
                 if rk[e] < 0:
                     recv = format_action(_recv_action(d, b, m))
                     raise ScheduleError(
-                        f"{at(cons, dst)}: no {recv} receives its input from rank {src}"
+                        f"{_at(acts, cons, dst)}: no {recv} receives its input from rank {src}"
                     )
                 if sk[e] < prod:
-                    raise ScheduleError(f"{at(sk[e], src)}: send runs before its producer")
+                    raise ScheduleError(f"{_at(acts, sk[e], src)}: send runs before its producer")
                 if rk[e] > cons:
-                    raise ScheduleError(f"{at(rk[e], dst)}: receive is posted after its consumer")
+                    raise ScheduleError(
+                        f"{_at(acts, rk[e], dst)}: receive is posted after its consumer"
+                    )
     # Every message now has one SEND and one RECV, so each channel carries the same set of
     # messages both ways and only their order can differ.
     for ch, sends in chan_send.items():
@@ -536,7 +540,7 @@ def _explain_comm_edges(s: Schedule, place, fk, bk, sk, rk, chan_send, chan_recv
         expects = format_action(_send_action(d, *divmod(rest, M)))
         raise ScheduleError(
             f"per-peer FIFO order broken between rank {src} and rank {dst}: send #{k} "
-            f"({at(sk[es], src)}) is matched by receive #{k} ({at(rk[er], dst)}), "
+            f"({_at(acts, sk[es], src)}) is matched by receive #{k} ({_at(acts, rk[er], dst)}), "
             f"which expects {expects}"
         )
 
