@@ -383,8 +383,6 @@ def _memory_config(runner: _Runner, cuda: bool) -> dict[str, Any]:
     stats = runner.stats()
     if "peak_live_activation_bytes" in stats:
         out["runtime_peak_bytes"] = stats["peak_live_activation_bytes"]
-    if "peak_live_activations" in stats:
-        out["peak_activations"] = stats["peak_live_activations"]
     return out
 
 

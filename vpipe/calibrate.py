@@ -221,11 +221,11 @@ def comm_latency_us(events: pd.DataFrame) -> float:
 def model_units(meta: dict[str, Any]) -> int | None:
     """Pieces the benchmark model of a run is split into (MLP blocks; GPT embedding, layers
     and head), from the run's metadata; None when unknown."""
-    model, sizes, stages = meta.get("model"), dict(meta.get("sizes") or {}), meta.get("stages")
-    if model not in ("mlp", "gpt", "tuple"):
-        return None
     from vpipe.models import DEFAULT_SIZES
 
+    model, sizes, stages = meta.get("model"), dict(meta.get("sizes") or {}), meta.get("stages")
+    if model not in DEFAULT_SIZES:
+        return None
     full = {**DEFAULT_SIZES[model], **sizes}
     if model == "gpt":
         layers = (
