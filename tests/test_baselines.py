@@ -5,8 +5,8 @@ import pytest
 import torch
 
 from vpipe.baselines import TORCH_SCHEDULES, torch_placement
-from vpipe.commands.run import check_against_reference
 from vpipe.errors import ScheduleError
+from vpipe.harness import check_against_reference
 
 TINY = {
     "mlp": {"d_model": 16, "d_hidden": 32},
@@ -31,7 +31,6 @@ def _run_both(rank, n_ranks, configs, run_config):
     from vpipe.runtime import Pipeline
     from vpipe.schedules import make_schedule
 
-    cpu = torch.device("cpu")
     out = []
     for name, model_name, v, m in configs:
         n_stages = n_ranks * v
@@ -58,7 +57,7 @@ def _run_both(rank, n_ranks, configs, run_config):
                 losses = pipe.step(x if 0 in mine else None, y if n_stages - 1 in mine else None)
             findings += [
                 (impl, f)
-                for f in check_against_reference(reference, model, mine, losses, x, y, m, 1e-5, cpu)
+                for f in check_against_reference(reference, model, mine, losses, x, y, m, 1e-5)
             ]
             grads[impl] = {
                 (s, n): p.grad.clone() for s in mine for n, p in modules[s].named_parameters()

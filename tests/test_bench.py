@@ -9,8 +9,9 @@ import re
 import pandas as pd
 import pytest
 
-from vpipe.bench import SavedTensorMeter, SweepSpec
+from vpipe.bench import SweepSpec
 from vpipe.cli import main
+from vpipe.harness import SavedTensorMeter
 
 
 @pytest.mark.parametrize(

@@ -6,12 +6,11 @@ import shutil
 import subprocess
 
 import pytest
-import torch
 
 from vpipe.bench import parse_sizes
 from vpipe.cli import main
-from vpipe.commands.run import check_against_reference
 from vpipe.errors import VpipeError
+from vpipe.harness import check_against_reference
 from vpipe.models import build_model
 
 TINY = "d_model=16,d_hidden=32"
@@ -67,8 +66,7 @@ def test_check_reports_a_wrong_gradient_by_stage_and_parameter():
     out = model.stages[1](model.stages[0](x))
     losses = [model.loss_fn(o, t) for o, t in zip(out.chunk(2), y.chunk(2), strict=True)]
     (sum(losses) / 2).backward()
-    cpu = torch.device("cpu")
-    found = check_against_reference(reference, model, [0, 1], losses, x, y, 2, 1e-5, cpu)
+    found = check_against_reference(reference, model, [0, 1], losses, x, y, 2, 1e-5)
     assert found and all(f["ok"] for f in found)
     model = build_model("mlp", 2, d_model=8, d_hidden=8, n_blocks=2)
     reference = model.reference_model()
@@ -76,7 +74,7 @@ def test_check_reports_a_wrong_gradient_by_stage_and_parameter():
     losses = [model.loss_fn(o, t) for o, t in zip(out.chunk(2), y.chunk(2), strict=True)]
     (sum(losses) / 2).backward()
     model.stages[1].pieces[0].fc2.weight.grad[0, 0] += 1e-3
-    found = check_against_reference(reference, model, [0, 1], losses, x, y, 2, 1e-5, cpu)
+    found = check_against_reference(reference, model, [0, 1], losses, x, y, 2, 1e-5)
     bad = [f for f in found if not f["ok"]]
     assert [f["where"] for f in bad] == ["stage 1 parameter pieces.0.fc2.weight"]
     assert bad[0]["err"] > 1e-5

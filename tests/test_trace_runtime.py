@@ -1,37 +1,41 @@
-"""A real profiled 2-rank run (vpipe's runtime, gloo, spawned once for several schedules)
-converts to exactly one compute row per executed action per profiled step, with the right
-rank, stage, microbatch and kind; and the comm actions and waits show up too."""
+"""A real profiled 2-rank sweep (vpipe's runtime, gloo, one launch for several schedules, two
+interleaved profile rounds) converts to exactly one compute row per executed action per
+profiled step, with the right rank, stage, microbatch and kind; the comm actions and waits show
+up too, and the store holds every run with its metrics."""
 
 import pytest
 
-from vpipe.ir import parse_action
-from vpipe.trace.profile_run import ProfileSpec, collect, profile_schedules, store_runs
+from vpipe.bench import Config, SweepSpec, run_sweep
+from vpipe.bench_results import collect, write_outputs
+from vpipe.passes import lower
+from vpipe.schedules import make_schedule
 from vpipe.trace.store import Store
 
 SCHEDULES = ["1f1b", "zbv", "dualpipev"]
+BENCH_ID = "prof"
 
 
 @pytest.fixture(scope="module")
-def profiled(tmp_path_factory):
-    out = tmp_path_factory.mktemp("prof")
-    spec = ProfileSpec(
-        str(out), SCHEDULES, ranks=2, microbatches=4, batch=8, rounds=1,
-        sizes={"d_model": 16, "d_hidden": 32, "n_blocks": 4},
+def profiled():
+    spec = SweepSpec(
+        ranks=2, sizes={"d_model": 16, "d_hidden": 32, "n_blocks": 4}, batch=8,
+        schedules=tuple(SCHEDULES), microbatches=(4,), impls=("vpipe",),
+        warmup=1, steps=1, rounds=1, profile_steps=2, progress=False,
     )  # fmt: skip
-    programs = profile_schedules(spec, timeout_s=300)
-    return spec, programs, collect(spec)
+    spec.validate()
+    return spec, collect(spec, run_sweep(spec, BENCH_ID), BENCH_ID, 0.0)
 
 
 @pytest.mark.parametrize("schedule", SCHEDULES)
 def test_one_compute_row_per_executed_action(profiled, schedule):
-    spec, programs, tables = profiled
-    events, memory, meta = tables[schedule]
-    i = SCHEDULES.index(schedule)
-    assert meta["schedule"] == schedule and set(events["rank"]) == {0, 1}
+    spec, res = profiled
+    events = res.events[Config(schedule, 4, "vpipe").run_id(BENCH_ID)]
+    assert set(events["schedule"]) == {schedule} and set(events["rank"]) == {0, 1}
     steps = sorted(set(events["step"]))
-    assert len(steps) == spec.rounds  # one profiled step per round
+    assert len(steps) == spec.profile_steps  # one profiled step per profile round
+    programs = lower(make_schedule(schedule, 2, 4)).actions
     for rank in (0, 1):
-        program = [parse_action(a) for a in programs[rank][i]]
+        program = programs[rank]
         want = sorted(
             (p.kind.value, p.stage, p.microbatch)
             for a in program
@@ -62,13 +66,15 @@ def test_one_compute_row_per_executed_action(profiled, schedule):
             recvs = {(s, m) for k, s, m in comm if k.startswith("RECV")}
             assert set(zip(waits["stage"], waits["microbatch"], strict=True)) <= recvs
             assert (ev["name"] == "STEP").sum() == 1
-    assert set(memory["what"]) >= {"rss", "activations"}
 
 
-def test_store_and_metrics(profiled):
-    spec, _, tables = profiled
-    root = store_runs(spec, tables)
-    runs = Store(root).runs()
-    assert sorted(runs["schedule"]) == sorted(SCHEDULES)
-    assert (runs["step_time_s"] > 0).all() and runs["bubble_ratio"].between(0, 1).all()
-    assert (runs["peak_memory_bytes"] > 0).all()
+def test_store_and_metrics(profiled, tmp_path):
+    _, res = profiled
+    write_outputs(res, tmp_path)
+    runs = Store(tmp_path).runs()
+    measured = runs[runs["source"] == "measured"]
+    assert sorted(measured["schedule"]) == sorted(SCHEDULES)
+    assert (measured["step_time_s"] > 0).all() and measured["bubble_ratio"].between(0, 1).all()
+    assert (measured["peak_memory_bytes"] > 0).all()
+    memory = Store(tmp_path).memory(list(measured["run_id"]))
+    assert set(memory["what"]) == {"saved_activations"} and set(memory["rank"]) == {0, 1}

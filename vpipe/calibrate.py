@@ -221,18 +221,13 @@ def comm_latency_us(events: pd.DataFrame) -> float:
 def model_units(meta: dict[str, Any]) -> int | None:
     """Pieces the benchmark model of a run is split into (MLP blocks; GPT embedding, layers
     and head), from the run's metadata; None when unknown."""
-    from vpipe.models import DEFAULT_SIZES
+    from vpipe.models import DEFAULT_SIZES, model_pieces, resolve_sizes
 
-    model, sizes, stages = meta.get("model"), dict(meta.get("sizes") or {}), meta.get("stages")
+    model = meta.get("model")
     if model not in DEFAULT_SIZES:
         return None
-    full = {**DEFAULT_SIZES[model], **sizes}
-    if model == "gpt":
-        layers = (
-            full["n_layers"] if "n_layers" in sizes else max(full["n_layers"], (stages or 0) - 2)
-        )
-        return layers + 2
-    return full["n_blocks"] if "n_blocks" in sizes else max(full["n_blocks"], stages or 0)
+    sizes = resolve_sizes(model, int(meta.get("stages") or 1), meta.get("sizes") or {})
+    return model_pieces(model, sizes)
 
 
 def predict(cal: Calibration, schedule: Any, n_units: int | None = None) -> Any:
@@ -255,7 +250,7 @@ def fidelity_table(
     With ``calibration_events``, also ``paired_error``: for every step number present in both
     the calibration run and a case's run, calibrate on that step alone, predict, and compare
     with the case's same step; the median over steps. Runs recorded interleaved (step k of
-    every schedule in the same round, as :mod:`vpipe.trace.profile_run` does) then share the
+    every schedule in the same round, as ``vpipe bench --profile-steps`` does) then share the
     machine's state within a pair, which cancels most of the load noise of a shared machine.
     """
     rows = []

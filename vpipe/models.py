@@ -16,7 +16,7 @@ from __future__ import annotations
 
 import copy
 import math
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -26,7 +26,7 @@ from torch import nn
 
 from vpipe.errors import VpipeError
 
-__all__ = ["BenchModel", "ModelError", "build_model", "model_names"]
+__all__ = ["BenchModel", "ModelError", "build_model", "model_names", "resolve_sizes"]
 
 
 class ModelError(VpipeError, ValueError):
@@ -100,10 +100,21 @@ def build_model(name: str, n_stages: int, seed: int = 0, **sizes: int) -> BenchM
     ``n_layers`` ("gpt") grow to fit ``n_stages`` when not given. Pass sizes explicitly when
     comparing different splits of one model.
     """
-    if name not in DEFAULT_SIZES:
-        raise ModelError(f"unknown model {name!r}: choose one of {', '.join(DEFAULT_SIZES)}")
     if n_stages < 1:
         raise ModelError(f"n_stages must be >= 1, got {n_stages}")
+    return _BUILDERS[name](n_stages, seed, resolve_sizes(name, n_stages, sizes))
+
+
+def resolve_sizes(name: str, n_stages: int, sizes: Mapping[str, int] | None = None) -> dict[str, int]:
+    """Every size of model ``name`` split into ``n_stages``: the given ``sizes``, else the
+    defaults, with ``n_blocks`` / ``n_layers`` grown to fit ``n_stages`` when not given.
+
+    The one place for that rule: building a model, fixing a sweep's sizes across schedules
+    (resolve for the largest stage count) and counting a calibrated model's pieces use it.
+    """
+    if name not in DEFAULT_SIZES:
+        raise ModelError(f"unknown model {name!r}: choose one of {', '.join(DEFAULT_SIZES)}")
+    sizes = dict(sizes or {})
     unknown = sorted(set(sizes) - set(DEFAULT_SIZES[name]))
     if unknown:
         raise ModelError(
@@ -118,7 +129,13 @@ def build_model(name: str, n_stages: int, seed: int = 0, **sizes: int) -> BenchM
     for key, value in full.items():
         if value < 1:
             raise ModelError(f"model {name!r}: size {key} must be >= 1, got {value}")
-    return _BUILDERS[name](n_stages, seed, full)
+    return full
+
+
+def model_pieces(name: str, sizes: Mapping[str, int]) -> int:
+    """How many equal-cost pieces a resolved model splits into: MLP blocks, or GPT's
+    embedding, layers and head."""
+    return sizes["n_layers"] + 2 if name == "gpt" else sizes["n_blocks"]
 
 
 # ---------------------------------------------------------------------------------------------

@@ -55,6 +55,12 @@ def register(subparsers: argparse._SubParsersAction) -> None:
         "--rounds", type=int, default=3, help="interleaved rounds over all configs (default 3)"
     )
     p.add_argument(
+        "--profile-steps",
+        type=int,
+        default=1,
+        help="profiled steps per config, one per interleaved round (default 1)",
+    )
+    p.add_argument(
         "--no-profile",
         action="store_true",
         help="skip the profiled step (no events, Gantt charts or simulation)",
@@ -114,6 +120,7 @@ def run_bench(args: argparse.Namespace) -> int:
             steps=2,
             rounds=2,
             profile=not args.no_profile,
+            profile_steps=args.profile_steps,
         )
     else:
         spec = SweepSpec(
@@ -130,6 +137,7 @@ def run_bench(args: argparse.Namespace) -> int:
             steps=args.steps,
             rounds=args.rounds,
             profile=not args.no_profile,
+            profile_steps=args.profile_steps,
         )
     spec.validate()
     from vpipe.bench_results import collect, write_outputs

@@ -1,0 +1,351 @@
+"""One rank harness: build this rank's pipeline once, then step, time, profile and meter it.
+
+Everything that runs a pipeline on a rank (``vpipe run``, ``vpipe bench``, the asv suite, the
+tests) goes through :func:`build`: a :class:`RankSpec` (schedule, implementation, model, sizes,
+batch, seed, device, backend) gives a :class:`RankHarness` holding this rank's stage modules,
+its batch slice, and vpipe's :class:`~vpipe.runtime.Pipeline` or torch's baseline
+(:class:`~vpipe.baselines.TorchPipeline`) over the same modules. The harness is the one place
+for the device and backend choice, the torch placement check, the reference gradient check and
+the memory meter (:class:`SavedTensorMeter`: bytes autograd saves for backward, the same
+measure for both implementations, plus the CUDA allocator's peak on GPUs).
+
+A spec carries the built :class:`~vpipe.ir.Schedule`, not a name, so schedules made in the
+launching process (a registered plugin family, a CSV file) reach every rank as they are.
+Importing this module does not import torch.
+"""
+
+from __future__ import annotations
+
+import os
+import time
+from collections.abc import Iterable, Mapping
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from vpipe.errors import ScheduleError, VpipeError
+from vpipe.ir import Schedule
+
+IMPLS = ("vpipe", "torch")
+DEVICES = ("cpu", "cuda")
+
+
+def default_backend(device: str) -> str:
+    """The process-group backend for a device kind: NCCL on GPUs, gloo on CPUs."""
+    return "nccl" if device == "cuda" else "gloo"
+
+
+@dataclass(frozen=True)
+class RankSpec:
+    """What one rank builds; picklable, made once in the launching process.
+
+    ``schedule`` is compute-only or lowered; the vpipe implementation lowers a compute-only
+    one, torch's runs the compute-only form through its class of the same name. ``sizes`` are
+    the model's sizes as given (the model's defaults fill the rest).
+    """
+
+    schedule: Schedule
+    impl: str = "vpipe"
+    model: str = "mlp"
+    sizes: Mapping[str, int] = field(default_factory=dict)
+    batch: int = 32
+    seed: int = 0
+    device: str = "cpu"
+    backend: str | None = None
+
+    @property
+    def process_backend(self) -> str:
+        return self.backend or default_backend(self.device)
+
+    def check(self) -> None:
+        """Reject a spec no rank could run (before any process starts)."""
+        s = self.schedule
+        if self.impl not in IMPLS:
+            raise VpipeError(f"unknown implementation {self.impl!r}: choose from {', '.join(IMPLS)}")
+        if self.device not in DEVICES:
+            raise VpipeError(f"unknown device {self.device!r}: choose cpu or cuda")
+        if self.batch < 1 or self.batch % s.n_microbatches:
+            raise VpipeError(
+                f"batch {self.batch} does not split into {s.n_microbatches} equal microbatches"
+            )
+        if self.impl == "torch":
+            check_torch_placement(s)
+        from vpipe.models import build_model
+
+        build_model(self.model, s.n_stages, self.seed, **self.sizes)  # ModelError names it
+
+
+def check_torch_placement(schedule: Schedule) -> None:
+    """Raise ScheduleError unless torch's class for ``schedule.name`` places its stages as the
+    schedule does (and exists at all)."""
+    from vpipe.baselines.torch_pp import torch_placement
+
+    if torch_placement(schedule.name, schedule.n_ranks, schedule.n_stages) != schedule.placement:
+        raise ScheduleError(f"torch's {schedule.name} places stages differently from vpipe's")
+
+
+def local_device(kind: str, rank: int) -> Any:
+    """cpu, or this process's GPU: LOCAL_RANK under torchrun, else the rank (local spawn)."""
+    import torch
+
+    if kind == "cuda":
+        local = int(os.environ.get("LOCAL_RANK", rank))
+        torch.cuda.set_device(local)
+        return torch.device("cuda", local)
+    return torch.device("cpu")
+
+
+class RankHarness:
+    """This rank's stages, batch and pipeline for one :class:`RankSpec` (see :func:`build`)."""
+
+    def __init__(self, spec: RankSpec, rank: int) -> None:
+        from vpipe.models import build_model
+
+        self.spec, self.rank = spec, rank
+        s = spec.schedule
+        self.device = local_device(spec.device, rank)
+        self.model = build_model(spec.model, s.n_stages, spec.seed, **spec.sizes)
+        self.stages = s.stages_of(rank)
+        modules = {i: self.model.stages[i].to(self.device) for i in self.stages}
+        self.params = [p for m in modules.values() for p in m.parameters()]
+        self.inputs_full, self.targets_full = self.model.make_batch(spec.batch, spec.seed)
+        self.inputs = self.inputs_full.to(self.device) if 0 in modules else None
+        self.targets = self.targets_full.to(self.device) if s.loss_stage in modules else None
+        self.pipe = _make_pipeline(spec, modules, self.model.loss_fn, self.device)
+        self.cuda = self.device.type == "cuda"
+        self.losses: list[Any] | None = None  # the last step's, on the loss rank
+
+    @property
+    def n_stages(self) -> int:
+        return self.spec.schedule.n_stages
+
+    @property
+    def tokens_per_sample(self) -> int | None:
+        return self.model.tokens_per_sample
+
+    @property
+    def stats(self) -> dict[str, Any]:
+        """The pipeline's figures of its last step (vpipe: live activations, step time)."""
+        return dict(getattr(self.pipe, "stats", {}))
+
+    def zero_grad(self) -> None:
+        for p in self.params:
+            p.grad = None
+
+    def step(self) -> Any:
+        """One training step from zeroed gradients; the losses on the loss rank, else None."""
+        self.zero_grad()
+        self.losses = self.pipe.step(self.inputs, self.targets)
+        return self.losses
+
+    def timed_step(self) -> float:
+        """Seconds of one step on this rank, started together with every rank (barrier) and
+        including the GPU's work."""
+        import torch
+        import torch.distributed as dist
+
+        dist.barrier()
+        t0 = time.perf_counter()
+        self.step()
+        if self.cuda:
+            torch.cuda.synchronize(self.device)
+        return time.perf_counter() - t0
+
+    def profiled_step(self, out_dir: str | Path, metadata: Mapping[str, Any]) -> Any:
+        """One step under torch.profiler (after one traced warm-up step), written to
+        ``out_dir/rank{R}.json`` and returned as this rank's event table."""
+        import torch.distributed as dist
+
+        from vpipe.trace.kineto import convert
+        from vpipe.trace.record import StepProfiler
+
+        with StepProfiler(out_dir, self.rank, wait=0, warmup=1, active=1, metadata=metadata) as p:
+            for _ in range(2):
+                dist.barrier()
+                self.step()
+                p.step({"activations": self.stats.get("peak_live_activation_bytes")})
+        trace = Path(out_dir) / f"rank{self.rank}.json"
+        meta = dict(metadata)
+        return convert(
+            [trace], run_id=meta.get("run_id"), impl=meta.get("impl"), schedule=meta.get("schedule")
+        ).events
+
+    def memory_step(self) -> dict[str, Any]:
+        """One step under the memory meter: the peak and samples of bytes saved for backward,
+        the CUDA allocator's peak on GPUs, and the runtime's own live-activation peak."""
+        import torch
+        import torch.distributed as dist
+
+        meter = SavedTensorMeter(exclude=self.params)
+        if self.cuda:
+            torch.cuda.reset_peak_memory_stats(self.device)
+        dist.barrier()
+        with meter.hooks():
+            self.step()
+        out: dict[str, Any] = {"peak_bytes": meter.peak, "samples": meter.samples}
+        if self.cuda:
+            torch.cuda.synchronize(self.device)
+            out["cuda_peak_bytes"] = int(torch.cuda.max_memory_allocated(self.device))
+        if "peak_live_activation_bytes" in self.stats:
+            out["runtime_peak_bytes"] = self.stats["peak_live_activation_bytes"]
+        return out
+
+    def check(self, losses: Any, tol: float) -> list[dict[str, Any]]:
+        """This rank's losses and gradients (of the last step) against the unpipelined
+        reference on the same batch; one finding per comparison."""
+        reference = self.model.reference_model().to("cpu")
+        return check_against_reference(
+            reference,
+            self.model,
+            self.stages,
+            losses,
+            self.inputs_full,
+            self.targets_full,
+            self.spec.schedule.n_microbatches,
+            tol,
+        )
+
+
+def build(spec: RankSpec, rank: int) -> RankHarness:
+    """This rank's harness for ``spec`` (process group already initialised)."""
+    return RankHarness(spec, rank)
+
+
+def _make_pipeline(spec: RankSpec, modules: dict[int, Any], loss_fn: Any, device: Any) -> Any:
+    s = spec.schedule
+    if spec.impl == "torch":
+        from vpipe.baselines.torch_pp import TorchPipeline
+
+        return TorchPipeline(
+            s.name,
+            modules,
+            loss_fn,
+            n_stages=s.n_stages,
+            n_microbatches=s.n_microbatches,
+            device=device,
+        )
+    from vpipe.runtime import Pipeline
+
+    return Pipeline(s, modules=modules, loss_fn=loss_fn, device=device)
+
+
+# ---------------------------------------------------------------------------------------------
+# The reference gradient check
+
+
+def check_against_reference(
+    reference: Any,
+    model: Any,
+    stages: list[int],
+    losses: list[Any] | None,
+    x: Any,
+    y: Any,
+    n_microbatches: int,
+    tol: float,
+) -> list[dict[str, Any]]:
+    """Compare losses and stage gradients with ``reference`` (the unsplit model, on the CPU)
+    on the same batch.
+
+    The reference computes each microbatch's loss and backpropagates their mean. Errors are
+    relative to the largest magnitude of the reference tensor.
+    """
+    import torch
+
+    chunks = zip(x.chunk(n_microbatches), y.chunk(n_microbatches), strict=True)
+    ref_losses = [model.loss_fn(reference(xm), ym) for xm, ym in chunks]
+    (torch.stack(ref_losses).sum() / n_microbatches).backward()
+    out = []
+    if losses is not None:
+        if len(losses) != n_microbatches:
+            what = f"{len(losses)} losses for {n_microbatches} microbatches"
+            out.append(_finding("losses", what, float("inf"), tol))
+        else:
+            got = torch.stack([t.detach().cpu().float() for t in losses])
+            want = torch.stack([t.detach().float() for t in ref_losses])
+            out.append(_finding("losses", "per-microbatch losses", _rel_err(got, want), tol))
+    ref_params = dict(reference.named_parameters())
+    for s in stages:
+        for name, p in model.stages[s].named_parameters():
+            ref = ref_params[f"stages.{s}.{name}"].grad
+            where = f"stage {s} parameter {name}"
+            if p.grad is None:
+                out.append(_finding(where, "no gradient", float("inf"), tol))
+            else:
+                out.append(_finding(where, "gradient", _rel_err(p.grad.detach().cpu(), ref), tol))
+    return out
+
+
+def _rel_err(got: Any, want: Any) -> float:
+    scale = max(float(want.abs().max()), 1e-12)
+    return float((got - want).abs().max()) / scale
+
+
+def _finding(where: str, what: str, err: float, tol: float) -> dict[str, Any]:
+    return {"where": where, "what": what, "err": err, "ok": err <= tol}
+
+
+# ---------------------------------------------------------------------------------------------
+# The memory meter
+
+
+class SavedTensorMeter:
+    """Live bytes of tensors autograd saved for backward (activations), and their peak.
+
+    Storages of the tensors given as ``exclude`` (parameters, and so also views of them such
+    as a transposed weight) are not counted; a storage saved several times counts once. A
+    packed tensor is released when autograd frees the node that saved it (after its backward or
+    weight-gradient computation), so the peak includes activations held for a deferred W.
+    """
+
+    def __init__(self, exclude: Iterable[Any] = ()) -> None:
+        self._exclude = {t.untyped_storage().data_ptr() for t in exclude}
+        self.live = 0
+        self.peak = 0
+        self.samples: list[tuple[int, int]] = []
+        self._refs: dict[int, list[int]] = {}
+
+    def _add(self, key: int, nbytes: int) -> None:
+        ref = self._refs.get(key)
+        if ref is None:
+            self._refs[key] = [1, nbytes]
+            self.live += nbytes
+            self.peak = max(self.peak, self.live)
+            self.samples.append((time.time_ns(), self.live))
+        else:
+            ref[0] += 1
+
+    def _drop(self, key: int) -> None:
+        ref = self._refs[key]
+        ref[0] -= 1
+        if ref[0] == 0:
+            del self._refs[key]
+            self.live -= ref[1]
+            self.samples.append((time.time_ns(), self.live))
+
+    def hooks(self) -> Any:
+        """A context manager under which autograd's saved tensors are metered."""
+        import torch
+
+        meter = self
+
+        class _Held:
+            __slots__ = ("t", "key")
+
+            def __init__(self, t: Any) -> None:
+                storage = t.untyped_storage()
+                self.t, self.key = t, storage.data_ptr()
+                meter._add(self.key, storage.nbytes())
+
+            def __del__(self) -> None:
+                meter._drop(self.key)
+
+        def pack(t: Any) -> Any:
+            storage = t.untyped_storage()
+            if storage.nbytes() == 0 or storage.data_ptr() in meter._exclude:
+                return t
+            return _Held(t)
+
+        def unpack(x: Any) -> Any:
+            return x.t if isinstance(x, _Held) else x
+
+        return torch.autograd.graph.saved_tensors_hooks(pack, unpack)
