@@ -102,7 +102,8 @@ def build_model(name: str, n_stages: int, seed: int = 0, **sizes: int) -> BenchM
     """
     if n_stages < 1:
         raise ModelError(f"n_stages must be >= 1, got {n_stages}")
-    return _BUILDERS[name](n_stages, seed, resolve_sizes(name, n_stages, sizes))
+    full = resolve_sizes(name, n_stages, sizes)  # names an unknown model or size first
+    return _BUILDERS[name](n_stages, seed, full)
 
 
 def resolve_sizes(name: str, n_stages: int, sizes: Mapping[str, int] | None = None) -> dict[str, int]:
