@@ -5,6 +5,8 @@ PYTHON ?= python3
 VENV ?= .venv
 PY := $(VENV)/bin/python
 STAMP := $(VENV)/.vpipe-installed
+# The venv's tools (vpipe, torchrun, asv) on PATH for tests and benchmarks.
+export PATH := $(abspath $(VENV))/bin:$(PATH)
 
 $(STAMP): pyproject.toml
 	test -x $(PY) || $(PYTHON) -m venv --system-site-packages $(VENV)
