@@ -94,7 +94,8 @@ class BenchModel:
 
 
 def build_model(name: str, n_stages: int, seed: int = 0, **sizes: int) -> BenchModel:
-    """Build model ``name`` ("mlp", "gpt" or "tuple") split into ``n_stages`` stages.
+    """Build model ``name`` ("mlp", "gpt", "tuple", or a user's ``package.module:function``:
+    see :mod:`vpipe.custom_model`) split into ``n_stages`` stages.
 
     Sizes default to ``DEFAULT_SIZES[name]``, except that ``n_blocks`` ("mlp", "tuple") and
     ``n_layers`` ("gpt") grow to fit ``n_stages`` when not given. Pass sizes explicitly when
@@ -103,6 +104,10 @@ def build_model(name: str, n_stages: int, seed: int = 0, **sizes: int) -> BenchM
     if n_stages < 1:
         raise ModelError(f"n_stages must be >= 1, got {n_stages}")
     full = resolve_sizes(name, n_stages, sizes)  # names an unknown model or size first
+    if name not in _BUILDERS:
+        from vpipe.custom_model import build_custom
+
+        return build_custom(name, n_stages, seed, full)
     return _BUILDERS[name](n_stages, seed, full)
 
 
@@ -113,8 +118,13 @@ def resolve_sizes(name: str, n_stages: int, sizes: Mapping[str, int] | None = No
     The one place for that rule: building a model, fixing a sweep's sizes across schedules
     (resolve for the largest stage count) and counting a calibrated model's pieces use it.
     """
+    if ":" in name:  # a user's package.module:function: its sizes are its own
+        return {k: int(v) for k, v in (sizes or {}).items()}
     if name not in DEFAULT_SIZES:
-        raise ModelError(f"unknown model {name!r}: choose one of {', '.join(DEFAULT_SIZES)}")
+        raise ModelError(
+            f"unknown model {name!r}: choose one of {', '.join(DEFAULT_SIZES)}, or give "
+            "package.module:function"
+        )
     sizes = dict(sizes or {})
     unknown = sorted(set(sizes) - set(DEFAULT_SIZES[name]))
     if unknown:
@@ -175,7 +185,7 @@ class Sequential(nn.Module):
         return x
 
 
-def _split(pieces: Sequence[nn.Module], n_stages: int, what: str) -> list[nn.Module]:
+def split_pieces(pieces: Sequence[nn.Module], n_stages: int, what: str) -> list[nn.Module]:
     """Group pieces into n_stages contiguous stages whose sizes differ by at most one (earlier
     stages take the extra piece)."""
     n = len(pieces)
@@ -224,7 +234,7 @@ def _build_mlp(n_stages: int, seed: int, sizes: dict[str, int]) -> BenchModel:
     with torch.random.fork_rng(devices=[]):
         torch.manual_seed(seed)
         blocks = [MLPBlock(d, h) for _ in range(n)]
-    stages = _split(blocks, n_stages, "MLP blocks")
+    stages = split_pieces(blocks, n_stages, "MLP blocks")
     return BenchModel("mlp", stages, F.mse_loss, sizes, seed, _random_pair(d))
 
 
@@ -306,7 +316,7 @@ def _build_gpt(n_stages: int, seed: int, sizes: dict[str, int]) -> BenchModel:
         tokens = torch.randint(vocab, (batch, seq + 1), generator=g)
         return tokens[:, :-1].contiguous(), tokens[:, 1:].contiguous()
 
-    stages = _split(pieces, n_stages, "GPT pieces (embedding, n_layers blocks, head)")
+    stages = split_pieces(pieces, n_stages, "GPT pieces (embedding, n_layers blocks, head)")
     return BenchModel("gpt", stages, lm_loss, sizes, seed, make_batch, tokens_per_sample=seq)
 
 
@@ -354,7 +364,7 @@ def _build_tuple(n_stages: int, seed: int, sizes: dict[str, int]) -> BenchModel:
     with torch.random.fork_rng(devices=[]):
         torch.manual_seed(seed)
         blocks = [TupleBlock(d, h, k, i == 0, i == n - 1) for i in range(n)]
-    stages = _split(blocks, n_stages, "tuple blocks")
+    stages = split_pieces(blocks, n_stages, "tuple blocks")
     return BenchModel("tuple", stages, F.mse_loss, sizes, seed, _random_pair(d))
 
 

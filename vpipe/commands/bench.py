@@ -32,7 +32,12 @@ def register(subparsers: argparse._SubParsersAction) -> None:
         default=None,
         help="default: gloo on cpu, nccl on cuda",
     )
-    p.add_argument("--model", default="mlp", help="mlp, gpt or tuple (default mlp)")
+    p.add_argument(
+        "--model",
+        default="mlp",
+        help="mlp, gpt, tuple, or your own package.module:function (default mlp; see "
+        "examples/custom_model.py)",
+    )
     p.add_argument(
         "--sizes",
         default="",

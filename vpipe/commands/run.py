@@ -20,8 +20,6 @@ from vpipe.errors import PipelineError, ScheduleError, VpipeError, one_line
 from vpipe.harness import RankSpec, build
 from vpipe.ir import Schedule
 
-_MODELS = ("mlp", "gpt", "tuple")
-
 
 def register(subparsers: argparse._SubParsersAction) -> None:
     p = subparsers.add_parser(
@@ -36,7 +34,11 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     p.add_argument("--ranks", "-p", type=int, help="pipeline ranks (inferred from a CSV)")
     p.add_argument("--microbatches", "-m", type=int, help="microbatches per step")
     p.add_argument("--stages-per-rank", "-v", type=int, help="stages per rank (schedule default)")
-    p.add_argument("--model", choices=_MODELS, default="mlp")
+    p.add_argument(
+        "--model",
+        default="mlp",
+        help="mlp, gpt, tuple, or your own package.module:function (see examples/custom_model.py)",
+    )
     p.add_argument(
         "--sizes", default="", help="model sizes, e.g. d_model=64,n_blocks=8 (model defaults)"
     )
