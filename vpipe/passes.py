@@ -40,199 +40,42 @@ import gc
 from collections.abc import Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass
-from functools import cached_property
 from itertools import chain, repeat
-from operator import index, itemgetter
+from operator import index
 
 import numpy as np
 
+from vpipe.flat import (
+    KIND_CODE,
+    PART_BITS,
+    Flat,
+    comm_messages,
+    decode_messages,
+    flatten,
+    message_count,
+    recv_action,
+    send_action,
+    where,
+)
 from vpipe.ir import Action, Kind, Schedule, ScheduleError, format_action
 
 __all__ = [
     "lower",
     "validate",
     "CommPlan",
-    "Flat",
     "Program",
     "check_static",
     "compile_program",
-    "flatten",
+    "materialize",
     "plan_comm",
     "replay",
+    "slot_keys",
 ]
 
 _F, _B, _I, _W = Kind.F, Kind.B, Kind.I, Kind.W
 _SF, _RF, _SB, _RB = Kind.SEND_F, Kind.RECV_F, Kind.SEND_B, Kind.RECV_B
 _OV = Kind.OVERLAP_F_B
 _new = tuple.__new__
-_get0, _get1, _get2 = itemgetter(0), itemgetter(1), itemgetter(2)
-# Kind codes: compute 0-3, comm 4-7, overlap 8. Looked up by identity (fast, no Enum hash).
-KIND_ORDER = (_F, _B, _I, _W, _SF, _RF, _SB, _RB, _OV)
-_KID = {id(k): c for c, k in enumerate(KIND_ORDER)}
-_PART_BITS = 6  # ordering key of a part = position << 6 | part index (compounds: < 64 parts)
-
-
-def _where(r: int, i: int, a: Action) -> str:
-    try:
-        text = format_action(a)
-    except (AttributeError, TypeError):
-        text = repr(a)
-    return f"rank {r}, position {i}, action {text}"
-
-
-def _recv_action(d: int, b: int, m: int) -> Action:
-    return _new(Action, (b + 1, _RF, m, ())) if d == 0 else _new(Action, (b, _RB, m, ()))
-
-
-def _send_action(d: int, b: int, m: int) -> Action:
-    return _new(Action, (b, _SF, m, ())) if d == 0 else _new(Action, (b + 1, _SB, m, ()))
-
-
-# ---------------------------------------------------------------------------------------------
-# Flat arrays
-
-
-@dataclass
-class Flat:
-    """A schedule as numpy columns, rank-major in program order.
-
-    ``place[stage]``: the stage's rank (from the checked header). ``p_*``: one row per compute
-    part (an overlap action contributes one row per part), ``o_*``: one row per compute action
-    ("op"), ``c_*``: one row per SEND/RECV action. Kind codes follow :data:`KIND_ORDER` (comm
-    rows use 4-7). ``o_lo[r]:o_lo[r+1]`` are rank r's ops.
-    """
-
-    schedule: Schedule
-    place: np.ndarray
-    p_rank: np.ndarray
-    p_pos: np.ndarray
-    p_sub: np.ndarray
-    p_stage: np.ndarray
-    p_kind: np.ndarray
-    p_mb: np.ndarray
-    p_op: np.ndarray
-    o_rank: np.ndarray
-    o_pos: np.ndarray
-    o_lo: np.ndarray
-    c_rank: np.ndarray
-    c_pos: np.ndarray
-    c_stage: np.ndarray
-    c_kind: np.ndarray
-    c_mb: np.ndarray
-    sane: bool  # False when a row could not be read (unknown kind, bad overlap): explain path
-
-    @property
-    def lowered(self) -> bool:
-        return len(self.c_rank) > 0
-
-    @cached_property
-    def part_messages(self) -> tuple[np.ndarray, np.ndarray]:
-        """Per compute part: the message id it waits on and the one it sends (-1: none, e.g.
-        a W, an end stage or a same-rank neighbour)."""
-        s = self.schedule
-        M, NB = s.n_microbatches, s.n_stages - 1
-        st, k = self.p_stage, self.p_kind
-        if NB == 0:
-            none = np.full(len(st), -1, np.int64)
-            return none, none
-        # Boundary b lies between stages b and b + 1; cross[b + 1]: it spans two ranks.
-        cross = np.zeros(NB + 2, bool)
-        cross[1:-1] = self.place[1:] != self.place[:-1]
-        fwd = k == 0
-        moves = k < 3  # F, B and I take and pass on a tensor; W does neither
-        b_in, b_out = np.where(fwd, st - 1, st), np.where(fwd, st, st - 1)
-        base = np.where(fwd, 0, NB * M) + self.p_mb
-        e_in = np.where(moves & cross[b_in + 1], base + b_in * M, -1)
-        e_out = np.where(moves & cross[b_out + 1], base + b_out * M, -1)
-        return e_in, e_out
-
-
-def _header(s: Schedule) -> list[int]:
-    if s.n_ranks < 1 or s.n_stages < 1 or s.n_microbatches < 1:
-        raise ScheduleError(
-            f"schedule needs at least one rank, stage and microbatch, got ranks={s.n_ranks}, "
-            f"stages={s.n_stages}, microbatches={s.n_microbatches}"
-        )
-    if len(s.actions) != s.n_ranks:
-        raise ScheduleError(f"schedule has {len(s.actions)} action lists for {s.n_ranks} ranks")
-    if set(s.placement) != set(range(s.n_stages)):
-        extra = sorted(set(s.placement) - set(range(s.n_stages)))
-        missing = sorted(set(range(s.n_stages)) - set(s.placement))
-        raise ScheduleError(
-            f"placement must map every stage 0..{s.n_stages - 1} to a rank "
-            f"(missing {missing[:5]}, unexpected {extra[:5]})"
-        )
-    for st, r in s.placement.items():
-        if not (isinstance(r, (int, np.integer)) and 0 <= r < s.n_ranks):
-            raise ScheduleError(
-                f"placement puts stage {st} on rank {r}, outside 0..{s.n_ranks - 1}"
-            )
-    return [int(s.placement[k]) for k in range(s.n_stages)]
-
-
-def flatten(schedule: Schedule) -> Flat:
-    """Columns of a schedule (header checked; rows not yet validated)."""
-    place = np.array(_header(schedule), np.int64)
-    i64 = np.int64
-    sizes = [len(acts) for acts in schedule.actions]
-    n = sum(sizes)
-    everything = list(chain.from_iterable(schedule.actions))
-    rank = np.repeat(np.arange(len(sizes), dtype=i64), sizes)
-    pos = np.arange(n, dtype=i64) - np.repeat(np.cumsum([0, *sizes[:-1]]), sizes)
-    sane = True
-    try:
-        kind = np.fromiter(map(_KID.__getitem__, map(id, map(_get1, everything))), np.int8, n)
-        stage = np.fromiter(map(index, map(_get0, everything)), i64, n)
-        mb = np.fromiter(map(index, map(_get2, everything)), i64, n)
-    except (KeyError, ValueError, TypeError, IndexError):
-        sane = False
-        rank = pos = stage = kind = mb = np.zeros(0, i64)
-    is_comm = (kind >= 4) & (kind < 8)
-    is_op = ~is_comm
-    o_rank, o_pos = rank[is_op], pos[is_op]
-    plain = kind[is_op] < 4
-    sub = np.zeros(len(o_rank), i64)
-    p = (o_rank, o_pos, sub, stage[is_op], kind[is_op].astype(i64), mb[is_op])
-    op_ids = np.arange(len(o_rank), dtype=i64)
-    if not plain.all():
-        extra = []
-        try:
-            for op in np.flatnonzero(~plain).tolist():
-                r, i = int(o_rank[op]), int(o_pos[op])
-                parts = schedule.actions[r][i][3]
-                sane = sane and 1 < len(parts) < (1 << _PART_BITS)
-                for j, q in enumerate(parts):
-                    c = _KID.get(id(q[1]), 8)
-                    sane = sane and c < 4
-                    extra.append((r, i, j, index(q[0]), c, index(q[2]), op))
-        except (IndexError, TypeError, ValueError):
-            sane = False
-        if sane:
-            cols = [
-                np.concatenate([x[plain], np.array(e, i64)])
-                for x, e in zip(p, list(zip(*extra, strict=True))[:6], strict=True)
-            ]
-            ops = np.concatenate([op_ids[plain], np.array([e[6] for e in extra], i64)])
-            order = np.lexsort((cols[2], cols[1], cols[0]))
-            p = tuple(c[order] for c in cols)
-            op_ids = ops[order]
-    o_lo = np.searchsorted(o_rank, np.arange(schedule.n_ranks + 1))
-    return Flat(
-        schedule,
-        place,
-        *p,
-        op_ids,
-        o_rank,
-        o_pos,
-        o_lo,
-        rank[is_comm],
-        pos[is_comm],
-        stage[is_comm],
-        kind[is_comm].astype(i64) - 4,
-        mb[is_comm],
-        sane,
-    )
-
 
 # ---------------------------------------------------------------------------------------------
 # Static checks: a vectorised verdict, and a plain-Python pass that finds and names the problem
@@ -252,7 +95,7 @@ def _static_ok(fl: Flat) -> bool:
     if (place[st] != r).any():
         return False
     idx = st * M + m
-    key = fl.p_pos << _PART_BITS | fl.p_sub
+    key = fl.p_pos << PART_BITS | fl.p_sub
     isf, isw, isi = k == 0, k == 3, k == 2
     isb = (k == 1) | isi
     if not (np.bincount(idx[isf], minlength=SM) == 1).all():
@@ -276,7 +119,7 @@ def _static_ok(fl: Flat) -> bool:
     cs, cm, cr = fl.c_stage, fl.c_mb, fl.c_rank
     if cs.min() < 0 or cs.max() >= S or cm.min() < 0 or cm.max() >= M:
         return False
-    e, send, nb = _comm_messages(fl)
+    e, send, nb = comm_messages(fl)
     if nb.min() < 0 or nb.max() >= S or (place[cs] != cr).any() or (place[nb] == cr).any():
         return False
     cross = np.repeat(np.tile(place[1:] != place[:-1], 2), M)
@@ -286,10 +129,10 @@ def _static_ok(fl: Flat) -> bool:
     if not (np.bincount(e[~send], minlength=n_msg) == cross).all():
         return False
     skey, rkey = np.zeros(n_msg, np.int64), np.zeros(n_msg, np.int64)
-    skey[e[send]] = fl.c_pos[send] << _PART_BITS
-    rkey[e[~send]] = fl.c_pos[~send] << _PART_BITS
+    skey[e[send]] = fl.c_pos[send] << PART_BITS
+    rkey[e[~send]] = fl.c_pos[~send] << PART_BITS
     ids = np.flatnonzero(cross)
-    d, b, mm = _decode(ids, NB, M)
+    d, b, mm = decode_messages(ids, NB, M)
     prod = np.where(d == 0, fkey[b * M + mm], bkey[(b + 1) * M + mm])
     cons = np.where(d == 0, fkey[(b + 1) * M + mm], bkey[b * M + mm])
     if (skey[ids] < prod).any() or (rkey[ids] > cons).any():
@@ -300,24 +143,6 @@ def _static_ok(fl: Flat) -> bool:
     es = e[send][np.argsort(ch_s, kind="stable")]
     er = e[~send][np.argsort(ch_r, kind="stable")]
     return bool((es == er).all())
-
-
-def _comm_messages(fl: Flat) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
-    """Per SEND/RECV row: message id, whether it is a send, and the neighbour stage it talks
-    to (the message id is meaningful only once that neighbour is in range)."""
-    s = fl.schedule
-    M, NB = s.n_microbatches, s.n_stages - 1
-    cs, ck = fl.c_stage, fl.c_kind
-    up = (ck == 0) | (ck == 3)  # SEND_F / RECV_B talk to stage + 1
-    nb = np.where(up, cs + 1, cs - 1)
-    e = ((ck >= 2) * NB + np.minimum(cs, nb)) * M + fl.c_mb
-    return e, (ck == 0) | (ck == 2), nb
-
-
-def _decode(e: np.ndarray, NB: int, M: int) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
-    q, m = np.divmod(e, M)
-    d, b = np.divmod(q, NB)
-    return d, b, m
 
 
 def _explain(s: Schedule, place: list[int]) -> None:
@@ -338,11 +163,11 @@ def _explain(s: Schedule, place: list[int]) -> None:
             if not isinstance(a, Action):
                 raise ScheduleError(f"rank {r}, position {i}: not an action: {a!r}")
             k = a[1]
-            code = _KID.get(id(k), -1)
+            code = KIND_CODE.get(id(k), -1)
             if code in (0, 1, 2, 3, 8):
                 parts = a[3] if k is _OV else (a,)
-                if k is _OV and not 1 < len(parts) < (1 << _PART_BITS):
-                    raise ScheduleError(f"{_where(r, i, a)}: overlap needs 2..63 parts")
+                if k is _OV and not 1 < len(parts) < (1 << PART_BITS):
+                    raise ScheduleError(f"{where(r, i, a)}: overlap needs 2..63 parts")
                 for pi, p in enumerate(parts):
                     _explain_compute(r, i, a, pi, p, S, M, place, fk, bk, wk, is_i)
             elif code >= 4:
@@ -352,16 +177,16 @@ def _explain(s: Schedule, place: list[int]) -> None:
                 seen, what = (sk, "send") if is_send else (rk, "receive")
                 if seen[e] >= 0:
                     raise ScheduleError(
-                        f"{_where(r, i, a)}: duplicate {what} (also at position "
-                        f"{seen[e] >> _PART_BITS})"
+                        f"{where(r, i, a)}: duplicate {what} (also at position "
+                        f"{seen[e] >> PART_BITS})"
                     )
-                seen[e] = i << _PART_BITS
+                seen[e] = i << PART_BITS
                 if is_send:
                     chan_send.setdefault(r * P + peer, []).append(e)
                 else:
                     chan_recv.setdefault(peer * P + r, []).append(e)
             else:
-                raise ScheduleError(f"{_where(r, i, a)}: unknown action kind {k!r}")
+                raise ScheduleError(f"{where(r, i, a)}: unknown action kind {k!r}")
     _explain_complete(s, place, fk, bk, wk, is_i)
     if lowered:
         _explain_comm_edges(s, place, fk, bk, sk, rk, chan_send, chan_recv)
@@ -373,49 +198,49 @@ def _ints(r: int, i: int, a: Action, p: Action) -> tuple[int, Kind, int]:
         return index(p[0]), p[1], index(p[2])
     except TypeError:
         raise ScheduleError(
-            f"{_where(r, i, a)}: stage and microbatch must be integers, got {p[0]!r}, {p[2]!r}"
+            f"{where(r, i, a)}: stage and microbatch must be integers, got {p[0]!r}, {p[2]!r}"
         ) from None
 
 
 def _check_range(r: int, i: int, a: Action, s: int, m: int, S: int, M: int) -> None:
     if not 0 <= s < S:
-        raise ScheduleError(f"{_where(r, i, a)}: stage {s} out of range 0..{S - 1}")
+        raise ScheduleError(f"{where(r, i, a)}: stage {s} out of range 0..{S - 1}")
     if not 0 <= m < M:
-        raise ScheduleError(f"{_where(r, i, a)}: microbatch {m} out of range 0..{M - 1}")
+        raise ScheduleError(f"{where(r, i, a)}: microbatch {m} out of range 0..{M - 1}")
 
 
 def _explain_compute(r, i, a, pi, p, S, M, place, fk, bk, wk, is_i) -> None:
-    if not isinstance(p, Action) or _KID.get(id(p[1]), -1) not in (0, 1, 2, 3):
-        raise ScheduleError(f"{_where(r, i, a)}: part {pi} is not an F, B, I or W action")
+    if not isinstance(p, Action) or KIND_CODE.get(id(p[1]), -1) not in (0, 1, 2, 3):
+        raise ScheduleError(f"{where(r, i, a)}: part {pi} is not an F, B, I or W action")
     s, pk, m = _ints(r, i, a, p)
     _check_range(r, i, a, s, m, S, M)
     if place[s] != r:
         raise ScheduleError(
-            f"{_where(r, i, a)}: runs stage {s}, which lives on rank {place[s]} "
+            f"{where(r, i, a)}: runs stage {s}, which lives on rank {place[s]} "
             "(a stage lives on one rank)"
         )
-    key = i << _PART_BITS | pi
+    key = i << PART_BITS | pi
     idx = s * M + m
     if pk is _F:
         if fk[idx] >= 0:
             raise ScheduleError(
-                f"{_where(r, i, a)}: duplicate forward {format_action(p)} "
-                f"(also at position {fk[idx] >> _PART_BITS})"
+                f"{where(r, i, a)}: duplicate forward {format_action(p)} "
+                f"(also at position {fk[idx] >> PART_BITS})"
             )
         fk[idx] = key
     elif pk is _W:
         if wk[idx] >= 0:
             raise ScheduleError(
-                f"{_where(r, i, a)}: duplicate weight gradient {format_action(p)} "
-                f"(also at position {wk[idx] >> _PART_BITS})"
+                f"{where(r, i, a)}: duplicate weight gradient {format_action(p)} "
+                f"(also at position {wk[idx] >> PART_BITS})"
             )
         wk[idx] = key
     else:
         if bk[idx] >= 0:
             other = format_action(Action(s, _I if is_i[idx] else _B, m))
             raise ScheduleError(
-                f"{_where(r, i, a)}: duplicate backward for stage {s} microbatch {m} "
-                f"({other} already at position {bk[idx] >> _PART_BITS})"
+                f"{where(r, i, a)}: duplicate backward for stage {s} microbatch {m} "
+                f"({other} already at position {bk[idx] >> PART_BITS})"
             )
         bk[idx] = key
         is_i[idx] = pk is _I
@@ -429,23 +254,23 @@ def _explain_comm(r: int, i: int, a: Action, S: int, M: int, place: list[int]):
     _check_range(r, i, a, s, m, S, M)
     if place[s] != r:
         raise ScheduleError(
-            f"{_where(r, i, a)}: stage {s} lives on rank {place[s]}, so its communication "
+            f"{where(r, i, a)}: stage {s} lives on rank {place[s]}, so its communication "
             "belongs there"
         )
     if not 0 <= nb < S:
-        raise ScheduleError(f"{_where(r, i, a)}: stage {s} has no neighbour stage {nb}")
+        raise ScheduleError(f"{where(r, i, a)}: stage {s} has no neighbour stage {nb}")
     if place[nb] == r:
         raise ScheduleError(
-            f"{_where(r, i, a)}: stages {s} and {nb} are both on rank {r}: no communication "
+            f"{where(r, i, a)}: stages {s} and {nb} are both on rank {r}: no communication "
             "between same-rank stages (the tensor is handed over locally)"
         )
     return (d * (S - 1) + b) * M + m, place[nb]
 
 
 def _at(acts: list[list[Action]], key: int, r: int) -> str:
-    """:func:`_where` of the action an ordering key (position << _PART_BITS | part) names."""
-    i = key >> _PART_BITS
-    return _where(r, i, acts[r][i])
+    """:func:`~vpipe.flat.where` of the action an ordering key (position << PART_BITS | part) names."""
+    i = key >> PART_BITS
+    return where(r, i, acts[r][i])
 
 
 def _explain_complete(s: Schedule, place, fk, bk, wk, is_i) -> None:
@@ -512,12 +337,12 @@ def _explain_comm_edges(s: Schedule, place, fk, bk, sk, rk, chan_send, chan_recv
                 e = (d * NB + b) * M + m
                 prod, cons = keys[prod_stage * M + m], keys[cons_stage * M + m]
                 if sk[e] < 0:
-                    send = format_action(_send_action(d, b, m))
+                    send = format_action(send_action(d, b, m))
                     raise ScheduleError(
                         f"{_at(acts, prod, src)}: no {send} sends its output to rank {dst}"
                     )
                 if rk[e] < 0:
-                    recv = format_action(_recv_action(d, b, m))
+                    recv = format_action(recv_action(d, b, m))
                     raise ScheduleError(
                         f"{_at(acts, cons, dst)}: no {recv} receives its input from rank {src}"
                     )
@@ -537,7 +362,7 @@ def _explain_comm_edges(s: Schedule, place, fk, bk, sk, rk, chan_send, chan_recv
         k = next(k for k, (es, er) in enumerate(zip(sends, recvs, strict=True)) if es != er)
         es, er = sends[k], recvs[k]
         d, rest = divmod(er, NB * M)
-        expects = format_action(_send_action(d, *divmod(rest, M)))
+        expects = format_action(send_action(d, *divmod(rest, M)))
         raise ScheduleError(
             f"per-peer FIFO order broken between rank {src} and rank {dst}: send #{k} "
             f"({_at(acts, sk[es], src)}) is matched by receive #{k} ({_at(acts, rk[er], dst)}), "
@@ -589,7 +414,7 @@ def compile_program(fl: Flat, plan: CommPlan | None = None) -> Program:
     """
     s = fl.schedule
     n_ops = len(fl.o_rank)
-    n_msg = 2 * (s.n_stages - 1) * s.n_microbatches
+    n_msg = message_count(s)
     e_in, e_out = fl.part_messages
     waits = np.full(n_ops, -1, np.int64)
     has = e_in >= 0
@@ -610,7 +435,7 @@ def compile_program(fl: Flat, plan: CommPlan | None = None) -> Program:
     send_op = np.full(n_msg, -1, np.int64)
     recv_op = np.full(n_msg, -1, np.int64)
     if fl.lowered:
-        e, send, _ = _comm_messages(fl)
+        e, send, _ = comm_messages(fl)
         okey = fl.o_rank << 32 | fl.o_pos
         prev = np.searchsorted(okey, fl.c_rank << 32 | fl.c_pos) - 1
         prev = np.where((prev >= 0) & (fl.o_rank[np.maximum(prev, 0)] == fl.c_rank), prev, -1)
@@ -751,11 +576,11 @@ def _deadlock_message(prog: Program, ops: list[int], end: list[float], stuck: li
         b, m = divmod(rest, M)
         src = s.placement[b] if d == 0 else s.placement[b + 1]
         if prog.lowered:
-            what = f"{format_action(_recv_action(d, b, m))} from rank {src}"
+            what = f"{format_action(recv_action(d, b, m))} from rank {src}"
         else:
             prod = f"{b}F{m}" if d == 0 else f"the backward of stage {b + 1} microbatch {m}"
             what = f"{prod} on rank {src}"
-        parts.append(f"{_where(r, i, s.actions[r][i])} waits for {what}")
+        parts.append(f"{where(r, i, s.actions[r][i])} waits for {what}")
     more = f"; and {len(stuck) - 6} more stuck ranks" if len(stuck) > 6 else ""
     return "deadlock: " + "; ".join(parts) + more
 
@@ -805,7 +630,7 @@ def plan_comm(fl: Flat, recv_lookahead: int = 1) -> CommPlan:
     hin = e_in >= 0
     consumer[e_in[hin]] = fl.p_op[hin]
     cons = consumer[e]
-    d, b, _ = _decode(e, NB, M)
+    d, b, _ = decode_messages(e, NB, M)
     dst = np.where(d == 0, fl.place[np.minimum(b + 1, NB)], fl.place[b])
     lo = fl.o_lo
     want = np.maximum(cons - lo[dst] - recv_lookahead, 0)
@@ -836,7 +661,7 @@ def lower(schedule: Schedule, *, check: bool = True, recv_lookahead: int = 1) ->
     fl = flatten(schedule)
     if fl.lowered:
         r, i = int(fl.c_rank[0]), int(fl.c_pos[0])
-        raise ScheduleError(f"{_where(r, i, schedule.actions[r][i])}: schedule is already lowered")
+        raise ScheduleError(f"{where(r, i, schedule.actions[r][i])}: schedule is already lowered")
     if check:
         check_static(fl)
         replay(compile_program(fl))
@@ -849,12 +674,12 @@ def materialize(fl: Flat, plan: CommPlan) -> list[list[Action]]:
     s = fl.schedule
     M, NB = s.n_microbatches, s.n_stages - 1
     by_channel = np.argsort(plan.order)  # RECVs in channel order, so a stable sort keeps it
-    d, b, m = _decode(plan.e, NB, M)
+    d, b, m = decode_messages(plan.e, NB, M)
     dr, br, mr = d[by_channel], b[by_channel], m[by_channel]
     n = len(plan.e)
     # Sort key: rank, then the slot key; ties keep the concatenation order (sends in part
     # order, receives in channel order).
-    op_key, send_key, recv_key = _slot_keys(fl, plan)
+    op_key, send_key, recv_key = slot_keys(fl, plan)
     rank = np.concatenate([fl.o_rank, fl.o_rank[plan.send_op], plan.dst[by_channel]])
     local = np.concatenate([op_key, send_key, recv_key[by_channel]])
     width = 3 * int(np.diff(fl.o_lo).max(initial=0)) + 3
@@ -883,7 +708,7 @@ def materialize(fl: Flat, plan: CommPlan) -> list[list[Action]]:
         return [flat_sorted[bounds[r] : bounds[r + 1]] for r in range(s.n_ranks)]
 
 
-def _slot_keys(fl: Flat, plan: CommPlan) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+def slot_keys(fl: Flat, plan: CommPlan) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
     """Program order of the lowered actions within their rank: 3 * compute index + 0 for a
     RECV (posted before that compute action), 1 for the compute action, 2 for a SEND (after
     it). Per op, per planned SEND and per planned RECV (plan order)."""

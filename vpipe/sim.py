@@ -37,20 +37,16 @@ from typing import Any
 import numpy as np
 
 from vpipe.errors import VpipeError
+from vpipe.flat import PART_BITS, Flat, comm_messages, decode_messages, flatten
 from vpipe.ir import Schedule
 from vpipe.passes import (
-    _PART_BITS,
     CommPlan,
-    Flat,
     Program,
-    _comm_messages,
-    _decode,
-    _slot_keys,
     check_static,
     compile_program,
-    flatten,
     plan_comm,
     replay,
+    slot_keys,
 )
 
 __all__ = ["CostModel", "CostModelError", "SimResult", "simulate"]
@@ -440,12 +436,12 @@ def _timeline_columns(raw: _Raw) -> dict[str, np.ndarray]:
     s = fl.schedule
     M, NB = s.n_microbatches, s.n_stages - 1
     if fl.lowered:
-        e, is_send, _ = _comm_messages(fl)
+        e, is_send, _ = comm_messages(fl)
         c_rank, c_stage, c_kind, c_mb = fl.c_rank, fl.c_stage, fl.c_kind + 4, fl.c_mb
-        p_seq, c_seq = fl.p_pos << _PART_BITS | fl.p_sub, fl.c_pos << _PART_BITS
+        p_seq, c_seq = fl.p_pos << PART_BITS | fl.p_sub, fl.c_pos << PART_BITS
         tie = np.zeros(len(fl.p_rank) + len(e), np.int64)
     else:
-        d, b, mm = _decode(plan.e, NB, M)
+        d, b, mm = decode_messages(plan.e, NB, M)
         n = len(plan.e)
         e = np.concatenate([plan.e, plan.e])
         is_send = np.arange(2 * n) < n
@@ -454,9 +450,9 @@ def _timeline_columns(raw: _Raw) -> dict[str, np.ndarray]:
         c_kind = np.concatenate([4 + 2 * d, 5 + 2 * d])
         c_mb = np.concatenate([mm, mm])
         # Program order as lower() writes it.
-        op_key, send_key, recv_key = _slot_keys(fl, plan)
-        p_seq = op_key[fl.p_op] << _PART_BITS | fl.p_sub
-        c_seq = np.concatenate([send_key << _PART_BITS | plan.send_sub, recv_key << _PART_BITS])
+        op_key, send_key, recv_key = slot_keys(fl, plan)
+        p_seq = op_key[fl.p_op] << PART_BITS | fl.p_sub
+        c_seq = np.concatenate([send_key << PART_BITS | plan.send_sub, recv_key << PART_BITS])
         tie = np.concatenate([np.zeros(len(fl.p_rank) + n, np.int64), plan.order])
     post_op = np.where(is_send, prog.send_op[e], prog.recv_op[e])
     c_start = np.zeros(len(e))
