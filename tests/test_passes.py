@@ -409,6 +409,28 @@ def test_validate_deadlock_names_every_stuck_rank():
     assert "rank 1, position 1, action 1F1 waits for 0F1 on rank 0" in msg
 
 
+def test_validate_deadlock_inside_overlap_names_the_compound_and_its_part_input():
+    # V placement on 2 ranks: 0B0 (second part) needs the gradient from 1B0, which needs 3B0,
+    # which rank 0 only runs after the compound; 3F1 (first part) could run.
+    rows = [
+        ["0F0", "0F1", "3F0", "(3F1;0B0)OVERLAP_F_B", "3B0", "3B1", "0B1"],
+        ["1F0", "2F0", "1F1", "2F1", "2B0", "1B0", "2B1", "1B1"],
+    ]
+    s = _sched(rows, v_placement(2))
+    with pytest.raises(ScheduleError) as err:
+        validate(s)
+    msg = str(err.value)
+    assert msg.startswith("deadlock:")
+    assert (
+        "rank 0, position 3, action (3F1;0B0)OVERLAP_F_B waits for the backward of stage 1 "
+        "microbatch 0 on rank 1" in msg
+    )
+    assert "rank 1, position 4, action 2B0 waits for the backward of stage 3 microbatch 0" in msg
+    low = lower(s, check=False)
+    with pytest.raises(ScheduleError, match=r"OVERLAP_F_B waits for 0RECV_B0 from rank 1"):
+        validate(low)
+
+
 def test_validate_same_rank_order_errors():
     # A local handoff consumed before it is produced.
     s = _sched([["0F0", "1F0", "1B0", "0B0"]], {0: 0, 1: 0})

@@ -16,7 +16,7 @@ _LAZY = {
     "make_schedule": "vpipe.schedules",
     "schedule_names": "vpipe.schedules",
     "lower": "vpipe.passes",
-    "validate": "vpipe.passes",
+    "validate": "vpipe.validation",
     "simulate": "vpipe.sim",
     "CostModel": "vpipe.sim",
     "SimResult": "vpipe.sim",

@@ -1,13 +1,12 @@
 """Event-driven simulator of pipeline schedules under a simple cost model.
 
-The simulator replays the lowered program with exactly the execution semantics of
-:mod:`vpipe.passes` (SEND/RECV post without blocking; a compute action waits for its inputs,
-then runs; per-rank program order; see :func:`vpipe.passes.replay`). Every action is an event:
-a compute action starts when its rank is free and its inputs have arrived; a message arrives
-``comm_latency + bytes / comm_bandwidth`` after both its SEND and its RECV are posted (links
-are not modelled as shared, so transfers never queue behind each other); hand-over between
-stages on one rank is free. Costs are in abstract time units (``time_unit_ns`` converts them
-when exporting).
+The simulator replays the lowered program with :func:`vpipe.engine.replay`, under the
+execution semantics described there (SEND/RECV post without blocking; per-rank program order;
+a compute action, or each part of an overlap action, waits for its own input, then runs). A
+message arrives ``comm_latency + bytes / comm_bandwidth`` after both its SEND and its RECV are
+posted (:class:`vpipe.engine.LinkModel`: links are not shared, so transfers never queue behind
+each other); hand-over between stages on one rank is free. Costs are in abstract time units
+(``time_unit_ns`` converts them when exporting).
 
 Bubble ratio, two definitions (both per rank and overall):
 
@@ -36,22 +35,12 @@ from typing import Any
 
 import numpy as np
 
+from vpipe.engine import LinkModel, Program, Timing, compile_program, replay
 from vpipe.errors import VpipeError
+from vpipe.flat import PART_BITS, Flat, comm_messages, decode_messages, flatten
 from vpipe.ir import Schedule
-from vpipe.passes import (
-    _PART_BITS,
-    CommPlan,
-    Flat,
-    Program,
-    _comm_messages,
-    _decode,
-    _slot_keys,
-    check_static,
-    compile_program,
-    flatten,
-    plan_comm,
-    replay,
-)
+from vpipe.passes import CommPlan, plan_comm, slot_keys
+from vpipe.validation import check_static
 
 __all__ = ["CostModel", "CostModelError", "SimResult", "simulate"]
 
@@ -150,10 +139,14 @@ class CostModel:
                     out[j][stage] = float(over[k])
         return out[0], out[1], out[2]
 
+    def links(self, n_stages: int) -> LinkModel:
+        """The link model of a schedule with ``n_stages`` stages."""
+        nbytes = _per_stage("comm_bytes", self.comm_bytes, max(n_stages - 1, 0))
+        return LinkModel(self.comm_latency, self.comm_bandwidth, nbytes)
+
     def boundary_costs(self, n_stages: int) -> np.ndarray:
         """Time of one message over each boundary s (between stages s and s+1)."""
-        nbytes = _per_stage("comm_bytes", self.comm_bytes, max(n_stages - 1, 0))
-        return self.comm_latency + nbytes / self.comm_bandwidth
+        return self.links(n_stages).boundary_costs()
 
     def stage_activation_bytes(self, n_stages: int) -> np.ndarray | None:
         if self.activation_bytes is None:
@@ -216,9 +209,10 @@ class SimResult:
 
     @cached_property
     def timeline(self):
-        """One row per action (overlap parts as their own rows, back to back; SEND and RECV
-        rows span from their posting to the message's arrival): rank, stage, microbatch,
-        kind, name, start, end; per rank in program order."""
+        """One row per action (overlap parts as their own rows, each from its own start:
+        a part may wait for its input after the previous part; SEND and RECV rows span from
+        their posting to the message's arrival): rank, stage, microbatch, kind, name, start,
+        end; per rank in program order."""
         import pandas as pd
 
         c = self._columns
@@ -357,33 +351,25 @@ def simulate(
     fl = flatten(schedule)
     check_static(fl)
     plan = None if fl.lowered else plan_comm(fl, recv_lookahead)
-    prog = compile_program(fl, plan)
-    S, M = schedule.n_stages, schedule.n_microbatches
+    prog = compile_program(fl, None if plan is None else (plan.e, plan.recv_op))
+    S = schedule.n_stages
     f, b, w = costs.stage_times(S)
-    part_table = np.concatenate([f, b + w, b, w])
-    part_dur = part_table[fl.p_kind * S + fl.p_stage]
-    n_ops = len(fl.o_rank)
-    op_dur = np.bincount(fl.p_op, weights=part_dur, minlength=n_ops)
-    msg_cost = np.tile(np.repeat(costs.boundary_costs(S), M), 2)
-    start_a, end_a = replay(prog, op_dur.tolist(), msg_cost)
-    # Arrival of each message: both ends posted, plus the transfer (as in replay).
-    posted = end_a[prog.send_op] if len(end_a) else np.zeros(len(prog.send_op))
-    has_recv = prog.recv_op >= 0
-    posted[has_recv] = np.maximum(posted[has_recv], end_a[prog.recv_op[has_recv]])
-    arrive = posted + msg_cost
-    return _summarise(schedule, costs, fl, prog, plan, op_dur, part_dur, start_a, end_a, arrive)
+    part_dur = np.concatenate([f, b + w, b, w])[fl.p_kind * S + fl.p_stage]
+    timing = replay(prog, part_dur, costs.links(S))
+    return _summarise(schedule, costs, fl, prog, plan, part_dur, timing)
 
 
 def _summarise(
-    schedule, costs, fl: Flat, prog: Program, plan, op_dur, part_dur, start, end, arrive
-):
+    schedule, costs, fl: Flat, prog: Program, plan, part_dur, timing: Timing
+) -> SimResult:
     P, S = schedule.n_ranks, schedule.n_stages
     lo = fl.o_lo
+    end = timing.op_end
     makespan = float(end.max()) if len(end) else 0.0
-    busy = np.bincount(fl.o_rank, weights=op_dur, minlength=P)
+    busy = np.bincount(fl.p_rank, weights=part_dur, minlength=P)
     has = lo[1:] > lo[:-1]
     first, last = np.zeros(P), np.zeros(P)
-    first[has] = start[lo[:-1][has]]
+    first[has] = timing.op_start[lo[:-1][has]]
     last[has] = end[lo[1:][has] - 1]
     span = last - first
     per_rank = (1.0 - busy / makespan) if makespan > 0 else np.zeros(P)
@@ -404,7 +390,7 @@ def _summarise(
     else:
         comm_ops = np.bincount(fl.o_rank[plan.send_op], minlength=P)
         comm_ops += np.bincount(plan.dst, minlength=P)
-    raw = _Raw(fl, prog, plan, part_dur, start, end, arrive)
+    raw = _Raw(fl, prog, plan, timing)
     return SimResult(
         schedule=schedule,
         costs=costs,
@@ -428,10 +414,7 @@ class _Raw:
     fl: Flat
     prog: Program
     plan: CommPlan | None
-    part_dur: np.ndarray
-    start: np.ndarray
-    end: np.ndarray
-    arrive: np.ndarray
+    timing: Timing
 
 
 def _timeline_columns(raw: _Raw) -> dict[str, np.ndarray]:
@@ -440,12 +423,12 @@ def _timeline_columns(raw: _Raw) -> dict[str, np.ndarray]:
     s = fl.schedule
     M, NB = s.n_microbatches, s.n_stages - 1
     if fl.lowered:
-        e, is_send, _ = _comm_messages(fl)
+        e, is_send, _ = comm_messages(fl)
         c_rank, c_stage, c_kind, c_mb = fl.c_rank, fl.c_stage, fl.c_kind + 4, fl.c_mb
-        p_seq, c_seq = fl.p_pos << _PART_BITS | fl.p_sub, fl.c_pos << _PART_BITS
+        p_seq, c_seq = fl.p_pos << PART_BITS | fl.p_sub, fl.c_pos << PART_BITS
         tie = np.zeros(len(fl.p_rank) + len(e), np.int64)
     else:
-        d, b, mm = _decode(plan.e, NB, M)
+        d, b, mm = decode_messages(plan.e, NB, M)
         n = len(plan.e)
         e = np.concatenate([plan.e, plan.e])
         is_send = np.arange(2 * n) < n
@@ -454,24 +437,20 @@ def _timeline_columns(raw: _Raw) -> dict[str, np.ndarray]:
         c_kind = np.concatenate([4 + 2 * d, 5 + 2 * d])
         c_mb = np.concatenate([mm, mm])
         # Program order as lower() writes it.
-        op_key, send_key, recv_key = _slot_keys(fl, plan)
-        p_seq = op_key[fl.p_op] << _PART_BITS | fl.p_sub
-        c_seq = np.concatenate([send_key << _PART_BITS | plan.send_sub, recv_key << _PART_BITS])
+        op_key, send_key, recv_key = slot_keys(fl, plan)
+        p_seq = op_key[fl.p_op] << PART_BITS | fl.p_sub
+        c_seq = np.concatenate([send_key << PART_BITS | plan.send_sub, recv_key << PART_BITS])
         tie = np.concatenate([np.zeros(len(fl.p_rank) + n, np.int64), plan.order])
+    timing = raw.timing
     post_op = np.where(is_send, prog.send_op[e], prog.recv_op[e])
-    c_start = np.zeros(len(e))
-    c_start[post_op >= 0] = raw.end[post_op[post_op >= 0]]
-    # Compute part rows: parts of an overlap run back to back from the op's start.
-    cum = np.concatenate([[0.0], np.cumsum(raw.part_dur)])
-    first_part = np.searchsorted(fl.p_op, np.arange(len(fl.o_rank)))
-    p_start = raw.start[fl.p_op] + cum[:-1] - cum[first_part[fl.p_op]]
+    c_start = np.append(timing.op_end, 0.0)[post_op]  # -1: a RECV posted at the start
     cols = {
         "rank": np.concatenate([fl.p_rank, c_rank]),
         "stage": np.concatenate([fl.p_stage, c_stage]),
         "microbatch": np.concatenate([fl.p_mb, c_mb]),
         "kind": np.concatenate([fl.p_kind, c_kind]).astype(np.int8),
-        "start": np.concatenate([p_start, c_start]),
-        "end": np.concatenate([p_start + raw.part_dur, raw.arrive[e]]),
+        "start": np.concatenate([timing.start, c_start]),
+        "end": np.concatenate([timing.end, timing.arrive[e]]),
     }
     order = np.lexsort((tie, np.concatenate([p_seq, c_seq]), cols["rank"]))
     return {k: v[order] for k, v in cols.items()}
