@@ -10,6 +10,7 @@ import sys
 from collections.abc import Sequence
 from typing import NoReturn
 
+import vpipe
 import vpipe.commands
 from vpipe.errors import VpipeError
 
@@ -25,6 +26,7 @@ def build_parser() -> argparse.ArgumentParser:
     parser = _OneLineParser(
         prog="vpipe", description="Benchmark pipeline-parallel schedules (V-schedules first)."
     )
+    parser.add_argument("--version", action="version", version=f"vpipe {vpipe.__version__}")
     sub = parser.add_subparsers(
         dest="command", metavar="COMMAND", required=True, parser_class=_OneLineParser
     )

@@ -1,4 +1,5 @@
-"""Plots of benchmark results (seaborn on the Agg backend, rendered to PNG bytes).
+"""Plots of benchmark results (seaborn, rendered to PNG bytes without pyplot, so the caller's
+matplotlib backend is never changed).
 
 Every function takes plain DataFrames (the sweep's runs/steps tables, or event and memory
 tables in the :mod:`vpipe.events` schema) and returns a matplotlib Figure, so reports can embed
@@ -9,18 +10,14 @@ from __future__ import annotations
 
 import io
 from collections.abc import Sequence
+from typing import Any
 
-import matplotlib
+import pandas as pd
+import seaborn as sns
+from matplotlib.figure import Figure
+from matplotlib.patches import Patch
 
-matplotlib.use("Agg")
-
-import matplotlib.pyplot as plt  # noqa: E402
-import pandas as pd  # noqa: E402
-import seaborn as sns  # noqa: E402
-from matplotlib.figure import Figure  # noqa: E402
-from matplotlib.patches import Patch  # noqa: E402
-
-from vpipe.events import COMPUTE_KINDS  # noqa: E402
+from vpipe.events import COMPUTE_KINDS
 
 # Baselines first, then the V-schedules they are compared with.
 SCHEDULE_ORDER = ("gpipe", "1f1b", "interleaved-1f1b", "looped-bfs", "zb-h1", "zbv", "dualpipev")
@@ -53,16 +50,23 @@ def _impl_order(names: Sequence[str]) -> list[str]:
     return [i for i in IMPL_ORDER if i in present] + sorted(present - set(IMPL_ORDER))
 
 
+def _subplots(nrows: int, ncols: int, **kw) -> tuple[Figure, Any]:
+    """A figure and its axes without pyplot, so importing or plotting never changes the
+    caller's matplotlib backend (a notebook keeps its own)."""
+    figsize = kw.pop("figsize", None)
+    fig = Figure(figsize=figsize)
+    return fig, fig.subplots(nrows, ncols, **kw)
+
+
 def to_png(fig: Figure, dpi: int = 80) -> bytes:
     """Render a figure to PNG bytes and close it."""
     buf = io.BytesIO()
     fig.savefig(buf, format="png", dpi=dpi)
-    plt.close(fig)
     return buf.getvalue()
 
 
 def _facets(n: int, width: float = 5.0, height: float = 3.6) -> tuple[Figure, list]:
-    fig, axes = plt.subplots(1, n, figsize=(width * n, height), squeeze=False)
+    fig, axes = _subplots(1, n, figsize=(width * n, height), squeeze=False)
     return fig, list(axes[0])
 
 
@@ -167,7 +171,7 @@ def _gantt(ax, events: pd.DataFrame, title: str, unit: str = "ms") -> None:
 def plot_gantt(panels: Sequence[tuple[str, pd.DataFrame]], unit: str = "ms") -> Figure:
     """Per-rank timelines side by side, one panel per (title, events of one step)."""
     panels = [(t, e[e["kind"] != "other"]) for t, e in panels]  # step spans would cover all
-    fig, axes = plt.subplots(
+    fig, axes = _subplots(
         1,
         len(panels),
         figsize=(
@@ -198,7 +202,7 @@ def plot_memory_timeline(memory: pd.DataFrame, title: str = "") -> Figure:
     order = list(dict.fromkeys(labels))
     ncols = min(2, len(order))
     nrows = -(-len(order) // ncols)
-    fig, axes = plt.subplots(
+    fig, axes = _subplots(
         nrows, ncols, figsize=(5.5 * ncols, 2.4 * nrows), squeeze=False, sharey=True
     )
     palette = sns.color_palette(n_colors=max(2, int(d["rank"].max()) + 1))

@@ -10,7 +10,7 @@ from pathlib import Path
 
 
 def register(subparsers: argparse._SubParsersAction) -> None:
-    from vpipe.bench import DEFAULT_SCHEDULES
+    from vpipe.bench import DEFAULT_SCHEDULES, QUICK_SCHEDULES
 
     p = subparsers.add_parser(
         "bench",
@@ -21,6 +21,7 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     )
     p.add_argument(
         "--ranks",
+        "-p",
         type=int,
         default=None,
         help="pipeline ranks P (default 2; under torchrun the job's world size)",
@@ -44,20 +45,20 @@ def register(subparsers: argparse._SubParsersAction) -> None:
         help="model sizes, e.g. d_model=512,d_hidden=2048,n_blocks=4 (default for mlp: "
         "d_model=256,d_hidden=1024; n_blocks/n_layers grow to the largest stage count)",
     )
-    p.add_argument("--batch", type=int, default=32, help="samples per step (default 32)")
+    p.add_argument("--batch", type=int, help="samples per step (default 32; --quick: 16)")
     p.add_argument(
         "--schedules",
-        default=",".join(DEFAULT_SCHEDULES),
-        help="comma-separated schedule names (default %(default)s)",
+        help=f"comma-separated schedule names (default {','.join(DEFAULT_SCHEDULES)}; "
+        f"--quick: {','.join(QUICK_SCHEDULES)})",
     )
-    p.add_argument("--microbatches", default="4,8", help="comma-separated counts (default 4,8)")
+    p.add_argument("--microbatches", "-m", help="comma-separated counts (default 4,8; --quick: 4)")
     p.add_argument("--impl", default="vpipe,torch", help="vpipe, torch or both (default both)")
-    p.add_argument("--warmup", type=int, default=2, help="warm-up steps per config (default 2)")
+    p.add_argument("--warmup", type=int, help="warm-up steps per config (default 2; --quick: 1)")
     p.add_argument(
-        "--steps", type=int, default=3, help="timed steps per config per round (default 3)"
+        "--steps", type=int, help="timed steps per config per round (default 3; --quick: 2)"
     )
     p.add_argument(
-        "--rounds", type=int, default=3, help="interleaved rounds over all configs (default 3)"
+        "--rounds", type=int, help="interleaved rounds over all configs (default 3; --quick: 2)"
     )
     p.add_argument(
         "--profile-steps",
@@ -73,7 +74,7 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     p.add_argument(
         "--quick",
         action="store_true",
-        help="small sweep: interleaved-1f1b vs zbv, M=4, both impls, a small MLP",
+        help="small sweep: other defaults (see each flag; a small MLP); flags you give still apply",
     )
     p.add_argument(
         "--traces",
@@ -98,6 +99,7 @@ def register(subparsers: argparse._SubParsersAction) -> None:
 
 def run_bench(args: argparse.Namespace) -> int:
     from vpipe.bench import (
+        DEFAULT_SCHEDULES,
         QUICK_SCHEDULES,
         SweepSpec,
         new_run_id,
@@ -107,43 +109,34 @@ def run_bench(args: argparse.Namespace) -> int:
     )
 
     sizes = parse_sizes(args.sizes)
-
     if args.ranks is None:  # torchrun sets WORLD_SIZE; validate before importing torch
         args.ranks = int(os.environ.get("WORLD_SIZE", 2))
     if args.quick:
-        spec = SweepSpec(
-            ranks=args.ranks,
-            device=args.device,
-            backend=args.backend,
-            model=args.model,
-            sizes=sizes or ({"d_model": 128, "d_hidden": 512} if args.model == "mlp" else {}),
-            batch=16,
-            schedules=QUICK_SCHEDULES,
-            microbatches=(4,),
-            impls=tuple(parse_list(args.impl)),
-            warmup=1,
-            steps=2,
-            rounds=2,
-            profile=not args.no_profile,
-            profile_steps=args.profile_steps,
-        )
+        defaults = dict(batch=16, schedules=QUICK_SCHEDULES, microbatches="4", warmup=1, steps=2,
+                        rounds=2)  # fmt: skip
+        if not sizes and args.model == "mlp":
+            sizes = {"d_model": 128, "d_hidden": 512}
     else:
-        spec = SweepSpec(
-            ranks=args.ranks,
-            device=args.device,
-            backend=args.backend,
-            model=args.model,
-            sizes=sizes,
-            batch=args.batch,
-            schedules=tuple(parse_list(args.schedules)),
-            microbatches=tuple(_ints(args.microbatches)),
-            impls=tuple(parse_list(args.impl)),
-            warmup=args.warmup,
-            steps=args.steps,
-            rounds=args.rounds,
-            profile=not args.no_profile,
-            profile_steps=args.profile_steps,
-        )
+        defaults = dict(batch=32, schedules=DEFAULT_SCHEDULES, microbatches="4,8", warmup=2,
+                        steps=3, rounds=3)  # fmt: skip
+    given = {k: getattr(args, k) for k in defaults if getattr(args, k) is not None}
+    opts = {**defaults, **given}
+    spec = SweepSpec(
+        ranks=args.ranks,
+        device=args.device,
+        backend=args.backend,
+        model=args.model,
+        sizes=sizes,
+        batch=opts["batch"],
+        schedules=tuple(parse_list(opts["schedules"])),
+        microbatches=tuple(_ints(opts["microbatches"])),
+        impls=tuple(parse_list(args.impl)),
+        warmup=opts["warmup"],
+        steps=opts["steps"],
+        rounds=opts["rounds"],
+        profile=not args.no_profile,
+        profile_steps=args.profile_steps,
+    )
     spec.validate()
     from vpipe.bench_results import collect, write_outputs
 

@@ -133,7 +133,10 @@ def _load(source: str, run: str | None) -> tuple[Any, Any, dict]:
         runs = store.runs()
         if run is None:
             if len(runs) != 1:
-                raise TraceError(f"{path}: the store holds {len(runs)} runs: choose one with --run")
+                raise TraceError(
+                    f"{path}: the store holds {len(runs)} runs: choose one with --run "
+                    f"(vpipe runs {path} lists them)"
+                )
             run = str(runs["run_id"].iloc[0])
         row = runs[runs["run_id"] == run]
         if row.empty:

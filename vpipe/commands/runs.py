@@ -1,0 +1,37 @@
+"""``vpipe runs STORE``: list the runs a results store (or a ``vpipe bench`` output) holds."""
+
+from __future__ import annotations
+
+import argparse
+
+COLUMNS = ("run_id", "source", "impl", "schedule", "ranks", "microbatches", "model", "step_time_s")
+
+
+def register(subparsers: argparse._SubParsersAction) -> None:
+    p = subparsers.add_parser(
+        "runs",
+        help="list the runs in a results store (ids to pass to vpipe analyze --run)",
+        description="One line per run of the store's runs table: id, source, impl, schedule, "
+        "ranks, microbatches, model and median step time.",
+    )
+    p.add_argument("store", metavar="STORE", help="a results store or vpipe bench output")
+    p.add_argument("--json", action="store_true", help="the rows as JSON")
+    p.set_defaults(func=runs_command)
+
+
+def runs_command(args: argparse.Namespace) -> int:
+    from pathlib import Path
+
+    from vpipe.errors import TraceError
+    from vpipe.trace.store import Store
+
+    if not (Path(args.store) / "runs").is_dir():
+        raise TraceError(f"{args.store}: not a results store (no runs/ directory)")
+    runs = Store(args.store).runs()
+    table = runs[[c for c in COLUMNS if c in runs.columns]]
+    if args.json:
+        print(table.to_json(orient="records"))
+    else:
+        print(table.to_string(index=False))
+        print(f"{len(table)} runs in {args.store}")
+    return 0
