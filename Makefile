@@ -21,7 +21,7 @@ test: $(STAMP)
 	$(PY) -m pytest -q
 
 bench: $(STAMP)
-	$(VENV)/bin/vpipe bench --out results/latest
+	$(VENV)/bin/vpipe bench --out results/latest --force
 
 lint: $(STAMP)
 	$(PY) -m ruff check vpipe tests bench

@@ -6,7 +6,6 @@ from __future__ import annotations
 import argparse
 import os
 import time
-from pathlib import Path
 
 
 def register(subparsers: argparse._SubParsersAction) -> None:
@@ -83,6 +82,16 @@ def register(subparsers: argparse._SubParsersAction) -> None:
         help="keep the per-config Kineto traces (Perfetto) under DIR",
     )
     p.add_argument("--out", default="results/latest", help="output directory (default %(default)s)")
+    keep = p.add_mutually_exclusive_group()
+    keep.add_argument(
+        "--append",
+        action="store_true",
+        help="add this sweep's runs to the store already in --out (its steps, plots and report "
+        "then describe this sweep)",
+    )
+    keep.add_argument(
+        "--force", action="store_true", help="replace what --out holds once the sweep is done"
+    )
     p.set_defaults(func=run_bench)
 
     r = subparsers.add_parser(
@@ -139,8 +148,9 @@ def run_bench(args: argparse.Namespace) -> int:
     )
     spec.validate()
     from vpipe.bench_results import collect, write_outputs
+    from vpipe.outputs import check_output_dir, clear_dir
 
-    out = Path(args.out)
+    out = check_output_dir(args.out, append=args.append, force=args.force)
     spec.trace_dir = args.traces
     bench_id = new_run_id()
     t0 = time.perf_counter()
@@ -149,6 +159,8 @@ def run_bench(args: argparse.Namespace) -> int:
         return 0
     sweep_s = time.perf_counter() - t0
     res = collect(spec, results, bench_id, sweep_s)
+    if args.force:
+        clear_dir(out)
     paths = write_outputs(res, out)
     total_s = time.perf_counter() - t0
     print(res.summary_text())
@@ -166,12 +178,13 @@ def _ints(text: str) -> list[int]:
 
 
 def run_report(args: argparse.Namespace) -> int:
+    from vpipe.outputs import atomic_write, check_output_file
     from vpipe.report import comparison_report
 
+    out = check_output_file(args.output, "-o")
+    md = check_output_file(out.with_suffix(".md"), "-o (Markdown)")
     html_text, md_text = comparison_report(args.runs)
-    out = Path(args.output)
-    out.parent.mkdir(parents=True, exist_ok=True)
-    out.write_text(html_text, encoding="utf-8")
-    out.with_suffix(".md").write_text(md_text, encoding="utf-8")
+    atomic_write(out, lambda p: p.write_text(html_text, encoding="utf-8"))
+    atomic_write(md, lambda p: p.write_text(md_text, encoding="utf-8"))
     print(f"wrote {out} and {out.with_suffix('.md')}")
     return 0

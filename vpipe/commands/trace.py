@@ -69,11 +69,17 @@ def register(subparsers: argparse._SubParsersAction) -> None:
 
 def trace_command(args: argparse.Namespace) -> int:
     from vpipe.analysis import summarize
+    from vpipe.outputs import check_output_dir, check_output_file
     from vpipe.trace.kineto import convert
     from vpipe.trace.store import Store, meta_columns, write_parquet
 
     if not args.output and not args.store:
         raise TraceError("nothing to write: give -o OUT and/or --store ROOT")
+    if args.output:
+        check_output_file(args.output, "-o")
+        check_output_file(memory_path(Path(args.output)), "-o (memory table)")
+    if args.store:
+        check_output_dir(args.store, append=True, flag="--store")
     t0 = time.perf_counter()
     tr = convert(args.paths, run_id=args.run_id, impl=args.impl, schedule=args.schedule)
     dt = time.perf_counter() - t0
