@@ -140,3 +140,69 @@ def test_killed_writer_never_leaves_a_partial_run(tmp_path):
     assert set(counts.index) == set(ids) and (counts == 200).all()
     assert (st.memory().groupby("run_id", observed=True).size() == 4).all()
     assert len(st.runs()) == len(ids)
+
+
+def _named_events(run_id: str, n_names: int):
+    from vpipe.events import events_frame
+
+    return events_frame(
+        {
+            "run_id": [run_id] * n_names, "source": ["measured"] * n_names,
+            "impl": ["vpipe"] * n_names, "schedule": ["zbv"] * n_names,
+            "rank": [0] * n_names, "step": [0] * n_names, "stage": [0] * n_names,
+            "microbatch": list(range(n_names)), "kind": ["F"] * n_names,
+            "name": [f"0F{m}" for m in range(n_names)],
+            "start_ns": list(range(n_names)), "end_ns": list(range(1, n_names + 1)),
+        }
+    )  # fmt: skip
+
+
+def test_many_names_read_as_one_dataset_by_pandas_and_pyarrow(tmp_path):
+    """Runs with few and with many distinct names (int8 and int16 category codes in pandas)
+    read back together through pandas and pyarrow.dataset with hive partitioning."""
+    import pyarrow.dataset as ds
+
+    st = Store(tmp_path)
+    sizes = {"a": 20, "b": 310, "c": 100}
+    for rid, n in sizes.items():
+        st.append_run({"run_id": rid}, _named_events(rid, n))
+    ev = pd.read_parquet(tmp_path / "events")
+    assert len(ev) == sum(sizes.values()) and ev["name"].nunique() == 310
+    table = ds.dataset(tmp_path / "events", format="parquet", partitioning="hive").to_table()
+    assert table.num_rows == sum(sizes.values())
+    assert sorted(set(table.column("run_id").to_pylist())) == ["a", "b", "c"]
+
+
+def test_old_store_reads_through_vpipe_and_upgrades(tmp_path):
+    """A store written by schema version 1 (narrow category codes) reads through the Store
+    API, and `vpipe runs --upgrade` rewrites it so pandas reads it directly."""
+    import json
+
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+
+    from vpipe.cli import main
+
+    st = Store(tmp_path)
+    for rid, n in (("a", 20), ("b", 200)):
+        st.append_run({"run_id": rid}, _named_events(rid, n))
+        path = tmp_path / "events" / f"run_id={rid}" / "rank=0" / "part-0.parquet"
+        old = pa.Table.from_pandas(_named_events(rid, n).drop(columns=["run_id", "rank"]))
+        meta = {b"vpipe": json.dumps({"table": "events", "run_id": rid, "rank": 0,
+                                      "schema_version": 1}).encode()}  # fmt: skip
+        pq.write_table(old.replace_schema_metadata(meta), path)  # as version 1 wrote it
+    with pytest.raises(Exception, match="not in range"):
+        pd.read_parquet(tmp_path / "events")
+    assert len(st.events()) == 220  # vpipe reads file by file
+    assert main(["runs", str(tmp_path), "--upgrade"]) == 0
+    assert len(pd.read_parquet(tmp_path / "events")) == 220
+    assert Store(tmp_path).upgrade() == 0  # nothing left to rewrite
+
+
+def test_committed_baseline_reads_with_pandas():
+    """The README's way to read a store works on the committed baseline."""
+    from pathlib import Path
+
+    root = Path(__file__).parent.parent / "results" / "baseline"
+    for table in ("runs", "events", "memory"):
+        assert len(pd.read_parquet(root / table)) > 0

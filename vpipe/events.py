@@ -13,7 +13,10 @@ from typing import Any
 
 import pandas as pd
 
-SCHEMA_VERSION = 1
+# 2: dictionary columns always have int32 indices (readable as one dataset by pandas and
+# pyarrow.dataset); version-1 files read through vpipe's Store, and `vpipe runs --upgrade`
+# rewrites them.
+SCHEMA_VERSION = 2
 
 # Column -> pandas dtype. Strings are categoricals (dictionary-encoded in Parquet).
 # stage and microbatch are -1 where they do not apply (WAIT spans, "other").

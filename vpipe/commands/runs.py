@@ -16,6 +16,11 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     )
     p.add_argument("store", metavar="STORE", help="a results store or vpipe bench output")
     p.add_argument("--json", action="store_true", help="the rows as JSON")
+    p.add_argument(
+        "--upgrade",
+        action="store_true",
+        help="first rewrite files written by an older vpipe in the current schema",
+    )
     p.set_defaults(func=runs_command)
 
 
@@ -27,7 +32,10 @@ def runs_command(args: argparse.Namespace) -> int:
 
     if not (Path(args.store) / "runs").is_dir():
         raise TraceError(f"{args.store}: not a results store (no runs/ directory)")
-    runs = Store(args.store).runs()
+    store = Store(args.store)
+    if args.upgrade:
+        print(f"upgraded {store.upgrade()} files in {args.store}")
+    runs = store.runs()
     table = runs[[c for c in COLUMNS if c in runs.columns]]
     if args.json:
         print(table.to_json(orient="records"))

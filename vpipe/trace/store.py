@@ -91,7 +91,7 @@ def write_parquet(df: pd.DataFrame, path: str | os.PathLike[str], meta: Mapping[
     the schema version in the file's key-value metadata."""
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
-    table = pa.Table.from_pandas(df, preserve_index=False)
+    table = fixed_schema(pa.Table.from_pandas(df, preserve_index=False))
     kv = dict(table.schema.metadata or {})
     kv[META_KEY] = json.dumps({**meta, "schema_version": SCHEMA_VERSION}, default=str).encode()
     table = table.replace_schema_metadata(kv)
@@ -104,6 +104,21 @@ def write_parquet(df: pd.DataFrame, path: str | os.PathLike[str], meta: Mapping[
     finally:
         if tmp.exists():
             tmp.unlink()
+
+
+def fixed_schema(table: pa.Table) -> pa.Table:
+    """The table with one index width for every dictionary column (int32 indices).
+
+    pandas stores a categorical's codes in the narrowest integer that fits (int8 up to 127
+    categories, then int16), so files of one dataset would disagree on the type and
+    ``pyarrow.dataset`` / ``pandas.read_parquet(ROOT/events)`` refuse to combine them.
+    """
+    fields = []
+    for f in table.schema:
+        if pa.types.is_dictionary(f.type):
+            f = f.with_type(pa.dictionary(pa.int32(), f.type.value_type))
+        fields.append(f)
+    return table.cast(pa.schema(fields, metadata=table.schema.metadata))
 
 
 def read_parquet(path: str | os.PathLike[str]) -> tuple[pd.DataFrame, dict[str, Any]]:
@@ -203,6 +218,20 @@ class Store:
 
     def _run_file(self, run_id: str) -> Path:
         return self.root / "runs" / f"run_id={run_id}.parquet"
+
+    def upgrade(self) -> int:
+        """Rewrite every file written by an older vpipe in the current schema (atomically, one
+        file at a time, runs files last); returns how many were rewritten."""
+        done = 0
+        for table in ("events", "memory", "runs"):
+            for path in sorted((self.root / table).rglob("*.parquet")):
+                if path.name.startswith("."):
+                    continue
+                df, meta = read_parquet(path)
+                if meta.get("schema_version", SCHEMA_VERSION) < SCHEMA_VERSION:
+                    write_parquet(df, path, {k: v for k, v in meta.items() if k != "schema_version"})
+                    done += 1
+        return done
 
     # -- reading -----------------------------------------------------------------------------
     def run_ids(self) -> list[str]:
