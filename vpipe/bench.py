@@ -26,9 +26,11 @@ from pathlib import Path
 from typing import Any
 
 from vpipe.errors import VpipeError
+from vpipe.schedules import catalogue
 
-DEFAULT_SCHEDULES = ("1f1b", "interleaved-1f1b", "zb-h1", "zbv", "dualpipev")
-QUICK_SCHEDULES = ("interleaved-1f1b", "zbv")
+# Fixed when this module is imported: families registered later join only when named.
+DEFAULT_SCHEDULES = catalogue.names(lambda f: f.default_sweep)
+QUICK_SCHEDULES = catalogue.names(lambda f: f.quick_sweep)
 IMPLS = ("vpipe", "torch")
 # Smaller than the models' defaults so that the default sweep takes about a minute on 2 cores.
 BENCH_SIZES = {"mlp": {"d_model": 256, "d_hidden": 1024}}

@@ -21,10 +21,9 @@ from matplotlib.figure import Figure  # noqa: E402
 from matplotlib.patches import Patch  # noqa: E402
 
 from vpipe.events import COMPUTE_KINDS  # noqa: E402
+from vpipe.schedules import catalogue  # noqa: E402
 
-# Baselines first, then the V-schedules they are compared with.
-SCHEDULE_ORDER = ("gpipe", "1f1b", "interleaved-1f1b", "looped-bfs", "zb-h1", "zbv", "dualpipev")
-BASELINE = "interleaved-1f1b"
+BASELINE = catalogue.baseline()
 IMPL_ORDER = ("vpipe", "torch")
 
 KIND_COLORS = {
@@ -42,9 +41,9 @@ KIND_COLORS = {
 
 
 def schedule_order(names: Sequence[str]) -> list[str]:
-    """Known schedules in the canonical order (baselines first), unknown ones after, sorted."""
+    """Catalogued schedules in display order (baselines first), unknown ones after, sorted."""
     present = set(names)
-    known = [s for s in SCHEDULE_ORDER if s in present]
+    known = [s for s in catalogue.names() if s in present]
     return known + sorted(present - set(known))
 
 

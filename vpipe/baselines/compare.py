@@ -21,8 +21,12 @@ from typing import Any
 
 from vpipe.bench import parse_list
 from vpipe.errors import VpipeError
+from vpipe.schedules import catalogue
 
-DEFAULT_SCHEDULES = ("zbv", "interleaved-1f1b", "dualpipev")
+# The baseline and the V-schedules, those torch has a class for, in display order.
+DEFAULT_SCHEDULES = catalogue.names(
+    lambda f: (f.baseline or f.placement == "v") and f.torch_class is not None
+)
 
 
 def compare(

@@ -10,7 +10,7 @@ from pathlib import Path
 
 
 def register(subparsers: argparse._SubParsersAction) -> None:
-    from vpipe.bench import DEFAULT_SCHEDULES
+    from vpipe.bench import DEFAULT_SCHEDULES, QUICK_SCHEDULES
 
     p = subparsers.add_parser(
         "bench",
@@ -62,7 +62,7 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     p.add_argument(
         "--quick",
         action="store_true",
-        help="small sweep: interleaved-1f1b vs zbv, M=4, both impls, a small MLP",
+        help=f"small sweep: {' vs '.join(QUICK_SCHEDULES)}, M=4, both impls, a small MLP",
     )
     p.add_argument(
         "--traces",
