@@ -86,8 +86,15 @@ class SweepSpec:
             self.backend = "nccl" if self.device == "cuda" else "gloo"
 
     def configs(self) -> list[Config]:
+        """Every (schedule, microbatches, impl), less torch for families torch has no class
+        for: those run on vpipe only."""
+        vpipe_only = catalogue.names(lambda f: f.torch_class is None)
         return [
-            Config(s, m, i) for s in self.schedules for m in self.microbatches for i in self.impls
+            Config(s, m, i)
+            for s in self.schedules
+            for m in self.microbatches
+            for i in self.impls
+            if not (i == "torch" and s in vpipe_only)
         ]
 
     def validate(self) -> None:
@@ -134,7 +141,7 @@ class SweepSpec:
                 raise BenchError(f"batch {self.batch} is not divisible into {m} microbatches")
             for s in self.schedules:
                 schedule = make_schedule(s, self.ranks, m)  # ScheduleError names the problem
-                if "torch" in self.impls:
+                if "torch" in self.impls and catalogue.get(s).torch_class is not None:
                     from vpipe.baselines.torch_pp import torch_placement
 
                     torch_placement(s, self.ranks, schedule.n_stages)

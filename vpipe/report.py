@@ -159,6 +159,18 @@ def summary_table(runs: pd.DataFrame) -> pd.DataFrame:
     return df
 
 
+def vpipe_only_note(schedules: Sequence[str], impls: Sequence[str]) -> str:
+    """Sentences naming the swept schedules torch has no class for (the sweep skipped their
+    torch configs); empty when torch was not asked for or has them all."""
+    if "torch" not in impls:
+        return ""
+    vpipe_only = catalogue.names(lambda f: f.torch_class is None)
+    missing = [s for s in schedule_order(schedules) if s in vpipe_only]
+    return "".join(
+        f" {s}: torch.distributed.pipelining has no class for it; vpipe only." for s in missing
+    )
+
+
 def impl_table(steps: pd.DataFrame) -> pd.DataFrame:
     """vpipe vs torch per schedule and M: the median of pairwise step-time ratios torch/vpipe
     (pairs are the same round and step index, measured back to back), with its IQR."""
