@@ -154,6 +154,8 @@ def test_sweep_runs_a_family_without_torch_class_on_vpipe_only(toy):
     ]
     only_torch = replace(spec, impls=("torch",))
     assert [c.key for c in only_torch.configs()] == ["zbv-m2-torch", "zbv-m4-torch"]
+    with pytest.raises(BenchError, match=f"torch.distributed.pipelining has no class for {TOY};"):
+        replace(spec, schedules=(TOY,), impls=("torch",)).validate()
 
 
 def test_unknown_sweep_schedule_lists_registered_families(toy):

@@ -136,6 +136,11 @@ class SweepSpec:
         for s in self.schedules:
             if s not in names:
                 raise BenchError(f"unknown schedule {s!r}: choose from {', '.join(names)}")
+        if not self.configs():  # torch only, for families torch has no class for
+            raise BenchError(
+                "the sweep is empty: torch.distributed.pipelining has no class for "
+                f"{', '.join(self.schedules)}; run them with --impl vpipe"
+            )
         for m in self.microbatches:
             if m < 1 or self.batch % m:
                 raise BenchError(f"batch {self.batch} is not divisible into {m} microbatches")
