@@ -4,20 +4,21 @@ One launch per asv run: ``setup_cache`` (asv runs it once and shares its result 
 benchmarks of the class, for every parameter combination) spawns the P ranks once and sweeps
 every (schedule, microbatches) parameter set inside that launch, interleaved in rounds as
 ``vpipe bench`` does; the ``track_`` methods then read one metric each. All tracked values are
-"lower is better". ``VPIPE_ASV_SCHEDULES`` / ``VPIPE_ASV_MICROBATCHES`` (comma-separated)
-narrow the parameter grid, e.g. for a quick smoke run.
+"lower is better". The grid is ``vpipe bench``'s default sweep (the catalogue's), M = 4, 8;
+``VPIPE_ASV_SCHEDULES`` / ``VPIPE_ASV_MICROBATCHES`` (comma-separated) narrow it, e.g. for a
+quick smoke run.
 """
 
 from __future__ import annotations
 
 import os
 
-from vpipe.bench import parse_list
+from vpipe.bench import DEFAULT_SCHEDULES, parse_list
 
 RANKS = 2
 BATCH = 16
 SIZES = {"d_model": 256, "d_hidden": 1024}
-SCHEDULES = parse_list(os.environ.get("VPIPE_ASV_SCHEDULES", "1f1b,interleaved-1f1b,zbv,dualpipev"))
+SCHEDULES = parse_list(os.environ.get("VPIPE_ASV_SCHEDULES", ",".join(DEFAULT_SCHEDULES)))
 MICROBATCHES = [int(m) for m in parse_list(os.environ.get("VPIPE_ASV_MICROBATCHES", "4,8"))]
 
 

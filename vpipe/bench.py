@@ -27,9 +27,11 @@ from typing import Any
 
 from vpipe.errors import VpipeError
 from vpipe.harness import IMPLS, RankSpec
+from vpipe.schedules import catalogue
 
-DEFAULT_SCHEDULES = ("1f1b", "interleaved-1f1b", "zb-h1", "zbv", "dualpipev")
-QUICK_SCHEDULES = ("interleaved-1f1b", "zbv")
+# Fixed when this module is imported: families registered later join only when named.
+DEFAULT_SCHEDULES = catalogue.names(lambda f: f.default_sweep)
+QUICK_SCHEDULES = catalogue.names(lambda f: f.quick_sweep)
 # Smaller than the models' defaults so that the default sweep takes about a minute on 2 cores.
 BENCH_SIZES = {"mlp": {"d_model": 256, "d_hidden": 1024}}
 
@@ -85,8 +87,15 @@ class SweepSpec:
             self.backend = "nccl" if self.device == "cuda" else "gloo"
 
     def configs(self) -> list[Config]:
+        """Every (schedule, microbatches, impl), less torch for families torch has no class
+        for: those run on vpipe only."""
+        vpipe_only = catalogue.names(lambda f: f.torch_class is None)
         return [
-            Config(s, m, i) for s in self.schedules for m in self.microbatches for i in self.impls
+            Config(s, m, i)
+            for s in self.schedules
+            for m in self.microbatches
+            for i in self.impls
+            if not (i == "torch" and s in vpipe_only)
         ]
 
     def validate(self) -> None:
@@ -122,6 +131,11 @@ class SweepSpec:
         for s in self.schedules:
             if s not in names:
                 raise BenchError(f"unknown schedule {s!r}: choose from {', '.join(names)}")
+        if not self.configs():  # torch only, for families torch has no class for
+            raise BenchError(
+                "the sweep is empty: torch.distributed.pipelining has no class for "
+                f"{', '.join(self.schedules)}; run them with --impl vpipe"
+            )
         for m in self.microbatches:
             if m < 1 or self.batch % m:
                 raise BenchError(f"batch {self.batch} is not divisible into {m} microbatches")

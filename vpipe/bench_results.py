@@ -311,6 +311,7 @@ def write_outputs(res: BenchResults, out: str | Path) -> dict[str, Path]:
 def report_sections(res: BenchResults) -> list[Section]:
     """The report of one sweep: setup, summary tables, then figures."""
     from vpipe.plots import plot_memory, plot_throughput, to_png
+    from vpipe.report import vpipe_only_note
 
     runs = res.measured
     sections = [table_section("Setup", meta_table(res.meta))]
@@ -325,7 +326,7 @@ def report_sections(res: BenchResults) -> list[Section]:
             "costs time per span); sim: simulator calibrated from that profiled step, error vs "
             "that step. torch's single-stage schedule classes (gpipe, "
             "1f1b) record no per-action profiler spans, so they have no bubble, timeline or "
-            "simulation.",
+            "simulation." + vpipe_only_note(res.spec.schedules, res.spec.impls),
         )
     )
     vv = v_vs_baseline(runs)

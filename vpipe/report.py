@@ -20,6 +20,7 @@ import pandas as pd
 
 from vpipe.errors import VpipeError
 from vpipe.plots import BASELINE, schedule_order
+from vpipe.schedules import catalogue
 
 CSS = """
 body{font-family:system-ui,-apple-system,Segoe UI,Helvetica,Arial,sans-serif;margin:2em auto;
@@ -158,6 +159,18 @@ def summary_table(runs: pd.DataFrame) -> pd.DataFrame:
     return df
 
 
+def vpipe_only_note(schedules: Sequence[str], impls: Sequence[str]) -> str:
+    """Sentences naming the swept schedules torch has no class for (the sweep skipped their
+    torch configs); empty when torch was not asked for or has them all."""
+    if "torch" not in impls:
+        return ""
+    vpipe_only = catalogue.names(lambda f: f.torch_class is None)
+    missing = [s for s in schedule_order(schedules) if s in vpipe_only]
+    return "".join(
+        f" {s}: torch.distributed.pipelining has no class for it; vpipe only." for s in missing
+    )
+
+
 def impl_table(steps: pd.DataFrame) -> pd.DataFrame:
     """vpipe vs torch per schedule and M: the median of pairwise step-time ratios torch/vpipe
     (pairs are the same round and step index, measured back to back), with its IQR."""
@@ -184,10 +197,11 @@ def impl_table(steps: pd.DataFrame) -> pd.DataFrame:
     return df.assign(_o=df["schedule"].map(order)).sort_values(["M", "_o"]).drop(columns="_o")
 
 
-def v_vs_baseline(
-    runs: pd.DataFrame, schedules: Sequence[str] = ("zbv", "dualpipev")
-) -> pd.DataFrame:
-    """Throughput and peak-memory ratios of the V-schedules to interleaved-1f1b."""
+def v_vs_baseline(runs: pd.DataFrame, schedules: Sequence[str] | None = None) -> pd.DataFrame:
+    """Throughput and peak-memory ratios of ``schedules`` (default: the catalogue's families
+    with V placement) to the baseline, interleaved-1f1b."""
+    if schedules is None:
+        schedules = catalogue.names(lambda f: f.placement == "v")
     rows = []
     for (impl, m), d in runs.groupby(["impl", "microbatches"], observed=True):
         d = d.set_index("schedule")

@@ -20,6 +20,7 @@ from typing import TYPE_CHECKING, Any, NamedTuple
 
 from vpipe.errors import PipelineError, ScheduleError
 from vpipe.ir import make_placement
+from vpipe.schedules.catalogue import Family, LiveView
 
 if TYPE_CHECKING:
     import torch
@@ -36,15 +37,14 @@ class TorchSchedule(NamedTuple):
     multi: bool  # takes a list of stages (PipelineScheduleMulti) rather than one stage
 
 
-TORCH_SCHEDULES: dict[str, TorchSchedule] = {
-    "gpipe": TorchSchedule("ScheduleGPipe", "loop", False),
-    "1f1b": TorchSchedule("Schedule1F1B", "loop", False),
-    "interleaved-1f1b": TorchSchedule("ScheduleInterleaved1F1B", "loop", True),
-    "looped-bfs": TorchSchedule("ScheduleLoopedBFS", "loop", True),
-    "zb-h1": TorchSchedule("ScheduleInterleavedZeroBubble", "loop", True),
-    "zbv": TorchSchedule("ScheduleZBVZeroBubble", "v", True),
-    "dualpipev": TorchSchedule("ScheduleDualPipeV", "v", True),
-}
+def _torch_schedule(family: Family) -> TorchSchedule | None:
+    if family.torch_class is None:
+        return None
+    return TorchSchedule(family.torch_class, family.placement, family.torch_multi)
+
+
+# The catalogue's families that torch has a class for, following the catalogue as it changes.
+TORCH_SCHEDULES: LiveView[TorchSchedule] = LiveView(_torch_schedule)
 
 
 def _lookup(name: str) -> TorchSchedule:

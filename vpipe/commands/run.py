@@ -148,8 +148,8 @@ def build_config(args: argparse.Namespace) -> RunConfig:
 def resolve_schedule(args: argparse.Namespace) -> Schedule:
     """A built-in schedule or a CSV file's (as the schedule commands load them), lowered and
     validated; for the torch impl, a built-in schedule, compute-only."""
-    from vpipe.commands.schedule import is_csv_source, load_schedule
     from vpipe.passes import lower, validate
+    from vpipe.schedules.load import is_csv_source, load_schedule
 
     name = args.schedule
     if args.impl == "torch" and is_csv_source(name):

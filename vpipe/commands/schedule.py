@@ -3,7 +3,9 @@
 Every command works on a built-in schedule name or on a CSV file in torch's format, so
 schedules dumped by torch.distributed.pipelining can be viewed, checked and simulated too.
 User errors surface as one-line :class:`~vpipe.errors.VpipeError` messages (argument errors are
-shortened by the CLI's parser class). No torch import here.
+shortened by the CLI's parser class). Loading lives in :mod:`vpipe.schedules.load`, the
+side-by-side simulation in :mod:`vpipe.sim_compare`; this module parses and prints. No torch
+import here.
 """
 
 from __future__ import annotations
@@ -14,17 +16,15 @@ import math
 import re
 import shutil
 import sys
-from collections.abc import Callable, Sequence
-from pathlib import Path
+from collections.abc import Callable
 from typing import Any
 
 from vpipe.errors import ScheduleError, VpipeError
 from vpipe.ir import Schedule, format_action
+from vpipe.schedules import schedule_names
+from vpipe.schedules.load import load_schedule, shorten, validate_file
+from vpipe.sim_compare import COMPARE_NOTE, REFERENCE_SCHEDULE, compare_rows
 
-# Largest ranks * stages_per_rank * microbatches a named schedule may have: about 3M compute
-# actions, which simulates in well under a minute. Larger requests are refused, not left to hang.
-MAX_STAGE_MICROBATCHES = 1 << 20
-REFERENCE_SCHEDULE = "interleaved-1f1b"
 UNIT_COST = "f=1,b=1,w=1,comm=0"
 
 
@@ -117,66 +117,7 @@ def _positive_int(text: str) -> int:
 
 
 # ---------------------------------------------------------------------------------------------
-# Loading schedules
-
-
-def _is_file(text: str) -> bool:
-    try:
-        return Path(text).is_file()
-    except (OSError, ValueError):  # embedded NUL, name too long
-        return False
-
-
-def is_csv_source(source: str) -> bool:
-    """Whether a NAME_OR_CSV argument names a CSV file rather than a built-in schedule."""
-    return _is_file(source) or source.lower().endswith(".csv")
-
-
-def load_schedule(
-    source: str,
-    ranks: int | None = None,
-    microbatches: int | None = None,
-    stages_per_rank: int | None = None,
-) -> Schedule:
-    """A built-in schedule by name, or a CSV file (validated, compared with the given sizes)."""
-    if is_csv_source(source):
-        if stages_per_rank is not None:
-            raise ScheduleError(f"{source}: --stages-per-rank applies to built-in schedules only")
-        schedule = Schedule.from_csv(source, n_ranks=ranks)
-        if microbatches is not None and schedule.n_microbatches != microbatches:
-            raise ScheduleError(
-                f"{source}: has {schedule.n_microbatches} microbatches, "
-                f"but --microbatches is {microbatches}"
-            )
-        validate_file(source, schedule)
-        return schedule
-    return _make_named(source, ranks, microbatches, stages_per_rank)
-
-
-def _make_named(
-    name: str, ranks: int | None, microbatches: int | None, stages_per_rank: int | None
-) -> Schedule:
-    from vpipe.schedules import make_schedule, schedule_names
-
-    names = schedule_names()
-    if name not in names:
-        raise ScheduleError(
-            f"unknown schedule {_shorten(name)}: choose one of {', '.join(names)}, "
-            "or give an existing CSV file"
-        )
-    if ranks is None or microbatches is None:
-        raise ScheduleError(f"schedule {name!r} needs --ranks and --microbatches")
-    size = ranks * (stages_per_rank or 2) * microbatches
-    if size > MAX_STAGE_MICROBATCHES:
-        raise ScheduleError(
-            f"{name} with {ranks} ranks and {microbatches} microbatches is too large for the "
-            f"CLI (ranks * stages per rank * microbatches = {size} > {MAX_STAGE_MICROBATCHES})"
-        )
-    return make_schedule(name, ranks, microbatches, stages_per_rank)
-
-
-def _shorten(text: str, limit: int = 40) -> str:
-    return repr(text if len(text) <= limit else text[: limit - 3] + "...")
+# Shared helpers
 
 
 def _cost_model(spec: str | None) -> Any:
@@ -186,16 +127,6 @@ def _cost_model(spec: str | None) -> Any:
         return CostModel.parse(spec if spec is not None else UNIT_COST)
     except VpipeError as e:
         raise type(e)(f"--cost: {e}") from None
-
-
-def validate_file(path: str, schedule: Schedule) -> None:
-    """Validate a schedule read from ``path``; the error names the file."""
-    from vpipe.passes import validate
-
-    try:
-        validate(schedule)
-    except ScheduleError as e:
-        raise ScheduleError(f"{path}: {e}") from None
 
 
 def describe(schedule: Schedule) -> str:
@@ -211,8 +142,6 @@ def describe(schedule: Schedule) -> str:
 
 
 def _cmd_schedules(args: argparse.Namespace) -> int:
-    from vpipe.schedules import schedule_names
-
     names = schedule_names()
     width = max(map(len, names), default=0)
     for name, text in names.items():
@@ -463,65 +392,6 @@ COMPARE_COLUMNS = (
     ("comm ops", "comm_ops_total", "{}"),
     (f"vs {REFERENCE_SCHEDULE}", "relative_step_time", "{:.3f}"),
 )
-COMPARE_NOTE = (
-    "one model split into ranks x V stages: a stage costs the given f, b, w divided by V, and "
-    "peak act counts activations in units of one rank's share (stage units / V)"
-)
-
-
-def share_costs(costs: Any, stages_per_rank: int) -> Any:
-    """The cost model for one stage when each rank's share of the model (which ``costs``
-    describes) is split into ``stages_per_rank`` stages; communication costs are per message
-    and stay as they are."""
-    from dataclasses import replace
-
-    v = stages_per_rank
-    per_stage = costs.per_stage and {
-        s: {k: t / v for k, t in over.items()} for s, over in costs.per_stage.items()
-    }
-    return replace(costs, f=costs.f / v, b=costs.b / v, w=costs.w / v, per_stage=per_stage)
-
-
-def compare_rows(
-    names: Sequence[str],
-    ranks: int,
-    microbatches: int,
-    costs: Any,
-    stages_per_rank: int | None = None,
-) -> list[dict[str, Any]]:
-    """One row per schedule, all for the same model and the same work (see COMPARE_NOTE); a
-    schedule that cannot run at this size gets an ``error`` instead of figures."""
-    from vpipe.sim import simulate
-
-    rows: list[dict[str, Any]] = []
-    for name in names:
-        row: dict[str, Any] = {"schedule": name}
-        try:
-            schedule = _make_named(name, ranks, microbatches, stages_per_rank)
-            v = schedule.stages_per_rank
-            result = simulate(schedule, share_costs(costs, v))
-        except VpipeError as e:
-            row["error"] = str(e)
-            rows.append(row)
-            continue
-        row.update(
-            stages=f"{ranks}x{v} {schedule.style}",
-            stages_per_rank=v,
-            makespan=float(result.makespan),
-            bubble_ratio=float(result.bubble_ratio),
-            bubble_ratio_excl_skew=float(result.bubble_ratio_excl_skew),
-            peak_activations=[int(x) for x in result.peak_activations],
-            peak_act_max=max(result.peak_activations) / v,
-            peak_act_min=min(result.peak_activations) / v,
-            comm_ops=[int(x) for x in result.comm_ops],
-            comm_ops_total=int(sum(result.comm_ops)),
-        )
-        rows.append(row)
-    ref = next((r for r in rows if r["schedule"] == REFERENCE_SCHEDULE and "error" not in r), None)
-    for row in rows:
-        if ref is not None and "error" not in row and ref["makespan"] > 0:
-            row["relative_step_time"] = row["makespan"] / ref["makespan"]
-    return rows
 
 
 def render_table(rows: list[dict[str, Any]]) -> str:
@@ -552,20 +422,18 @@ def render_table(rows: list[dict[str, Any]]) -> str:
 
 
 def _cmd_compare(args: argparse.Namespace) -> int:
-    from vpipe.schedules import schedule_names
-
     costs = _cost_model(args.cost)
     if args.schedules is None:
         names = list(schedule_names())
     else:
         names = [n.strip() for n in args.schedules.split(",")]
         if not all(names):
-            raise ScheduleError(f"--schedules {_shorten(args.schedules)}: empty schedule name")
+            raise ScheduleError(f"--schedules {shorten(args.schedules)}: empty schedule name")
         known = schedule_names()
         unknown = [n for n in names if n not in known]
         if unknown:
             raise ScheduleError(
-                f"unknown schedule {_shorten(unknown[0])} in --schedules: choose from "
+                f"unknown schedule {shorten(unknown[0])} in --schedules: choose from "
                 + ", ".join(known)
             )
     rows = compare_rows(names, args.ranks, args.microbatches, costs, args.stages_per_rank)

@@ -1,0 +1,82 @@
+"""Several schedules simulated on the same model and the same work, side by side
+(``vpipe compare``).
+
+Every schedule splits one model into ranks x V stages, so a stage costs 1/V of a rank's share
+and the figures compare like with like whatever each family's stages per rank. The simulator
+is imported only when rows are computed.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import replace
+from typing import TYPE_CHECKING, Any
+
+from vpipe.errors import VpipeError
+from vpipe.schedules import catalogue
+from vpipe.schedules.load import make_named
+
+if TYPE_CHECKING:
+    from vpipe.sim import CostModel
+
+__all__ = ["COMPARE_NOTE", "REFERENCE_SCHEDULE", "compare_rows", "share_costs"]
+
+REFERENCE_SCHEDULE = catalogue.baseline()
+COMPARE_NOTE = (
+    "one model split into ranks x V stages: a stage costs the given f, b, w divided by V, and "
+    "peak act counts activations in units of one rank's share (stage units / V)"
+)
+
+
+def share_costs(costs: CostModel, stages_per_rank: int) -> CostModel:
+    """The cost model for one stage when each rank's share of the model (which ``costs``
+    describes) is split into ``stages_per_rank`` stages; communication costs are per message
+    and stay as they are."""
+    v = stages_per_rank
+    per_stage = costs.per_stage and {
+        s: {k: t / v for k, t in over.items()} for s, over in costs.per_stage.items()
+    }
+    return replace(costs, f=costs.f / v, b=costs.b / v, w=costs.w / v, per_stage=per_stage)
+
+
+def compare_rows(
+    names: Sequence[str],
+    ranks: int,
+    microbatches: int,
+    costs: CostModel,
+    stages_per_rank: int | None = None,
+) -> list[dict[str, Any]]:
+    """One row per schedule, all for the same model and the same work (see COMPARE_NOTE); a
+    schedule that cannot run at this size gets an ``error`` instead of figures. Rows carry
+    ``relative_step_time`` against REFERENCE_SCHEDULE when it is among them and runs."""
+    from vpipe.sim import simulate
+
+    rows: list[dict[str, Any]] = []
+    for name in names:
+        row: dict[str, Any] = {"schedule": name}
+        try:
+            schedule = make_named(name, ranks, microbatches, stages_per_rank)
+            v = schedule.stages_per_rank
+            result = simulate(schedule, share_costs(costs, v))
+        except VpipeError as e:
+            row["error"] = str(e)
+            rows.append(row)
+            continue
+        row.update(
+            stages=f"{ranks}x{v} {schedule.style}",
+            stages_per_rank=v,
+            makespan=float(result.makespan),
+            bubble_ratio=float(result.bubble_ratio),
+            bubble_ratio_excl_skew=float(result.bubble_ratio_excl_skew),
+            peak_activations=[int(x) for x in result.peak_activations],
+            peak_act_max=max(result.peak_activations) / v,
+            peak_act_min=min(result.peak_activations) / v,
+            comm_ops=[int(x) for x in result.comm_ops],
+            comm_ops_total=int(sum(result.comm_ops)),
+        )
+        rows.append(row)
+    ref = next((r for r in rows if r["schedule"] == REFERENCE_SCHEDULE and "error" not in r), None)
+    for row in rows:
+        if ref is not None and "error" not in row and ref["makespan"] > 0:
+            row["relative_step_time"] = row["makespan"] / ref["makespan"]
+    return rows
