@@ -80,7 +80,7 @@ class SweepSpec:
     progress: bool = True
 
     def __post_init__(self) -> None:
-        self.schedules = tuple(self.schedules)
+        self.schedules = tuple(catalogue.canonical(s) for s in self.schedules)
         self.microbatches = tuple(int(m) for m in self.microbatches)
         self.impls = tuple(self.impls)
         if self.backend is None:

@@ -40,8 +40,9 @@ class RankSpec:
     """What one rank builds; picklable, made once in the launching process.
 
     ``schedule`` is compute-only or lowered; the vpipe implementation lowers a compute-only
-    one, torch's runs the compute-only form through its class of the same name. ``sizes`` are
-    the model's sizes as given (the model's defaults fill the rest).
+    one, torch's runs the compute-only form through its class of the same name, or, with
+    ``torch_program``, through its ``_PipelineScheduleRuntime`` loaded with this very schedule
+    (a CSV file's). ``sizes`` are the model's sizes as given (the defaults fill the rest).
     """
 
     schedule: Schedule
@@ -52,6 +53,7 @@ class RankSpec:
     seed: int = 0
     device: str = "cpu"
     backend: str | None = None
+    torch_program: bool = False  # torch runs ``schedule`` itself (its CSV runtime), not a class
 
     @property
     def process_backend(self) -> str:
@@ -68,7 +70,7 @@ class RankSpec:
             raise VpipeError(
                 f"batch {self.batch} does not split into {s.n_microbatches} equal microbatches"
             )
-        if self.impl == "torch":
+        if self.impl == "torch" and not self.torch_program:
             check_torch_placement(s)
         from vpipe.models import build_model
 
@@ -223,6 +225,7 @@ def _make_pipeline(spec: RankSpec, modules: dict[int, Any], loss_fn: Any, device
             n_stages=s.n_stages,
             n_microbatches=s.n_microbatches,
             device=device,
+            program=s if spec.torch_program else None,
         )
     from vpipe.runtime import Pipeline
 

@@ -14,12 +14,14 @@ as vpipe's are.
 
 from __future__ import annotations
 
+import os
+import tempfile
 import time
 from collections.abc import Callable, Mapping
 from typing import TYPE_CHECKING, Any, NamedTuple
 
 from vpipe.errors import PipelineError, ScheduleError
-from vpipe.ir import make_placement
+from vpipe.ir import Schedule, make_placement
 from vpipe.schedules.catalogue import Family, LiveView
 
 if TYPE_CHECKING:
@@ -78,6 +80,11 @@ class TorchPipeline:
 
     ``modules`` must hold exactly this rank's stages under :func:`torch_placement`. Modules are
     used in place (their ``.grad`` receives the gradients) and moved to ``device``.
+
+    With ``program`` (a compute-only vpipe schedule, e.g. read from a CSV file) torch runs that
+    schedule through its ``_PipelineScheduleRuntime``, loaded from torch's CSV format, as
+    torchtitan runs ``pipeline_parallel_schedule_csv``; stages are placed as ``program`` says
+    and ``name`` only labels it.
     """
 
     def __init__(
@@ -90,20 +97,25 @@ class TorchPipeline:
         n_microbatches: int,
         group: Any = None,
         device: torch.device | str | None = None,
+        program: Schedule | None = None,
     ) -> None:
         import torch
         import torch.distributed as dist
         from torch.distributed import pipelining
 
-        spec = _lookup(name)
         if not dist.is_initialized():
             raise PipelineError("TorchPipeline needs an initialised torch.distributed group")
         rank, n_ranks = dist.get_rank(group), dist.get_world_size(group)
-        placement = torch_placement(name, n_ranks, n_stages)
+        if program is None:
+            spec = _lookup(name)
+            class_name, multi = spec.class_name, spec.multi
+            placement = torch_placement(name, n_ranks, n_stages)
+        else:
+            class_name, multi, placement = "_PipelineScheduleRuntime", True, program.placement
         mine = sorted(s for s, r in placement.items() if r == rank)
         if sorted(modules) != mine:
             raise PipelineError(
-                f"rank {rank}: torch's {spec.class_name} places stages {mine} on this rank, "
+                f"rank {rank}: torch's {class_name} places stages {mine} on this rank, "
                 f"got modules for stages {sorted(modules)}"
             )
         self.name = name
@@ -120,18 +132,18 @@ class TorchPipeline:
             )
             for s in mine
         ]
-        cls = getattr(pipelining, spec.class_name)
+        cls = getattr(pipelining.schedules, class_name)
         try:
             self._schedule = cls(
-                stages if spec.multi else stages[0],
+                stages if multi else stages[0],
                 n_microbatches,
                 loss_fn=loss_fn,
                 scale_grads=True,
             )
+            if program is not None:
+                _load_program(self._schedule, program)
         except ValueError as e:
-            raise ScheduleError(
-                f"torch's {spec.class_name} rejects this configuration: {e}"
-            ) from None
+            raise ScheduleError(f"torch's {class_name} rejects this configuration: {e}") from None
 
     def step(
         self, inputs: Any = None, targets: torch.Tensor | None = None
@@ -159,3 +171,14 @@ class TorchPipeline:
         self._schedule.step(*args, **kwargs)
         self.stats["step_time_s"] = time.perf_counter() - t0
         return losses
+
+
+def _load_program(runtime: Any, program: Schedule) -> None:
+    """Give torch's runtime ``program`` through its CSV reader (the format torch documents)."""
+    fd, path = tempfile.mkstemp(suffix=".csv", prefix="vpipe-program-")
+    os.close(fd)
+    try:
+        program.compute_only().to_csv(path)
+        runtime._load_csv(path, format="compute_only")
+    finally:
+        os.unlink(path)

@@ -16,9 +16,10 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from vpipe.bench import parse_sizes
-from vpipe.errors import PipelineError, ScheduleError, VpipeError, one_line
+from vpipe.errors import PipelineError, VpipeError, one_line
 from vpipe.harness import RankSpec, build
 from vpipe.ir import Schedule
+from vpipe.schedules.load import is_csv_source
 
 
 def register(subparsers: argparse._SubParsersAction) -> None:
@@ -128,6 +129,7 @@ def build_config(args: argparse.Namespace) -> RunConfig:
         seed=args.seed,
         device=args.device,
         backend=args.backend,
+        torch_program=args.impl == "torch" and is_csv_source(args.schedule),
     )
     spec.check()
     meta = {
@@ -147,13 +149,11 @@ def build_config(args: argparse.Namespace) -> RunConfig:
 
 def resolve_schedule(args: argparse.Namespace) -> Schedule:
     """A built-in schedule or a CSV file's (as the schedule commands load them), lowered and
-    validated; for the torch impl, a built-in schedule, compute-only."""
+    validated; for the torch impl compute-only (torch lowers it itself)."""
     from vpipe.passes import lower, validate
-    from vpipe.schedules.load import is_csv_source, load_schedule
+    from vpipe.schedules.load import load_schedule
 
     name = args.schedule
-    if args.impl == "torch" and is_csv_source(name):
-        raise ScheduleError("--impl torch runs torch's built-in schedules, not a CSV file")
     schedule = load_schedule(name, args.ranks, args.microbatches, args.stages_per_rank)
     if args.impl == "torch":
         return schedule.compute_only()
@@ -208,7 +208,7 @@ def run_rank(rank: int, n_ranks: int, cfg: RunConfig) -> dict[str, Any]:
         "ok": ok,
         "checked": n_checked,
         "step_times_s": times,
-        "losses": None if h.losses is None else [float(t) for t in h.losses],
+        "losses": None if h.losses is None else [float(t.detach()) for t in h.losses],
         "peak_memory": peaks[rank],
     }
 

@@ -60,10 +60,13 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     p.add_argument("--trace", metavar="PATH", help="write a Chrome/Perfetto trace JSON")
 
     p = _add(subparsers, "compare", "simulate several schedules side by side", _cmd_compare)
-    p.add_argument("--ranks", type=_positive_int, default=4, metavar="P", help="default 4")
-    p.add_argument("--microbatches", type=_positive_int, default=8, metavar="M", help="default 8")
+    p.add_argument("--ranks", "-p", type=_positive_int, default=4, metavar="P", help="default 4")
+    p.add_argument(
+        "--microbatches", "-m", type=_positive_int, default=8, metavar="M", help="default 8"
+    )
     p.add_argument(
         "--stages-per-rank",
+        "-v",
         type=_positive_int,
         metavar="V",
         help="for every schedule (default: each family's own)",
@@ -92,10 +95,11 @@ def _add(
 
 def _add_source(p: argparse.ArgumentParser) -> None:
     p.add_argument("source", metavar="NAME_OR_CSV", help="built-in schedule name or CSV path")
-    p.add_argument("--ranks", type=_positive_int, metavar="P", help="pipeline ranks")
-    p.add_argument("--microbatches", type=_positive_int, metavar="M", help="microbatches")
+    p.add_argument("--ranks", "-p", type=_positive_int, metavar="P", help="pipeline ranks")
+    p.add_argument("--microbatches", "-m", type=_positive_int, metavar="M", help="microbatches")
     p.add_argument(
         "--stages-per-rank",
+        "-v",
         type=_positive_int,
         metavar="V",
         help="stages per rank (default: the family's)",

@@ -25,6 +25,7 @@ __all__ = [
     "Generator",
     "LiveView",
     "baseline",
+    "canonical",
     "families",
     "get",
     "names",
@@ -57,6 +58,18 @@ class Family:
     baseline: bool = False
     default_sweep: bool = False
     quick_sweep: bool = False
+    aliases: tuple[str, ...] = ()
+
+    def spellings(self) -> tuple[str, ...]:
+        """Every name that means this family, case-insensitively: its own, its aliases, and
+        torch's class name with and without the ``Schedule`` prefix (what torchtitan's
+        ``pipeline_parallel_schedule`` takes: ``Interleaved1F1B``, ``ZBVZeroBubble``...)."""
+        torch = (
+            (self.torch_class, self.torch_class.removeprefix("Schedule"))
+            if self.torch_class
+            else ()
+        )
+        return tuple(dict.fromkeys(n.lower() for n in (self.name, *self.aliases, *torch)))
 
     def __post_init__(self) -> None:
         name = self.name
@@ -83,9 +96,16 @@ _FAMILIES: dict[str, Family] = {}
 
 
 def register(family: Family) -> Family:
-    """Add a family to the catalogue; names are unique and only one family is the baseline."""
+    """Add a family to the catalogue; names (and every spelling of them) are unique and only
+    one family is the baseline."""
     if family.name in _FAMILIES:
         raise ScheduleError(f"schedule family {family.name!r} is already registered")
+    taken = {s: f.name for f in _FAMILIES.values() for s in f.spellings()}
+    clash = next((s for s in family.spellings() if s in taken), None)
+    if clash is not None:
+        raise ScheduleError(
+            f"family {family.name}: the name {clash!r} already means {taken[clash]}"
+        )
     if family.baseline and any(f.baseline for f in _FAMILIES.values()):
         raise ScheduleError(
             f"family {family.name}: the catalogue already has a baseline ({baseline()})"
@@ -112,11 +132,24 @@ def names(where: Callable[[Family], bool] = lambda f: True) -> tuple[str, ...]:
 
 
 def get(name: str) -> Family:
-    """The family called ``name``; an unknown name lists the known ones."""
+    """The family ``name`` means (any spelling, see :meth:`Family.spellings`); an unknown name
+    lists the known ones."""
     family = _FAMILIES.get(name) if isinstance(name, str) else None
+    if family is None and isinstance(name, str):
+        low = name.lower()
+        family = next((f for f in _FAMILIES.values() if low in f.spellings()), None)
     if family is None:
         raise ScheduleError(f"unknown schedule {name!r}: choose one of {', '.join(names())}")
     return family
+
+
+def canonical(name: str) -> str:
+    """vpipe's name for a family given any of its spellings (``DualPipeV`` -> ``dualpipev``);
+    a name the catalogue does not know is returned as it is, for the caller to report."""
+    try:
+        return get(name).name
+    except ScheduleError:
+        return name
 
 
 def baseline() -> str:

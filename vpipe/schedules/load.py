@@ -66,6 +66,7 @@ def make_named(
 ) -> Schedule:
     """The catalogue's schedule ``name``, refusing missing sizes and sizes too large to
     simulate in reasonable time (see MAX_STAGE_MICROBATCHES)."""
+    name = catalogue.canonical(name)
     names = catalogue.names()
     if name not in names:
         raise ScheduleError(
