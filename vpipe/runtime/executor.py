@@ -38,6 +38,8 @@ from vpipe.runtime.stage import Stage
 
 __all__ = ["Executor"]
 
+_detach = torch.Tensor.detach  # mapped over a handed-over tuple: no generator per forward
+
 
 class Posted:
     """A posted receive: its buffers, its works, and the action that posted it."""
@@ -216,9 +218,11 @@ class Executor:
         return post_and_flush
 
     def _compile_plain(self, a: Action) -> Callable[[], None]:
+        """F, B, I or W: its phases as one call."""
         return _PHASES[a.kind](self, a).chained()
 
     def _compile_overlap(self, a: Action) -> Callable[[], None]:
+        """OVERLAP_F_B: its parts handed to their runner (overlap.py)."""
         parts = [Part(p, _PHASES[p.kind](self, p)) for p in a.parts]
         return overlap_runner(parts, lambda s: self.stages[s].module)
 
@@ -397,8 +401,6 @@ class Executor:
 
         return post_send
 
-
-_detach = torch.Tensor.detach
 
 # What each compute kind compiles to, as steps (it may be an overlap's part).
 _PHASES: dict[Kind, Callable[[Executor, Action], Phases]] = {
