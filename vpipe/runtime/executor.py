@@ -2,8 +2,11 @@
 
 The program is compiled once into a list of closures, one per action, with every lookup that
 does not depend on the step (stage objects, peers, where a result goes) bound in advance; the
-step loop only calls them. Results move between actions through the stages' per-microbatch
-dicts:
+step loop only calls them. ``_HANDLERS`` maps each action kind to its compile function, and
+``_PHASES`` each compute kind to its fetch/compute/deliver steps (overlap.py), which a plain
+action chains and an ``OVERLAP_F_B`` hands, per part, to its runner (in order, or the stage
+module's ``overlapped_forward_backward``). Results move between actions through the stages'
+per-microbatch dicts:
 
 - F(s) on a rank that also holds s+1 puts its output, detached, straight into stage s+1's
   ``fwd_in`` (local handoff: no copy, no communication); otherwise SEND_F ships it.
@@ -19,6 +22,8 @@ from __future__ import annotations
 
 from collections import deque
 from collections.abc import Callable
+from functools import partial
+from operator import getitem
 from typing import Any
 
 import torch
@@ -28,9 +33,12 @@ from vpipe.errors import PipelineError, one_line
 from vpipe.ir import Action, Kind
 from vpipe.runtime.comm import P2P
 from vpipe.runtime.meta import TensorMeta
+from vpipe.runtime.overlap import Part, PartFailed, Phases, overlap_runner
 from vpipe.runtime.stage import Stage
 
 __all__ = ["Executor"]
+
+_detach = torch.Tensor.detach  # mapped over a handed-over tuple: no generator per forward
 
 
 class Posted:
@@ -42,14 +50,6 @@ class Posted:
         self.bufs = bufs
         self.works: list = []
         self.action = action
-
-
-class _PartFailed(Exception):
-    """An overlap action's part failed (carries which part)."""
-
-    def __init__(self, part: Action, error: BaseException) -> None:
-        super().__init__(part, error)
-        self.part, self.error = part, error
 
 
 class _WaitFailed(Exception):
@@ -92,7 +92,8 @@ class Executor:
         self, inputs: list[tuple[torch.Tensor, ...]], targets: list[Any], n_microbatches: int
     ) -> list[torch.Tensor] | None:
         """Execute the program once; return the per-microbatch losses on the loss rank."""
-        self._inputs, self._targets = inputs, targets
+        self._inputs[:] = inputs  # in place: stage 0's F fetches from this list
+        self._targets = targets
         self._losses = [None] * n_microbatches
         self.peak_live, self.peak_live_bytes = self.live, self.live_bytes
         action = None
@@ -108,7 +109,8 @@ class Executor:
         except Exception as e:
             raise self._describe(action, e) from e
         finally:
-            self._inputs, self._targets = [], []
+            self._inputs.clear()
+            self._targets = []
         losses, self._losses = self._losses, []
         if self.n_stages - 1 not in self.stages:
             return None
@@ -138,7 +140,7 @@ class Executor:
         if action is None:
             return PipelineError(f"{where}: {one_line(e)}")
         shown, part = str(action), action
-        if isinstance(e, _PartFailed):
+        if isinstance(e, PartFailed):
             part, e = e.part, e.error
             shown = f"{part} in {action}"
         detail = ""
@@ -147,10 +149,9 @@ class Executor:
             detail = f"waiting for {e.action} from rank {src}: "
             e = e.error
         text = str(e) if isinstance(e, PipelineError) else one_line(e)
-        return PipelineError(
-            f"{where}: action {shown} (stage {part.stage}, microbatch {part.microbatch}) "
-            f"failed: {detail}{text}"
-        )
+        # An overlap action not failed in a part (its fused hook's own code) has no stage.
+        at = f" (stage {part.stage}, microbatch {part.microbatch})" if part.stage >= 0 else ""
+        return PipelineError(f"{where}: action {shown}{at} failed: {detail}{text}")
 
     # -- helpers used by the closures --------------------------------------------------------
     def _wait(self, posted: Posted) -> tuple[torch.Tensor, ...]:
@@ -205,135 +206,165 @@ class Executor:
     # -- compilation -------------------------------------------------------------------------
     def _compile(self, program: list[Action], i: int) -> Callable[[], None]:
         a = program[i]
-        if a.kind is Kind.OVERLAP_F_B:
-            parts = [(p, self._compile_compute(p)) for p in a.parts]
+        fn = _HANDLERS[a.kind](self, a)
+        if not a.is_comm or (i + 1 < len(program) and program[i + 1].is_comm):
+            return fn  # compute, or a post that the next action's batch joins
+        flush = self._flush
 
-            def overlap() -> None:
-                for p, fn in parts:
-                    try:
-                        fn()
-                    except Exception as e:
-                        raise _PartFailed(p, e) from e
+        def post_and_flush() -> None:
+            fn()
+            flush()
 
-            return overlap
-        if a.is_comm:
-            post = self._compile_comm(a)
-            if i + 1 < len(program) and program[i + 1].is_comm:
-                return post  # the next action joins this batch
-            flush = self._flush
+        return post_and_flush
 
-            def post_and_flush() -> None:
-                post()
-                flush()
+    def _compile_plain(self, a: Action) -> Callable[[], None]:
+        """F, B, I or W: its phases as one call."""
+        return _PHASES[a.kind](self, a).chained()
 
-            return post_and_flush
-        return self._compile_compute(a)
+    def _compile_overlap(self, a: Action) -> Callable[[], None]:
+        """OVERLAP_F_B: its parts handed to their runner (overlap.py)."""
+        parts = [Part(p, _PHASES[p.kind](self, p)) for p in a.parts]
+        return overlap_runner(parts, lambda s: self.stages[s].module)
 
-    def _compile_compute(self, a: Action) -> Callable[[], None]:
+    # -- compute phases (overlap.py) ---------------------------------------------------------
+    def _forward_phases(self, a: Action) -> Phases:
         s, m = a.stage, a.microbatch
         st = self.stages[s]
-        prev = self.stages.get(s - 1)
         nxt = self.stages.get(s + 1)
-        # Where B/I put the input gradient: stage s-1 here, else SEND_B's queue; stage 0: nowhere.
-        grads_to = None if s == 0 else prev.grad_out if prev is not None else st.grad_in
-        kind = a.kind
+        last = st.is_last
+        add_live = self._add_live
 
-        def take(d: dict, what: str) -> Any:
-            v = d.pop(m, None)
-            if v is None:
-                raise PipelineError(f"no {what} for microbatch {m}: not received or handed over")
-            if type(v) is Posted:
-                return self._wait(v)
-            return v
+        def forward(fetch: Callable[[], Any], deliver: Callable[[Any], None] | None) -> None:
+            out = st.forward(m, fetch(), self._targets[m] if last else None)
+            if deliver is not None:
+                deliver(out)
+            add_live(st, 1)
 
-        def give_back(grads: tuple) -> None:
-            if grads_to is not None:
-                grads_to[m] = grads
+        if last:
 
-        if kind is Kind.F:
+            def deliver(loss: torch.Tensor) -> None:
+                self._losses[m] = loss.detach()
 
-            def forward() -> None:
-                vals = self._inputs[m] if st.is_first else take(st.fwd_in, "input")
-                out = st.forward(m, vals, self._targets[m] if st.is_last else None)
-                if st.is_last:
-                    self._losses[m] = out.detach()
-                elif nxt is not None:
-                    nxt.fwd_in[m] = tuple(t.detach() for t in out)
-                self._add_live(st, 1)
+        elif nxt is not None:  # local handoff
 
-            return forward
-        if kind is Kind.B:
+            def deliver(outs: tuple[torch.Tensor, ...]) -> None:
+                nxt.fwd_in[m] = tuple(map(_detach, outs))
 
-            def backward() -> None:
-                grads = None if st.is_last else take(st.grad_out, "output gradient")
-                give_back(st.backward(m, grads))
-                self._add_live(st, -1)
+        else:
+            deliver = None  # SEND_F ships the stashed outputs
+        fetch = (
+            partial(getitem, self._inputs, m) if st.is_first else self._taker(st.fwd_in, m, "input")
+        )
+        return Phases(fetch, forward, deliver)
 
-            return backward
-        if kind is Kind.I:
+    def _backward_phases(self, a: Action) -> Phases:
+        st, m = self.stages[a.stage], a.microbatch
+        last = st.is_last
+        add_live = self._add_live
 
-            def backward_input() -> None:
-                grads = None if st.is_last else take(st.grad_out, "output gradient")
-                give_back(st.backward_input(m, grads))
+        def backward(fetch: Callable[[], Any], deliver: Callable[[Any], None] | None) -> None:
+            got = st.backward(m, None if last else fetch())
+            if deliver is not None:
+                deliver(got)
+            add_live(st, -1)
 
-            return backward_input
+        return Phases(self._grads_from(a), backward, self._grads_to(a))
 
-        def backward_weight() -> None:
+    def _backward_input_phases(self, a: Action) -> Phases:
+        st, m = self.stages[a.stage], a.microbatch
+        last = st.is_last
+
+        def backward_input(fetch: Callable[[], Any], deliver: Callable[[Any], None] | None) -> None:
+            got = st.backward_input(m, None if last else fetch())
+            if deliver is not None:
+                deliver(got)
+
+        return Phases(self._grads_from(a), backward_input, self._grads_to(a))
+
+    def _backward_weight_phases(self, a: Action) -> Phases:
+        st, m = self.stages[a.stage], a.microbatch
+        add_live = self._add_live
+
+        def backward_weight(fetch: Any, deliver: Any) -> None:  # no input; result in .grad
             if m not in st.weight:
                 raise PipelineError(f"W before I for microbatch {m}")
             st.backward_weight(m)
-            self._add_live(st, -1)
+            add_live(st, -1)
 
-        return backward_weight
+        return Phases(None, backward_weight, None)
 
-    def _compile_comm(self, a: Action) -> Callable[[], None]:
-        s, m, kind = a.stage, a.microbatch, a.kind
-        st = self.stages[s]
-        comm = self.comm
+    def _grads_from(self, a: Action) -> Callable[[], Any] | None:
+        """B/I's fetch: the output gradient (none on the loss stage)."""
+        st = self.stages[a.stage]
+        return None if st.is_last else self._taker(st.grad_out, a.microbatch, "output gradient")
+
+    def _grads_to(self, a: Action) -> Callable[[tuple], None] | None:
+        """B/I's deliver: the input gradient into stage s-1 here, else SEND_B's slot; from stage
+        0 nowhere."""
+        s, m = a.stage, a.microbatch
+        if s == 0:
+            return None
+        prev = self.stages.get(s - 1)
+        slot = prev.grad_out if prev is not None else self.stages[s].grad_in
+
+        def deliver(grads: tuple) -> None:
+            slot[m] = grads
+
+        return deliver
+
+    def _taker(self, slot: dict, m: int, what: str) -> Callable[[], Any]:
+        """A fetch of microbatch m's entry in ``slot``: handed over, or a posted receive, which
+        is waited for now."""
+        wait = self._wait
+
+        def take() -> Any:
+            v = slot.pop(m, None)
+            if v is None:
+                raise PipelineError(f"no {what} for microbatch {m}: not received or handed over")
+            if type(v) is Posted:
+                return wait(v)
+            return v
+
+        return take
+
+    # -- communication -----------------------------------------------------------------------
+    def _compile_recv_f(self, a: Action) -> Callable[[], None]:
+        st = self.stages[a.stage]
+        post = self._receiver(a, st.fwd_in, self.placement[a.stage - 1])
+
+        def recv_f() -> None:
+            post(st.in_meta)
+
+        return recv_f
+
+    def _compile_recv_b(self, a: Action) -> Callable[[], None]:
+        st = self.stages[a.stage]
+        post = self._receiver(a, st.grad_out, self.placement[a.stage + 1])
+
+        def recv_b() -> None:
+            post(st.float_out_meta)
+
+        return recv_b
+
+    def _compile_send_f(self, a: Action) -> Callable[[], None]:
+        st, m = self.stages[a.stage], a.microbatch
+        post = self._sender(self.placement[a.stage + 1])
+
+        def send_f() -> None:
+            post(st.sent_values(m))
+
+        return send_f
+
+    def _compile_send_b(self, a: Action) -> Callable[[], None]:
+        st, m = self.stages[a.stage], a.microbatch
+        post = self._sender(self.placement[a.stage - 1])
         device = self.device
-        peer = (
-            self.placement[s + 1] if kind in (Kind.SEND_F, Kind.RECV_B) else self.placement[s - 1]
-        )
-        queued = self._queued
-
-        def post_recv(metas: tuple[TensorMeta, ...]) -> None:
-            bufs = tuple(torch.empty(shape, dtype=dt, device=device) for shape, dt in metas)
-            posted = Posted(bufs, a)
-            for b in bufs:
-                comm.queue_recv(b, peer)
-                queued.append(posted)
-            (st.fwd_in if kind is Kind.RECV_F else st.grad_out)[m] = posted
-
-        def post_send(tensors: tuple) -> None:
-            self._prune_sends()
-            for t in tensors:
-                comm.queue_send(t, peer)
-                queued.append(t)
-
-        if kind is Kind.RECV_F:
-
-            def recv_f() -> None:
-                post_recv(st.in_meta)
-
-            return recv_f
-        if kind is Kind.RECV_B:
-
-            def recv_b() -> None:
-                post_recv(st.float_out_meta)
-
-            return recv_b
-        if kind is Kind.SEND_F:
-
-            def send_f() -> None:
-                post_send(st.sent_values(m))
-
-            return send_f
 
         def send_b() -> None:
             grads = st.grad_in.pop(m, None)
             if grads is None:
                 raise PipelineError(f"no input gradient of microbatch {m} to send")
-            post_send(
+            post(
                 tuple(
                     g.contiguous() if g is not None else torch.zeros(shape, dtype=dt, device=device)
                     for g, (shape, dt) in zip(grads, st.float_in_meta, strict=True)
@@ -341,3 +372,50 @@ class Executor:
             )
 
         return send_b
+
+    def _receiver(
+        self, a: Action, slot: dict, peer: int
+    ) -> Callable[[tuple[TensorMeta, ...]], None]:
+        """Posts a receive from ``peer`` into fresh buffers and leaves it in ``slot``."""
+        comm, device, queued, m = self.comm, self.device, self._queued, a.microbatch
+
+        def post_recv(metas: tuple[TensorMeta, ...]) -> None:
+            bufs = tuple(torch.empty(shape, dtype=dt, device=device) for shape, dt in metas)
+            posted = Posted(bufs, a)
+            for b in bufs:
+                comm.queue_recv(b, peer)
+                queued.append(posted)
+            slot[m] = posted
+
+        return post_recv
+
+    def _sender(self, peer: int) -> Callable[[tuple], None]:
+        """Queues tensors to send to ``peer``."""
+        comm, queued, prune = self.comm, self._queued, self._prune_sends
+
+        def post_send(tensors: tuple) -> None:
+            prune()
+            for t in tensors:
+                comm.queue_send(t, peer)
+                queued.append(t)
+
+        return post_send
+
+
+# What each compute kind compiles to, as steps (it may be an overlap's part).
+_PHASES: dict[Kind, Callable[[Executor, Action], Phases]] = {
+    Kind.F: Executor._forward_phases,
+    Kind.B: Executor._backward_phases,
+    Kind.I: Executor._backward_input_phases,
+    Kind.W: Executor._backward_weight_phases,
+}
+
+# What each action kind compiles to: one closure.
+_HANDLERS: dict[Kind, Callable[[Executor, Action], Callable[[], None]]] = {
+    **dict.fromkeys(_PHASES, Executor._compile_plain),
+    Kind.OVERLAP_F_B: Executor._compile_overlap,
+    Kind.RECV_F: Executor._compile_recv_f,
+    Kind.RECV_B: Executor._compile_recv_b,
+    Kind.SEND_F: Executor._compile_send_f,
+    Kind.SEND_B: Executor._compile_send_b,
+}
