@@ -3,17 +3,23 @@
 One launch per asv run: ``setup_cache`` (asv runs it once and shares its result among the
 benchmarks of the class, for every parameter combination) spawns the P ranks once and sweeps
 every (schedule, microbatches) parameter set inside that launch, interleaved in rounds as
-``vpipe bench`` does; the ``track_`` methods then read one metric each. All tracked values are
-"lower is better". The grid is ``vpipe bench``'s default sweep (the catalogue's), M = 4, 8;
-``VPIPE_ASV_SCHEDULES`` / ``VPIPE_ASV_MICROBATCHES`` (comma-separated) narrow it, e.g. for a
-quick smoke run.
+``vpipe bench`` does. The grid is ``vpipe bench``'s default sweep (the catalogue's), M = 4, 8.
+The ``track_`` methods are generated from the metric registry (:mod:`vpipe.metrics`): one per
+metric with an asv :class:`~vpipe.metrics.Track`, reading that metric from the sweep's runs
+table, with its unit. asv takes lower as better, so a higher-is-better metric is tracked
+through its reciprocal (samples/s as ``track_seconds_per_sample``). ``VPIPE_ASV_SCHEDULES`` /
+``VPIPE_ASV_MICROBATCHES`` (comma-separated) narrow the parameter grid, e.g. for a quick smoke
+run.
 """
 
 from __future__ import annotations
 
 import os
+from collections.abc import Callable
+from typing import Any
 
 from vpipe.bench import DEFAULT_SCHEDULES, parse_list
+from vpipe.metrics import Metric, registry
 
 RANKS = 2
 BATCH = 16
@@ -22,6 +28,34 @@ SCHEDULES = parse_list(os.environ.get("VPIPE_ASV_SCHEDULES", ",".join(DEFAULT_SC
 MICROBATCHES = [int(m) for m in parse_list(os.environ.get("VPIPE_ASV_MICROBATCHES", "4,8"))]
 
 
+def tracked() -> list[Metric]:
+    """The registry's metrics the suite tracks."""
+    return [m for m in registry() if m.asv is not None]
+
+
+def make_tracks() -> dict[str, Callable[..., Any]]:
+    """``track_<name>`` methods, with their units, of the tracked metrics."""
+    return {f"track_{m.asv.name}": _track(m) for m in tracked()}
+
+
+def _track(metric: Metric) -> Callable[..., Any]:
+    name = metric.asv.name
+
+    def track(self: Any, cache: dict, schedule: str, microbatches: int) -> Any:
+        return cache[f"{schedule}/{microbatches}"][name]
+
+    track.__name__ = track.__qualname__ = f"track_{name}"
+    track.unit = metric.asv.unit
+    return track
+
+
+def _with_tracks(cls: type) -> type:
+    for name, method in make_tracks().items():
+        setattr(cls, name, method)
+    return cls
+
+
+@_with_tracks
 class PipelineCPU:
     """2 ranks, gloo, MLP (d_model 256, d_hidden 1024), batch 16, vpipe runtime."""
 
@@ -52,37 +86,11 @@ class PipelineCPU:
         with tempfile.TemporaryDirectory() as tmp:
             spec.trace_dir = tmp
             res = collect(spec, run_sweep(spec), "asv", 0.0, simulate=False)
-        runs = res.measured
-        peaks = res.ranks.groupby(["schedule", "microbatches"])["peak_bytes"].max()
-        out = {}
-        for row in runs.itertuples():
-            key = f"{row.schedule}/{int(row.microbatches)}"
-            out[key] = {
-                "step": float(row.step_time_s),
-                "sample": float(row.step_time_s) / BATCH,
-                "peak": int(peaks[(row.schedule, int(row.microbatches))]),
-                "bubble": float(row.bubble_ratio),
+        return {
+            f"{row['schedule']}/{int(row['microbatches'])}": {
+                m.asv.name: m.asv.value(row[m.name]) for m in tracked()
             }
-        return out
+            for row in res.measured.to_dict("records")
+        }
 
     setup_cache.timeout = 600
-
-    def track_seconds_per_step(self, cache: dict, schedule: str, microbatches: int) -> float:
-        return cache[f"{schedule}/{microbatches}"]["step"]
-
-    track_seconds_per_step.unit = "seconds"
-
-    def track_seconds_per_sample(self, cache: dict, schedule: str, microbatches: int) -> float:
-        return cache[f"{schedule}/{microbatches}"]["sample"]
-
-    track_seconds_per_sample.unit = "seconds"
-
-    def track_peak_bytes_per_rank(self, cache: dict, schedule: str, microbatches: int) -> int:
-        return cache[f"{schedule}/{microbatches}"]["peak"]
-
-    track_peak_bytes_per_rank.unit = "bytes"
-
-    def track_bubble_ratio(self, cache: dict, schedule: str, microbatches: int) -> float:
-        return cache[f"{schedule}/{microbatches}"]["bubble"]
-
-    track_bubble_ratio.unit = "ratio"

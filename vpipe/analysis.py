@@ -29,9 +29,11 @@ import pandas as pd
 from vpipe.events import COMM_KINDS, COMPUTE_KINDS
 
 KEYS = ["run_id", "step", "rank"]
+# Kind of memory sample of ``vpipe bench``'s meter: bytes of tensors saved for backward.
+SAVED_ACTIVATIONS = "saved_activations"
 # Headline peak memory, first present wins: CUDA allocator peak, CUDA allocated, profiler's
-# CPU allocation tracking, process RSS.
-PEAK_MEMORY_ORDER = ("cuda_peak", "cuda_allocated", "cpu_allocated", "rss")
+# CPU allocation tracking, process RSS, saved activations.
+PEAK_MEMORY_ORDER = ("cuda_peak", "cuda_allocated", "cpu_allocated", "rss", SAVED_ACTIVATIONS)
 
 
 def _union_ns(df: pd.DataFrame, keys: list[str]) -> pd.Series:
@@ -91,7 +93,11 @@ def rank_metrics(events: pd.DataFrame) -> pd.DataFrame:
 def step_metrics(events: pd.DataFrame) -> pd.DataFrame:
     """One row per (run_id, step): step time, busy, bubble ratios over ranks, comm wait (max
     over ranks), in seconds."""
-    r = rank_metrics(events)
+    return combine_ranks(rank_metrics(events))
+
+
+def combine_ranks(r: pd.DataFrame) -> pd.DataFrame:
+    """:func:`step_metrics` from the per-rank rows of :func:`rank_metrics`."""
     if r.empty:
         cols = ["run_id", "step", "step_time_s", "busy_s", "bubble_ratio", "bubble_ratio_excl_skew",
                 "comm_wait_s", "ranks"]  # fmt: skip
@@ -122,7 +128,11 @@ def peak_memory(memory: pd.DataFrame) -> pd.DataFrame:
 
 def headline_peak_bytes(memory: pd.DataFrame | None) -> int | None:
     """The run's peak memory in bytes (max over ranks) by :data:`PEAK_MEMORY_ORDER`, or None."""
-    peaks = peak_memory(memory) if memory is not None else pd.DataFrame()
+    return headline_peak(peak_memory(memory) if memory is not None else pd.DataFrame())
+
+
+def headline_peak(peaks: pd.DataFrame) -> int | None:
+    """:func:`headline_peak_bytes` from per-rank peaks by kind (:func:`peak_memory`'s table)."""
     for what in PEAK_MEMORY_ORDER:
         if what in peaks.columns and peaks[what].notna().any():
             return int(peaks[what].max())
@@ -142,29 +152,25 @@ def summarize(
     *,
     batch: int | None = None,
     tokens_per_sample: int | None = None,
+    missing: Any = float("nan"),
 ) -> dict[str, Any]:
-    """Run-level metrics of one run (medians over steps, IQR as spread), with the names of the
-    runs table (see :data:`vpipe.trace.store.RUN_COLUMNS`)."""
-    s = step_metrics(events)
-    q1, med, q3 = quartiles(s["step_time_s"])
-    out: dict[str, Any] = {
-        "step_time_s": med,
-        "step_time_q1_s": q1,
-        "step_time_q3_s": q3,
-        "steps": int(len(s)),
-        "bubble_ratio": quartiles(s["bubble_ratio"])[1],
-        "bubble_ratio_excl_skew": quartiles(s["bubble_ratio_excl_skew"])[1],
-        "comm_wait_s": quartiles(s["comm_wait_s"])[1],
-        "samples_per_s": batch / med if batch and med > 0 else float("nan"),
-        "tokens_per_s": batch * tokens_per_sample / med
-        if batch and tokens_per_sample and med > 0
-        else float("nan"),
-        "peak_memory_bytes": headline_peak_bytes(memory),
-    }
-    if memory is not None and not memory.empty:
-        peaks = peak_memory(memory)
-        for what in peaks.columns:
-            out[f"peak_{what}_bytes"] = int(peaks[what].max())
+    """Run-level metrics of one run from its events and memory samples: every metric of the
+    registry (:mod:`vpipe.metrics`, the runs table's names; ``missing`` where one does not
+    apply, such as throughput without a batch), ``steps`` (how many) and ``peak_<kind>_bytes``
+    per kind of memory sample."""
+    from vpipe.metrics import Inputs, compute  # the registry builds on this module
+
+    peaks = peak_memory(memory) if memory is not None else pd.DataFrame()
+    x = Inputs(
+        events=events,
+        memory=peaks if len(peaks.columns) else None,
+        batch=batch,
+        tokens_per_sample=tokens_per_sample,
+    )
+    out = {k: missing if v is None else v for k, v in compute(x).items()}
+    out["steps"] = int(len(x.step_frame))
+    for what in peaks.columns:
+        out[f"peak_{what}_bytes"] = int(peaks[what].max())
     return out
 
 

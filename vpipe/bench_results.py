@@ -18,9 +18,10 @@ from typing import Any
 
 import pandas as pd
 
-from vpipe.analysis import quartiles, step_metrics
+from vpipe.analysis import SAVED_ACTIVATIONS
 from vpipe.bench import Config, SweepSpec, spec_dict
 from vpipe.events import COMPUTE_KINDS, events_frame, memory_frame
+from vpipe.metrics import Inputs, Simulated, compute
 from vpipe.report import (
     Section,
     impl_table,
@@ -32,8 +33,6 @@ from vpipe.report import (
     table_section,
     v_vs_baseline,
 )
-
-MEASURED_MEMORY = "saved_activations"
 
 
 @dataclass
@@ -99,7 +98,7 @@ def _config_memory(results: list[dict[str, Any]], cfg: Config, run_id: str) -> p
             "step": 0,
             "t_ns": t,
             "bytes": b,
-            "what": MEASURED_MEMORY,
+            "what": SAVED_ACTIVATIONS,
         }
         for r in results
         for t, b in r["memory"][cfg.key]["samples"]
@@ -166,11 +165,8 @@ def collect(
                     "samples_per_s": spec.batch / t,
                 }
             )
-        q1, med, q3 = quartiles(times)
-        peaks = []
         for r in results:
             m = r["memory"][cfg.key]
-            peaks.append(m["peak_bytes"])
             ranks.append(
                 {
                     "schedule": cfg.schedule,
@@ -182,48 +178,35 @@ def collect(
                     "cuda_peak_bytes": m.get("cuda_peak_bytes"),
                 }
             )
-        tps = r0["tokens_per_sample"]
-        row = {
-            **common,
-            "run_id": run_id,
-            "source": "measured",
-            "impl": cfg.impl,
-            "schedule": cfg.schedule,
-            "microbatches": cfg.microbatches,
-            "stages": r0["n_stages"][cfg.key],
-            "step_time_s": med,
-            "step_time_q1_s": q1,
-            "step_time_q3_s": q3,
-            "samples_per_s": spec.batch / med,
-            "tokens_per_s": spec.batch * tps / med if tps else None,
-            "peak_memory_bytes": max(peaks),
-            "status": "ok",
-        }
         ev = _config_events(results, cfg, run_id)
         events[run_id] = ev
         memory[run_id] = _config_memory(results, cfg, run_id)
         traced = has_actions(ev)  # torch's single-stage classes record no per-action spans
-        if traced:
-            row.update(_measured_metrics(ev))
+        sim_row = None
         if traced and simulate:
-            sim_row, sim_ev = simulate_config(spec, cfg, ev, sim_id)
-            row["sim_step_time_s"] = sim_row["step_time_s"]
-            row["sim_error"] = sim_row["step_time_s"] / row["profiled_step_time_s"] - 1
+            sim_row, events[sim_id] = simulate_config(spec, cfg, ev, sim_id)
+        config = {
+            **common,
+            "impl": cfg.impl,
+            "schedule": cfg.schedule,
+            "microbatches": cfg.microbatches,
+            "stages": r0["n_stages"][cfg.key],
+        }
+        measured = Inputs(
+            steps=times,
+            events=ev if traced else None,
+            memory=_rank_peaks(results, cfg),
+            simulated=sim_row,
+            batch=spec.batch,
+            tokens_per_sample=r0["tokens_per_sample"],
+        )
+        runs.append(
+            {**config, **compute(measured), "run_id": run_id, "source": "measured", "status": "ok"}
+        )
+        if sim_row is not None:
             runs.append(
-                {
-                    **common,
-                    **sim_row,
-                    "run_id": sim_id,
-                    "source": "simulated",
-                    "impl": cfg.impl,
-                    "schedule": cfg.schedule,
-                    "microbatches": cfg.microbatches,
-                    "stages": row["stages"],
-                    "status": "ok",
-                }
+                {**config, **sim_row, "run_id": sim_id, "source": "simulated", "status": "ok"}
             )
-            events[sim_id] = sim_ev
-        runs.insert(len(runs) - (1 if traced and simulate else 0), row)
     from vpipe.trace.store import runs_frame
 
     return BenchResults(
@@ -247,35 +230,25 @@ def simulate_config(
     spec: SweepSpec, cfg: Config, events: pd.DataFrame, run_id: str
 ) -> tuple[dict[str, Any], pd.DataFrame]:
     """Simulate a config's schedule with the cost model calibrated from its own measured
-    events (per-stage F/I/W medians, overhead, comm latency): runs-table metrics and events."""
+    events (per-stage F/I/W medians, overhead, comm latency): its metrics and events."""
     from vpipe.calibrate import calibrate, predict
     from vpipe.schedules import make_schedule
 
     schedule = make_schedule(cfg.schedule, spec.ranks, cfg.microbatches)
     sim = predict(calibrate(events), schedule)
-    step_s = sim.makespan * 1e-6  # the calibrated cost model is in microseconds
     ev = sim.to_events(run_id, schedule, time_unit_ns=1000)
     ev = ev.astype({"impl": "object"}).assign(impl=cfg.impl)  # whose costs were simulated
-    row = {
-        "step_time_s": step_s,
-        "step_time_q1_s": step_s,
-        "step_time_q3_s": step_s,
-        "samples_per_s": spec.batch / step_s,
-        "bubble_ratio": sim.bubble_ratio,
-        "bubble_ratio_excl_skew": sim.bubble_ratio_excl_skew,
-        "peak_activations": max(sim.peak_activations),
-    }
+    # the calibrated cost model is in microseconds
+    row = compute(Inputs(sim=Simulated(sim, 1e-6), batch=spec.batch))
     return row, events_frame(ev)
 
 
-def _measured_metrics(ev: pd.DataFrame) -> dict[str, float]:
-    """Bubble ratios and the profiled step's time from one config's measured events."""
-    m = step_metrics(ev)
-    return {
-        "bubble_ratio": float(m["bubble_ratio"].median()),
-        "bubble_ratio_excl_skew": float(m["bubble_ratio_excl_skew"].median()),
-        "profiled_step_time_s": float(m["step_time_s"].median()),
-    }
+def _rank_peaks(results: list[dict[str, Any]], cfg: Config) -> pd.DataFrame:
+    """Each rank's peak bytes saved for backward in a config (the metrics' memory source)."""
+    return pd.DataFrame(
+        {SAVED_ACTIVATIONS: [r["memory"][cfg.key]["peak_bytes"] for r in results]},
+        index=pd.Index([r["rank"] for r in results], name="rank"),
+    )
 
 
 # ---------------------------------------------------------------------------------------------

@@ -19,6 +19,7 @@ from typing import Any
 import pandas as pd
 
 from vpipe.errors import VpipeError
+from vpipe.metrics import Metric, registry
 from vpipe.plots import BASELINE, schedule_order
 from vpipe.schedules import catalogue
 
@@ -123,40 +124,56 @@ def _ratio(a: Any, b: Any) -> str:
 
 
 def summary_table(runs: pd.DataFrame) -> pd.DataFrame:
-    """Per config: step time (median, IQR), throughput and memory, with ratios to the
-    interleaved-1f1b config of the same implementation and microbatch count."""
+    """Per config: the registry's table metrics (:mod:`vpipe.metrics`: step time with its
+    IQR, throughput, memory, ...), with ratios to the interleaved-1f1b config of the same
+    implementation and microbatch count."""
     rows = []
     base = runs[runs["schedule"] == BASELINE].set_index(["impl", "microbatches"])
     order = {s: i for i, s in enumerate(schedule_order(runs["schedule"].unique()))}
     d = runs.assign(_o=runs["schedule"].map(order)).sort_values(["microbatches", "impl", "_o"])
-    for r in d.itertuples():
-        b = base.loc[(r.impl, r.microbatches)] if (r.impl, r.microbatches) in base.index else None
-        rows.append(
-            {
-                "M": r.microbatches,
-                "impl": r.impl,
-                "schedule": r.schedule,
-                "step ms (median)": _fmt(r.step_time_s * 1e3),
-                "step ms IQR": f"{r.step_time_q1_s * 1e3:.2f}-{r.step_time_q3_s * 1e3:.2f}",
-                "samples/s": _fmt(r.samples_per_s, 1),
-                "tokens/s": _fmt(getattr(r, "tokens_per_s", float("nan")), 0),
-                f"thru vs {BASELINE}": _ratio(r.samples_per_s, b.samples_per_s)
-                if b is not None
-                else "",
-                "peak MiB": _fmt(r.peak_memory_bytes / 2**20),
-                f"mem vs {BASELINE}": _ratio(r.peak_memory_bytes, b.peak_memory_bytes)
-                if b is not None
-                else "",
-                "bubble": _fmt(getattr(r, "bubble_ratio", float("nan")), 3),
-                "profiled step ms": _fmt(getattr(r, "profiled_step_time_s", float("nan")) * 1e3),
-                "sim step ms": _fmt(getattr(r, "sim_step_time_s", float("nan")) * 1e3),
-                "sim err %": _fmt(getattr(r, "sim_error", float("nan")) * 100, 1),
-            }
-        )
+    shown = [m for m in registry() if m.show and m.show.table]
+    for r in d.to_dict("records"):
+        key = (r["impl"], r["microbatches"])
+        b = base.loc[key].to_dict() if key in base.index else None
+        row = {"M": r["microbatches"], "impl": r["impl"], "schedule": r["schedule"]}
+        for group in _groups(shown):
+            for m in group:
+                row.update(_cells(m, r))
+            for m in group:
+                if m.show.baseline:
+                    ratio = _ratio(r.get(m.name), b.get(m.name)) if b is not None else ""
+                    row[f"{m.show.baseline} vs {BASELINE}"] = ratio
+        rows.append(row)
     df = pd.DataFrame(rows)
-    if len(df) and (df["tokens/s"] == "").all():  # token counts exist only for token models
-        df = df.drop(columns="tokens/s")
-    return df
+    empty = [m.label for m in shown if m.show.optional and len(df) and (df[m.label] == "").all()]
+    return df.drop(columns=empty)  # e.g. token counts exist only for token models
+
+
+def _groups(metrics: Sequence[Metric]) -> list[list[Metric]]:
+    """Metrics grouped by their printout line, in order of first appearance."""
+    groups: dict[str, list[Metric]] = {}
+    for m in metrics:
+        groups.setdefault(m.show.group or m.label, []).append(m)
+    return list(groups.values())
+
+
+def _cells(m: Metric, row: Mapping[str, Any]) -> dict[str, str]:
+    """A metric's table cells in one row: its value, then its IQR when it has one."""
+    sh = m.show
+    cells = {m.label: _fmt(_scaled(row.get(m.name), sh.scale), sh.digits)}
+    if sh.spread:
+        q1, q3 = (_scaled(row.get(q), sh.scale) for q in (sh.spread.q1, sh.spread.q3))
+        iqr = f"{_fmt(q1, sh.digits)}-{_fmt(q3, sh.digits)}"
+        cells[sh.spread.label] = "" if _missing(q1) or _missing(q3) else iqr
+    return cells
+
+
+def _scaled(v: Any, scale: float) -> Any:
+    return None if _missing(v) else v * scale
+
+
+def _missing(v: Any) -> bool:
+    return v is None or bool(pd.isna(v))
 
 
 def vpipe_only_note(schedules: Sequence[str], impls: Sequence[str]) -> str:

@@ -187,12 +187,12 @@ def analyze_report(
     stat: str = "median",
 ) -> str:
     """The text `vpipe analyze` prints."""
-    from vpipe.analysis import kind_durations, summarize
+    from vpipe.analysis import kind_durations, peak_memory, summarize
 
     events, memory, meta = _load(source, run)
     batch = batch or _int(meta.get("batch"))
     tps = _int(meta.get("tokens_per_sample")) or _gpt_seq_len(meta)
-    s = summarize(events, memory, batch=batch, tokens_per_sample=tps)
+    s = summarize(events, memory, batch=batch, tokens_per_sample=tps, missing=None)
     run_id = str(meta.get("run_id") or (events["run_id"].iloc[0] if len(events) else "?"))
     desc = ", ".join(
         f"{k} {meta[k]}"
@@ -200,24 +200,9 @@ def analyze_report(
         if k in meta
     )
     lines = [f"run {run_id} ({desc}): {s['steps']} profiled steps"]
-    lines.append(
-        f"  step time      {s['step_time_s'] * 1e3:.3f} ms median (IQR {s['step_time_q1_s'] * 1e3:.3f}-{s['step_time_q3_s'] * 1e3:.3f} ms)"
-    )
-    if s["samples_per_s"] == s["samples_per_s"]:
-        lines.append(
-            f"  throughput     {s['samples_per_s']:.1f} samples/s"
-            + (f", {s['tokens_per_s']:.0f} tokens/s" if tps else "")
-        )
-    lines.append(
-        f"  bubble ratio   {s['bubble_ratio']:.3f} whole step, {s['bubble_ratio_excl_skew']:.3f} excluding start-up skew"
-    )
-    lines.append(f"  comm wait      {s['comm_wait_s'] * 1e3:.3f} ms (longest rank, median step)")
-    peaks = {
-        k[5:-6]: v
-        for k, v in s.items()
-        if k.startswith("peak_") and k.endswith("_bytes") and k != "peak_memory_bytes"
-    }
-    if peaks:
+    lines.extend(metric_lines(s))
+    peaks = peak_memory(memory).max() if memory is not None else {}
+    if len(peaks):
         lines.append(
             "  peak memory    " + ", ".join(f"{k} {v / 2**20:.1f} MiB" for k, v in peaks.items())
         )
@@ -229,6 +214,26 @@ def analyze_report(
     if predict:
         lines.extend(_fidelity(source, events, meta, predict, w_share, stat))
     return "\n".join(lines)
+
+
+def metric_lines(values: dict[str, Any]) -> list[str]:
+    """The printout's lines of the registry's metrics (:mod:`vpipe.metrics`) that apply to a
+    run (not None), one line per group: ``  step time      12.345 ms median (IQR ...)``."""
+    from vpipe.metrics import registry
+
+    groups: dict[str, list[str]] = {}
+    for m in registry():
+        sh, v = m.show, values.get(m.name)
+        if sh is None or not sh.text or v is None:
+            continue
+        digits = sh.digits if sh.text_digits is None else sh.text_digits
+        unit = f" {sh.unit}" if sh.unit else ""
+        text = f"{v * sh.scale:.{digits}f}{unit}" + (f" {sh.note}" if sh.note else "")
+        if sh.spread:
+            q1, q3 = (values[q] * sh.scale for q in (sh.spread.q1, sh.spread.q3))
+            text += f" (IQR {q1:.{digits}f}-{q3:.{digits}f}{unit})"
+        groups.setdefault(sh.group or m.label, []).append(text)
+    return [f"  {group:<14} {', '.join(texts)}" for group, texts in groups.items()]
 
 
 def _fidelity(

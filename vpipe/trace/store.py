@@ -8,12 +8,12 @@ Layout under a root directory (``results/`` by default)::
       memory/run_id=<RUN>/rank=<R>/part-0.parquet  the run's memory samples
 
 - **Runs table** (``Store.runs()``, or ``pandas.read_parquet("ROOT/runs")``): one row per run
-  (one launch of one config). Standard columns (:data:`RUN_COLUMNS`): metadata ``run_id``,
+  (one launch of one config). Standard columns (:func:`run_columns`): metadata ``run_id``,
   ``created``, ``commit``, ``host``, ``torch``, ``device``, ``backend``, ``ranks``, ``stages``,
-  ``microbatches``, ``model``, ``batch``, ``impl``, ``schedule``, ``source``, and metrics
-  ``step_time_s`` (median over steps), ``step_time_q1_s`` / ``step_time_q3_s`` (interquartile
-  range), ``samples_per_s``, ``tokens_per_s``, ``bubble_ratio`` (whole step),
-  ``bubble_ratio_excl_skew``, ``peak_memory_bytes``, ``status``. Extra columns are kept.
+  ``microbatches``, ``model``, ``batch``, ``impl``, ``schedule``, ``source``; one column per
+  metric of the registry (:mod:`vpipe.metrics`: ``step_time_s`` median over steps,
+  ``step_time_q1_s`` / ``step_time_q3_s`` interquartile range, ``samples_per_s``,
+  ``bubble_ratio``, ``peak_memory_bytes``, ...); ``status``. Extra columns are kept.
 - **Events and memory** are Hive-partitioned by run and rank, so
   ``pandas.read_parquet("ROOT/events")`` reads them all and ``Store.events(run_ids=[...])``
   reads only the runs asked for. Strings are dictionary-encoded, files zstd-compressed.
@@ -41,12 +41,13 @@ import pandas as pd
 import pyarrow as pa
 import pyarrow.parquet as pq
 
+from vpipe import metrics
 from vpipe.errors import TraceError
 from vpipe.events import EVENT_COLUMNS, MEMORY_COLUMNS, SCHEMA_VERSION, events_frame, memory_frame
 
 META_KEY = b"vpipe"
 
-RUN_COLUMNS: dict[str, str] = {
+META_COLUMNS: dict[str, str] = {
     "run_id": "string",
     "created": "string",  # ISO 8601 UTC
     "commit": "string",
@@ -62,16 +63,20 @@ RUN_COLUMNS: dict[str, str] = {
     "impl": "string",
     "schedule": "string",
     "source": "string",
-    "step_time_s": "Float64",
-    "step_time_q1_s": "Float64",
-    "step_time_q3_s": "Float64",
-    "samples_per_s": "Float64",
-    "tokens_per_s": "Float64",
-    "bubble_ratio": "Float64",
-    "bubble_ratio_excl_skew": "Float64",
-    "peak_memory_bytes": "Int64",
-    "status": "string",
 }
+
+
+def run_columns() -> dict[str, str]:
+    """The standard columns and their dtypes: metadata, every registered metric, status."""
+    return {
+        **META_COLUMNS,
+        **{m.name: m.dtype for m in metrics.registry()},
+        "status": "string",
+    }
+
+
+RUN_COLUMNS = run_columns()  # those of the built-in metrics
+
 
 _RUN_ID_RE = re.compile(r"[A-Za-z0-9][A-Za-z0-9._+-]{0,199}")
 
@@ -151,14 +156,15 @@ def runs_frame(
     if isinstance(rows, Mapping):
         rows = [dict(rows)]
     df = pd.DataFrame(rows).copy()
-    for col, dtype in RUN_COLUMNS.items():
+    columns = run_columns()
+    for col, dtype in columns.items():
         df[col] = (
             df[col].astype(dtype)
             if col in df.columns
             else pd.Series(pd.NA, index=df.index, dtype=dtype)
         )
-    extra = [c for c in df.columns if c not in RUN_COLUMNS]
-    return df[list(RUN_COLUMNS) + extra]
+    extra = [c for c in df.columns if c not in columns]
+    return df[list(columns) + extra]
 
 
 def meta_columns(meta: Mapping[str, Any]) -> dict[str, Any]:

@@ -1,0 +1,151 @@
+"""The metric registry: a metric is one entry, and it then shows up in the runs table written
+by ``collect``/``write_outputs``, the report's summary table, the ``vpipe analyze`` printout
+and the asv suite's track_ methods. Sweep results here are synthetic (simulated timelines as
+each rank's profiled events), so no process group is started."""
+
+from __future__ import annotations
+
+import importlib.util
+from pathlib import Path
+
+import pytest
+
+from vpipe.analysis import quartiles, rank_metrics
+from vpipe.bench import SweepSpec
+from vpipe.bench_results import collect, write_outputs
+from vpipe.commands.trace import analyze_report
+from vpipe.metrics import Inputs, Metric, Show, Track, compute, register, registry, unregister
+from vpipe.report import summary_table
+from vpipe.schedules import make_schedule
+from vpipe.sim import CostModel, simulate
+from vpipe.trace.store import Store, run_columns
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+def _max_rank_busy(x: Inputs) -> float:
+    busy = x.ranks.groupby(["run_id", "step"], observed=True)["busy_s"].max()
+    return quartiles(busy)[1]
+
+
+TOY = Metric(
+    "max_rank_busy_s",
+    "max busy ms",
+    "s",
+    "lower",
+    "compute time of the busiest rank, median over steps",
+    {"events": _max_rank_busy},
+    show=Show(scale=1e3, unit="ms", digits=3, group="max rank busy"),
+    asv=Track("max_rank_busy_s", "seconds"),
+)
+
+
+@pytest.fixture
+def toy():
+    register(TOY)
+    try:
+        yield TOY
+    finally:
+        unregister(TOY.name)
+
+
+def _sweep_results(spec: SweepSpec) -> list[dict]:
+    """What every rank of ``spec``'s sweep returns, with simulated timelines as events."""
+    results = []
+    for rank in range(spec.ranks):
+        r = dict(rank=rank, host="h", threads=1, torch="t", sizes={}, tokens_per_sample=None)
+        r.update(n_stages={}, times=[], memory={}, events={})
+        results.append(r)
+    for i, cfg in enumerate(spec.configs()):
+        sched = make_schedule(cfg.schedule, spec.ranks, cfg.microbatches)
+        ev = simulate(sched, CostModel(f=100.0, b=100.0, w=80.0, comm_latency=5.0)).to_events(
+            "x", sched
+        )
+        for r in results:
+            r["n_stages"][cfg.key] = sched.n_stages
+            r["times"].append([0.01 * (1 + i + k / 10) for k in range(spec.rounds * spec.steps)])
+            r["memory"][cfg.key] = {"peak_bytes": 1000 * (r["rank"] + 1), "samples": [(0, 5)]}
+            r["events"][cfg.key] = ev[ev["rank"] == r["rank"]].reset_index(drop=True)
+    return results
+
+
+def _load_suite():
+    """bench/benchmarks.py imported afresh, so its class is built from the registry now."""
+    spec = importlib.util.spec_from_file_location(
+        "vpipe_asv_suite", ROOT / "bench" / "benchmarks.py"
+    )
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+def test_a_registered_metric_reaches_runs_report_printout_and_asv(toy, tmp_path):
+    spec = SweepSpec(
+        schedules=("interleaved-1f1b", "zbv"), microbatches=(4,), impls=("vpipe",),
+        batch=8, steps=2, rounds=2,
+    )  # fmt: skip
+    results = _sweep_results(spec)
+    res = collect(spec, results, "toy", 1.0)
+    write_outputs(res, tmp_path / "out")
+
+    runs = Store(tmp_path / "out").runs()
+    assert "max_rank_busy_s" in run_columns() and "max_rank_busy_s" in runs.columns
+    measured = runs[runs["source"] == "measured"].set_index("run_id")
+    for cfg in spec.configs():
+        ev = res.events[cfg.run_id("toy")]
+        expected = rank_metrics(ev)["busy_s"].max()
+        assert measured.loc[cfg.run_id("toy"), "max_rank_busy_s"] == pytest.approx(expected)
+    assert runs.loc[runs["source"] == "simulated", "max_rank_busy_s"].isna().all()  # no events
+
+    table = summary_table(res.measured)
+    assert "max busy ms" in table.columns
+    assert list(table.columns).index("max busy ms") == len(table.columns) - 1
+    assert "max busy ms" in (tmp_path / "out" / "report.md").read_text()
+
+    run_id = spec.configs()[0].run_id("toy")
+    text = analyze_report(str(tmp_path / "out"), run=run_id, predict=[])
+    line = next(ln for ln in text.splitlines() if ln.strip().startswith("max rank busy"))
+    assert f"{measured.loc[run_id, 'max_rank_busy_s'] * 1e3:.3f} ms" in line
+
+    suite = _load_suite()
+    assert "track_max_rank_busy_s" in suite.make_tracks()
+    track = suite.PipelineCPU.track_max_rank_busy_s
+    assert track.unit == "seconds"
+    assert track(None, {"zbv/4": {"max_rank_busy_s": 0.5}}, "zbv", 4) == 0.5
+
+
+def test_the_toy_metric_is_gone_once_unregistered():
+    assert "max_rank_busy_s" not in run_columns()
+    assert "max_rank_busy_s" not in _load_suite().make_tracks()
+
+
+def test_asv_suite_keeps_its_tracks_and_units():
+    tracks = {name: m.unit for name, m in _load_suite().make_tracks().items()}
+    assert tracks == {
+        "track_seconds_per_step": "seconds",
+        "track_seconds_per_sample": "seconds",
+        "track_peak_bytes_per_rank": "bytes",
+        "track_bubble_ratio": "ratio",
+    }
+    samples = next(m for m in registry() if m.name == "samples_per_s")
+    assert samples.better == "higher" and samples.asv.value(400.0) == 1 / 400.0
+
+
+def test_sources_in_order_and_derived_metrics():
+    timed = [0.2, 0.1, 0.3, 0.4]
+    row = compute(Inputs(steps=timed, batch=8, tokens_per_sample=16))
+    assert row["step_time_s"] == pytest.approx(0.25)
+    assert row["step_time_q1_s"] == pytest.approx(0.175)
+    assert row["samples_per_s"] == pytest.approx(32) and row["tokens_per_s"] == pytest.approx(512)
+    assert row["bubble_ratio"] is None and row["peak_memory_bytes"] is None  # no source
+    assert row["profiled_step_time_s"] is None  # needs timed and profiled steps both
+    assert compute(Inputs(steps=timed))["samples_per_s"] is None  # no batch
+
+
+def test_registry_rejects_duplicates_and_bad_entries():
+    with pytest.raises(ValueError, match="already registered"):
+        register(registry()[0])
+    with pytest.raises(ValueError, match="unknown source"):
+        Metric("x", "x", "s", "lower", "", {"trace": lambda x: 1.0})
+    with pytest.raises(ValueError, match="reciprocal"):
+        Metric("y", "y", "1/s", "higher", "", {"row": lambda x: 1.0}, asv=Track("y", "1/s"))

@@ -1,0 +1,310 @@
+"""The metric registry: each run-level benchmark metric once, so that the runs table's columns,
+the report's summary table, the ``vpipe analyze`` printout and the asv ``track_`` suite are all
+generated from one list.
+
+A :class:`Metric` names its runs-table column, table label, unit, which way is better, what it
+means, and how to compute it from each source a run may have (:class:`Inputs`):
+
+- ``steps``: the timed steps of a sweep (step times in seconds);
+- ``events``: an event table of profiled steps (measured or simulated alike);
+- ``sim``: a simulation result (:class:`Simulated`);
+- ``memory``: per-rank peak bytes by kind of sample (:func:`vpipe.analysis.peak_memory`);
+- ``simulated``: the metrics of the run's simulation, to set beside the measured ones;
+- ``row``: the metrics computed before it for the same run (throughput, errors).
+
+A metric's ``compute`` maps a source, or a tuple of sources that must all be present, to a
+function of the inputs; :func:`compute` tries them in order and keeps the first value that is
+not None. A metric no source gives is None ("does not apply"); NaN means it applies but is
+undefined (say, a ratio over no busy time). Adding a metric is one :func:`register` call.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Mapping, Sequence
+from dataclasses import dataclass, field
+from functools import cached_property
+from typing import TYPE_CHECKING, Any, Literal
+
+import pandas as pd
+
+from vpipe.analysis import combine_ranks, headline_peak, quartiles, rank_metrics
+
+if TYPE_CHECKING:
+    from vpipe.sim import SimResult
+
+SOURCES = ("steps", "events", "sim", "memory", "simulated", "row")
+
+
+@dataclass(frozen=True)
+class Simulated:
+    """A simulation result and the seconds one of its time units lasts."""
+
+    result: SimResult
+    unit_s: float
+
+    @property
+    def step_time_s(self) -> float:
+        return self.result.makespan * self.unit_s
+
+
+@dataclass
+class Inputs:
+    """What one run's metrics are computed from; any source may be missing (None)."""
+
+    steps: Sequence[float] | None = None
+    events: pd.DataFrame | None = None
+    sim: Simulated | None = None
+    memory: pd.DataFrame | None = None
+    simulated: Mapping[str, Any] | None = None
+    batch: int | None = None
+    tokens_per_sample: int | None = None
+    row: dict[str, Any] = field(default_factory=dict)
+
+    def has(self, source: str | tuple[str, ...]) -> bool:
+        """Whether every named source is present (``row`` always is)."""
+        names = (source,) if isinstance(source, str) else source
+        return all(n == "row" or getattr(self, n) is not None for n in names)
+
+    @cached_property
+    def ranks(self) -> pd.DataFrame:
+        """Per (run, step, rank) figures of the events (:func:`vpipe.analysis.rank_metrics`)."""
+        return rank_metrics(self.events)
+
+    @cached_property
+    def step_frame(self) -> pd.DataFrame:
+        """Per (run, step) figures of the events (:func:`vpipe.analysis.step_metrics`)."""
+        return combine_ranks(self.ranks)
+
+    def step_median(self, column: str) -> float:
+        """Median over the profiled steps of a :attr:`step_frame` column."""
+        return quartiles(self.step_frame[column])[1]
+
+
+@dataclass(frozen=True)
+class Spread:
+    """The interquartile range shown next to a median: the q1 and q3 metrics, and the
+    header of its table column."""
+
+    q1: str
+    q3: str
+    label: str
+
+
+@dataclass(frozen=True)
+class Show:
+    """How report tables and the ``vpipe analyze`` printout show a metric."""
+
+    scale: float = 1.0  # shown value = stored value * scale
+    unit: str = ""  # unit of the shown value
+    digits: int = 2  # decimals in report tables
+    text_digits: int | None = None  # decimals in the printout (default: digits)
+    group: str = ""  # printout line; metrics of one line share it (default: the label)
+    note: str = ""  # printout words after the value
+    spread: Spread | None = None
+    baseline: str = ""  # name of the ratio-to-baseline table column ("thru": "thru vs ...")
+    optional: bool = False  # the table column is left out when no row has a value
+    table: bool = True  # a column of the report's summary table
+    text: bool = True  # a figure of the printout
+
+
+@dataclass(frozen=True)
+class Track:
+    """An asv ``track_<name>`` benchmark of a metric. asv takes lower as better, so a
+    higher-is-better metric is tracked through its reciprocal (``reciprocal=True``)."""
+
+    name: str
+    unit: str
+    reciprocal: bool = False
+
+    def value(self, v: Any) -> Any:
+        """The tracked value of metric value ``v`` (None when missing)."""
+        if v is None or pd.isna(v):
+            return None
+        return 1 / v if self.reciprocal else v
+
+
+@dataclass(frozen=True)
+class Metric:
+    """One metric: its runs-table column ``name`` and how to compute and show it."""
+
+    name: str
+    label: str  # header in report tables
+    unit: str  # unit of the stored values
+    better: Literal["lower", "higher", "zero"]  # "zero": signed, nearer zero is better
+    description: str
+    compute: Mapping[str | tuple[str, ...], Callable[[Inputs], Any]]
+    dtype: str = "Float64"  # pandas dtype of the runs-table column
+    show: Show | None = None  # None: stored, not shown
+    asv: Track | None = None
+
+    def __post_init__(self) -> None:
+        for key in self.compute:
+            names = (key,) if isinstance(key, str) else key
+            if not set(names) <= set(SOURCES):
+                raise ValueError(f"metric {self.name}: unknown source in {key!r}")
+        if self.asv and (self.better == "zero" or self.asv.reciprocal != (self.better == "higher")):
+            raise ValueError(
+                f"metric {self.name}: asv tracks lower-is-better values; track a "
+                "higher-is-better metric through its reciprocal, and no signed one"
+            )
+
+    def value(self, x: Inputs) -> Any:
+        """The first value a present source gives, or None."""
+        for source, fn in self.compute.items():
+            if x.has(source):
+                v = fn(x)
+                if v is not None:
+                    return v
+        return None
+
+
+_REGISTRY: dict[str, Metric] = {}
+
+
+def register(metric: Metric) -> Metric:
+    """Add a metric (after the ones already there); its name must be new."""
+    if metric.name in _REGISTRY:
+        raise ValueError(f"metric {metric.name!r} is already registered")
+    _REGISTRY[metric.name] = metric
+    return metric
+
+
+def unregister(name: str) -> None:
+    """Remove a metric (tests that register toy metrics)."""
+    del _REGISTRY[name]
+
+
+def registry() -> list[Metric]:
+    """The registered metrics, in order: the runs table's, tables' and printout's order."""
+    return list(_REGISTRY.values())
+
+
+def compute(x: Inputs) -> dict[str, Any]:
+    """Every registered metric of one run from its inputs (None where none applies)."""
+    for m in registry():
+        x.row[m.name] = m.value(x)
+    return dict(x.row)
+
+
+# ---------------------------------------------------------------------------------------------
+# The metrics
+
+
+def _per_second(amount: Callable[[Inputs], int | None]) -> Callable[[Inputs], float | None]:
+    """Per-second rate of an amount per step, from the run's step time."""
+
+    def rate(x: Inputs) -> float | None:
+        n, t = amount(x), x.row.get("step_time_s")
+        return n / t if n and t is not None and t > 0 else None
+
+    return rate
+
+
+def _tokens(x: Inputs) -> int | None:
+    return x.batch * x.tokens_per_sample if x.batch and x.tokens_per_sample else None
+
+
+def _sim_error(x: Inputs) -> float | None:
+    sim, measured = x.row.get("sim_step_time_s"), x.row.get("profiled_step_time_s")
+    ok = sim is not None and measured is not None and not pd.isna(measured) and measured != 0
+    return sim / measured - 1 if ok else None
+
+
+def _step_time(i: int) -> dict[str | tuple[str, ...], Callable[[Inputs], Any]]:
+    """Quartile ``i`` (0: q1, 1: median, 2: q3) of the step time, from each source."""
+    return {
+        "steps": lambda x: quartiles(x.steps)[i],
+        "events": lambda x: quartiles(x.step_frame["step_time_s"])[i],
+        "sim": lambda x: x.sim.step_time_s,
+    }
+
+
+_MS = {"scale": 1e3, "unit": "ms"}
+
+BUILTIN = (
+    Metric(
+        "step_time_s", "step ms (median)", "s", "lower",
+        "time of one training step (slowest rank), median over the run's steps: the timed "
+        "steps of a sweep, else the profiled ones, else the simulated step",
+        _step_time(1),
+        show=Show(**_MS, text_digits=3, group="step time", note="median",
+                  spread=Spread("step_time_q1_s", "step_time_q3_s", "step ms IQR")),
+        asv=Track("seconds_per_step", "seconds"),
+    ),
+    Metric("step_time_q1_s", "step ms q1", "s", "lower", "first quartile of the step time",
+           _step_time(0)),
+    Metric("step_time_q3_s", "step ms q3", "s", "lower", "third quartile of the step time",
+           _step_time(2)),
+    Metric(
+        "samples_per_s", "samples/s", "samples/s", "higher",
+        "throughput: samples per step (the batch) over the step time",
+        {"row": _per_second(lambda x: x.batch)},
+        show=Show(unit="samples/s", digits=1, group="throughput", baseline="thru"),
+        asv=Track("seconds_per_sample", "seconds", reciprocal=True),
+    ),
+    Metric(
+        "tokens_per_s", "tokens/s", "tokens/s", "higher",
+        "throughput of token models: batch x tokens per sample over the step time",
+        {"row": _per_second(_tokens)},
+        show=Show(unit="tokens/s", digits=0, group="throughput", optional=True),
+    ),
+    Metric(
+        "peak_memory_bytes", "peak MiB", "bytes", "lower",
+        "peak memory, max over ranks, of the first kind measured among CUDA allocator peak, "
+        "CUDA allocated, CPU allocated, RSS and bytes saved for backward",
+        {"memory": lambda x: headline_peak(x.memory)},
+        dtype="Int64",
+        show=Show(scale=2**-20, unit="MiB", group="peak memory", baseline="mem", text=False),
+        asv=Track("peak_bytes_per_rank", "bytes"),
+    ),
+    Metric(
+        "bubble_ratio", "bubble", "ratio", "lower",
+        "idle / (idle + busy) over each rank's whole step, 1 - total busy / total window over "
+        "ranks; median over steps",
+        {"events": lambda x: x.step_median("bubble_ratio"),
+         "sim": lambda x: x.sim.result.bubble_ratio},
+        show=Show(digits=3, group="bubble ratio", note="whole step"),
+        asv=Track("bubble_ratio", "ratio"),
+    ),
+    Metric(
+        "bubble_ratio_excl_skew", "bubble excl. skew", "ratio", "lower",
+        "the bubble ratio over each rank's span from its first compute start to its last "
+        "compute end (start-up and drain skew not counted)",
+        {"events": lambda x: x.step_median("bubble_ratio_excl_skew"),
+         "sim": lambda x: x.sim.result.bubble_ratio_excl_skew},
+        show=Show(digits=3, group="bubble ratio", note="excluding start-up skew", table=False),
+    ),
+    Metric(
+        "comm_wait_s", "comm wait ms", "s", "lower",
+        "time blocked on communication (WAIT spans), longest rank, median over steps",
+        {"events": lambda x: x.step_median("comm_wait_s")},
+        show=Show(**_MS, digits=3, group="comm wait", note="(longest rank, median step)",
+                  table=False),
+    ),
+    Metric(
+        "profiled_step_time_s", "profiled step ms", "s", "lower",
+        "step time of the profiled steps, next to the timed steps' (profiling costs time)",
+        {("steps", "events"): lambda x: x.step_median("step_time_s")},
+        show=Show(**_MS),
+    ),
+    Metric(
+        "sim_step_time_s", "sim step ms", "s", "lower",
+        "step time the simulator predicts with costs calibrated from the profiled steps",
+        {"simulated": lambda x: x.simulated["step_time_s"]},
+        show=Show(**_MS),
+    ),
+    Metric(
+        "sim_error", "sim err %", "ratio", "zero",
+        "relative error of the simulated step time: simulated / profiled - 1",
+        {"row": _sim_error},
+        show=Show(scale=100, unit="%", digits=1),
+    ),
+    Metric(
+        "peak_activations", "peak activations", "microbatches", "lower",
+        "most microbatch activations a rank holds at once in the simulated schedule",
+        {"sim": lambda x: max(x.sim.result.peak_activations)},
+        dtype="Int64",
+    ),
+)  # fmt: skip
+for _metric in BUILTIN:
+    register(_metric)
