@@ -77,3 +77,32 @@ def test_asv_quick_run_records_a_value(tmp_path):
     result = data["results"][key]
     value = result[0][0] if isinstance(result, list) else result["result"][0]
     assert isinstance(value, float) and 0 < value < 60, res.stdout
+
+
+def test_asv_continuous_builds_both_commits_with_every_dependency(tmp_path):
+    """`asv continuous` as its users run it: asv makes its own virtualenv (torch pinned to the
+    local CPU build, the project installed with all its dependencies), builds and installs two
+    commits and benchmarks both. Fails if the environment lacks a dependency."""
+    rev = subprocess.run(
+        ["git", "rev-parse", "HEAD~1", "HEAD"], cwd=ROOT, capture_output=True, text=True
+    )
+    assert rev.returncode == 0, "asv continuous needs two commits: " + rev.stderr
+    base, tip = rev.stdout.split()
+    machine = _asv(tmp_path, "machine", "--yes", "--machine", "vpipe-test")
+    assert machine.returncode == 0, machine.stdout + machine.stderr
+    res = _asv(
+        tmp_path,
+        "continuous", "--machine", "vpipe-test", "--quick", "--factor", "100",
+        "--bench", r"ZBV64x1024.time_simulate$", base, tip,
+        timeout=1200,
+    )  # fmt: skip
+    out = res.stdout + res.stderr
+    assert res.returncode == 0, out[-4000:]
+    assert "failed" not in out.lower() and "Traceback" not in out, out[-4000:]
+    results = sorted((tmp_path / "results" / "vpipe-test").glob("*.json"))
+    runs = [json.loads(p.read_text()) for p in results if p.name != "machine.json"]
+    assert sorted(r["commit_hash"] for r in runs) == sorted([base, tip])
+    for r in runs:
+        assert r["params"]["torch"] == "2.13.0"
+        value = r["results"]["bench_sim.ZBV64x1024.time_simulate"][0][0]
+        assert isinstance(value, float) and value > 0
