@@ -10,8 +10,9 @@ import vpipe
 
 ROOT = Path(vpipe.__file__).parent
 
-# Lowest layer first: schedule -> lowered program -> runtime or simulator -> events -> Parquet
-# -> analysis -> plots and reports -> sweeps -> commands. A module may import from its own
+# Lowest layer first: schedule -> lowered program -> runtime or simulator -> events (metrics
+# over them) -> Parquet -> calibration and the rank harness -> plots and reports -> sweeps ->
+# commands. A module may import from its own
 # layer and the ones below. The most specific prefix decides.
 LAYERS: list[tuple[str, ...]] = [
     ("vpipe.errors", "vpipe.ir", "vpipe.events", "vpipe.outputs"),
@@ -25,9 +26,11 @@ LAYERS: list[tuple[str, ...]] = [
         "vpipe.models",
         "vpipe.custom_model",
         "vpipe.sim_compare",
+        "vpipe.timing",
     ),
+    ("vpipe.analysis", "vpipe.metrics"),  # pure functions of event tables; the store's columns
     ("vpipe.trace",),
-    ("vpipe.analysis", "vpipe.metrics", "vpipe.calibrate", "vpipe.harness"),
+    ("vpipe.calibrate", "vpipe.harness"),
     ("vpipe.plan", "vpipe.plots", "vpipe.report"),
     ("vpipe.bench", "vpipe.bench_results"),
     ("vpipe.commands", "vpipe.cli", "vpipe.__main__", "vpipe"),

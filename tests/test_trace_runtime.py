@@ -78,3 +78,18 @@ def test_store_and_metrics(profiled, tmp_path):
     assert (measured["peak_memory_bytes"] > 0).all()
     memory = Store(tmp_path).memory(list(measured["run_id"]))
     assert set(memory["what"]) == {"saved_activations"} and set(memory["rank"]) == {0, 1}
+
+
+def test_analyze_predicts_from_a_bench_store(profiled, tmp_path):
+    """`vpipe analyze` calibrates on one config of a bench store (several profiled steps) and
+    predicts the others, judged against their own measured runs in the same store."""
+    from vpipe.commands.trace import analyze_report
+
+    _, res = profiled
+    write_outputs(res, tmp_path)
+    text = analyze_report(
+        str(tmp_path), run=Config("1f1b", 4, "vpipe").run_id(BENCH_ID), predict=["zbv"]
+    )
+    assert "2 profiled steps" in text and "model in 4 pieces" in text
+    row = next(line for line in text.splitlines() if line.strip().startswith("zbv"))
+    assert "nan" not in row.lower()  # the measured zbv run was found and compared

@@ -142,6 +142,8 @@ def collect(
         "backend": spec.backend,
         "ranks": spec.ranks,
         "model": spec.model,
+        "sizes": json.dumps(r0["sizes"], sort_keys=True),  # resolved: vpipe analyze re-splits it
+        "tokens_per_sample": r0["tokens_per_sample"],
         "batch": spec.batch,
         "bench_id": bench_id,
         "threads": r0["threads"],
