@@ -60,6 +60,24 @@ def test_one_compute_row_per_action_per_step(tmp_path):
     assert len(mem) == 2 * 2 * sum(len(p) for p in PROGRAMS)
 
 
+def test_gpu_annotation_copies_are_not_counted_twice(tmp_path):
+    """On CUDA, Kineto repeats every record_function span on a GPU stream
+    (``gpu_user_annotation``): only the CPU-side spans become rows."""
+    write_synthetic_run(tmp_path, PROGRAMS, steps=[3, 4], meta=META, gpu_annotations=True)
+    doc = orjson.loads((tmp_path / "rank0.json").read_bytes())
+    cats = {e["cat"] for e in doc["traceEvents"] if e["name"] in ("PP:0F0", "ProfilerStep#3")}
+    assert cats == {"user_annotation", "gpu_user_annotation"}
+    ev = convert([tmp_path]).events
+    for rank, program in enumerate(PROGRAMS):
+        for step in (3, 4):
+            got = ev[(ev["rank"] == rank) & (ev["step"] == step)]
+            assert list(got.loc[~got["kind"].isin(["WAIT", "other"]), "name"]) == [
+                str(a) for a in program
+            ]
+            assert (got["name"] == "STEP").sum() == 1
+    assert set(ev["step"]) == {3, 4}
+
+
 def test_overlap_action_rows_and_nested_part_spans(tmp_path):
     programs = actions_from_strings([["0F0", "(0F1;1B0)OVERLAP_F_B", "1B1"]])
     doc = synthetic_trace(programs, 0, meta={"run_id": "ov"})

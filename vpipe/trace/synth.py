@@ -3,7 +3,10 @@
 :func:`synthetic_trace` lays out given per-rank action programs back to back on a fake clock,
 with the spans the runtime records (``ProfilerStep#N`` > ``PP:STEP:k`` > ``PP:{action}``, a
 ``PP:WAIT:{recv}`` at the start of each received input's consumer, inside its span), ``ops_per_action`` nested ``aten::`` CPU ops
-per action and a ``[memory]`` instant event per op, as torch.profiler writes them.
+per action and a ``[memory]`` instant event per op, as torch.profiler writes them. With
+``gpu_annotations`` it also has what Kineto adds when CUDA is profiled: a
+``gpu_user_annotation`` copy of every span on a GPU stream (same name, later, on the device's
+clock), which the converter must not count twice.
 
 ``python -m vpipe.trace.synth [--mb 30] [--no-memory]`` writes a ~30 MB two-rank trace to a
 temp directory and prints the end-to-end conversion speed (trace events per second, JSON files
@@ -35,10 +38,12 @@ def synthetic_trace(
     ops_per_action: int = 2,
     wait_us: float = 3.0,
     memory_events: bool = True,
+    gpu_annotations: bool = False,
     meta: Mapping[str, Any] | None = None,
 ) -> dict[str, Any]:
     """The Kineto JSON document of rank ``rank`` running ``programs[rank]`` for ``steps``
-    (with a ``[memory]`` event per op when ``memory_events``, as ``profile_memory=True``)."""
+    (with a ``[memory]`` event per op when ``memory_events``, as ``profile_memory=True``, and
+    GPU-stream copies of the annotation spans when ``gpu_annotations``, as on CUDA)."""
     events: list[dict[str, Any]] = []
     pid = 1000 + rank
     ts = 10_000.0 + 7.0 * rank  # microseconds since baseTimeNanoseconds; ranks skewed a bit
@@ -85,6 +90,13 @@ def synthetic_trace(
         for name, start, dur in body:
             span(name, start, dur)
         ts = t + 2.0
+    if gpu_annotations:  # Kineto's device-side copies of the CPU's record_function ranges
+        events.extend(
+            {**e, "cat": "gpu_user_annotation", "pid": rank, "tid": 7, "ts": e["ts"] + 5.0,
+             "args": {"External id": e["args"]["External id"], "device": rank, "stream": 7}}
+            for e in list(events)
+            if e["cat"] == "user_annotation"
+        )  # fmt: skip
     return {
         "schemaVersion": 1,
         "deviceProperties": [],
