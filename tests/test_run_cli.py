@@ -37,7 +37,7 @@ def test_run_csv_schedule_gpt_with_check_and_profile(tmp_path):
     # status (0: every --check comparison passed) and its files; stdout: the torchrun test
     assert main(["run", *argv, "--check", "--profile", str(prof)]) == 0
     for rank in (0, 1):
-        trace = json.loads((prof / f"rank{rank}.json").read_text())
+        trace = json.loads((prof / f"rank{rank}.pt.trace.json").read_text())
         names = {e.get("name") for e in trace["traceEvents"]}
         assert any(str(n).startswith("PP:") for n in names)
 

@@ -64,7 +64,7 @@ def test_gpu_annotation_copies_are_not_counted_twice(tmp_path):
     """On CUDA, Kineto repeats every record_function span on a GPU stream
     (``gpu_user_annotation``): only the CPU-side spans become rows."""
     write_synthetic_run(tmp_path, PROGRAMS, steps=[3, 4], meta=META, gpu_annotations=True)
-    doc = orjson.loads((tmp_path / "rank0.json").read_bytes())
+    doc = orjson.loads((tmp_path / "rank0.pt.trace.json").read_bytes())
     cats = {e["cat"] for e in doc["traceEvents"] if e["name"] in ("PP:0F0", "ProfilerStep#3")}
     assert cats == {"user_annotation", "gpu_user_annotation"}
     ev = convert([tmp_path]).events
@@ -131,7 +131,7 @@ def test_damaged_trace_is_a_trace_error_naming_the_file(tmp_path, damage):
         doc = orjson.loads(raw)
         next(e for e in doc["traceEvents"] if e["name"] == "PP:0F1").pop("ts")
         path.write_bytes(orjson.dumps(doc))
-    with pytest.raises(TraceError, match=r"rank0\.json") as err:
+    with pytest.raises(TraceError, match=r"rank0\.pt\.trace\.json") as err:
         convert([path])
     if damage == "truncate":
         assert "truncated" in str(err.value) and "line" in str(err.value)
@@ -185,13 +185,13 @@ def test_rank_conflicts_and_missing_files(tmp_path):
     write_synthetic_run(tmp_path / "a", PROGRAMS, meta=META)
     write_synthetic_run(tmp_path / "b", PROGRAMS, meta=META)
     with pytest.raises(TraceError, match="rank 0 also comes from"):
-        convert([tmp_path / "a", tmp_path / "b" / "rank0.json"])
+        convert([tmp_path / "a", tmp_path / "b" / "rank0.pt.trace.json"])
     with pytest.raises(TraceError, match="no such trace file"):
         convert([tmp_path / "nope.json"])
     with pytest.raises(TraceError, match="no trace files"):
         (tmp_path / "empty").mkdir()
         convert([tmp_path / "empty"])
-    assert Path(tmp_path / "a" / "rank1.json").exists()
+    assert Path(tmp_path / "a" / "rank1.pt.trace.json").exists()
 
 
 def test_measured_and_simulated_tables_share_one_schema(tmp_path):

@@ -153,7 +153,7 @@ class RankHarness:
 
     def profiled_step(self, out_dir: str | Path, metadata: Mapping[str, Any]) -> Any:
         """One step under torch.profiler (after one traced warm-up step), written to
-        ``out_dir/rank{R}.json`` and returned as this rank's event table."""
+        ``out_dir/rank{R}.pt.trace.json`` and returned as this rank's event table."""
         import torch.distributed as dist
 
         from vpipe.trace.kineto import convert
@@ -164,10 +164,9 @@ class RankHarness:
                 dist.barrier()
                 self.step()
                 p.step({"activations": self.stats.get("peak_live_activation_bytes")})
-        trace = Path(out_dir) / f"rank{self.rank}.json"
         meta = dict(metadata)
         return convert(
-            [trace], run_id=meta.get("run_id"), impl=meta.get("impl"), schedule=meta.get("schedule")
+            [p.path], run_id=meta.get("run_id"), impl=meta.get("impl"), schedule=meta.get("schedule")
         ).events
 
     def memory_step(self) -> dict[str, Any]:

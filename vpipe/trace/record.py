@@ -1,7 +1,8 @@
 """Record a pipeline run with torch.profiler, one Kineto JSON file per rank.
 
 :class:`StepProfiler` wraps ``torch.profiler.profile`` with a wait/warmup/active schedule and
-writes ``out_dir/rank{rank}.json`` (opens in Perfetto or chrome://tracing). The run metadata
+writes ``out_dir/rank{rank}.pt.trace.json`` (:func:`trace_file_name`: the ``*.pt.trace.json``
+files TensorBoard's profiler plugin looks for; they open in Perfetto too). The run metadata
 (run_id, schedule, impl, ranks, microbatches, model, ...) is embedded in the trace under the
 top-level key ``"vpipe"`` so that :mod:`vpipe.trace.kineto` can label the events without side
 files. Memory figures that the profiler does not record itself (process RSS, the CUDA
@@ -21,6 +22,12 @@ from typing import Any
 
 META_KEY = "vpipe"
 SAMPLES_KEY = "vpipe_samples"
+
+
+def trace_file_name(rank: int) -> str:
+    """The trace file of ``rank``: ``rank{rank}.pt.trace.json``, a name TensorBoard's profiler
+    plugin lists and from which :mod:`vpipe.trace.kineto` reads the rank."""
+    return f"rank{rank}.pt.trace.json"
 
 
 def current_rss_bytes() -> int | None:
@@ -60,7 +67,7 @@ class StepProfiler:
             )
         self.out_dir = None if out_dir is None else Path(out_dir)
         self.rank = rank
-        self.path = None if self.out_dir is None else self.out_dir / f"rank{rank}.json"
+        self.path = None if self.out_dir is None else self.out_dir / trace_file_name(rank)
         self.written = False
         self._window = (wait, warmup, active)
         self._options = dict(

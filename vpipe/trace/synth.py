@@ -25,6 +25,7 @@ from typing import Any
 import orjson
 
 from vpipe.ir import Action, Kind
+from vpipe.trace.record import trace_file_name
 
 _BASE_NS = 1_700_000_000_000_000_000
 _OPS = ("aten::linear", "aten::addmm", "aten::relu", "aten::mm", "aten::add_", "aten::sum")
@@ -111,12 +112,13 @@ def synthetic_trace(
 def write_synthetic_run(
     out_dir: str | Path, programs: Sequence[Sequence[Action]], **kwargs: Any
 ) -> list[Path]:
-    """Write ``rank{r}.json`` for every rank of ``programs``; return the paths."""
+    """Write each rank's trace to ``out_dir`` (named as :class:`~vpipe.trace.record.StepProfiler`
+    names them); return the paths."""
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
     paths = []
     for r in range(len(programs)):
-        path = out / f"rank{r}.json"
+        path = out / trace_file_name(r)
         doc = synthetic_trace(programs, r, **kwargs)
         path.write_bytes(orjson.dumps(doc, option=orjson.OPT_INDENT_2))  # Kineto-like layout
         paths.append(path)
