@@ -140,16 +140,13 @@ class RankHarness:
 
     def timed_step(self) -> float:
         """Seconds of one step on this rank, started together with every rank (barrier) and
-        including the GPU's work."""
-        import torch
+        including the GPU's work (timed by CUDA events on GPUs: :mod:`vpipe.timing`)."""
         import torch.distributed as dist
 
+        from vpipe.timing import step_seconds
+
         dist.barrier()
-        t0 = time.perf_counter()
-        self.step()
-        if self.cuda:
-            torch.cuda.synchronize(self.device)
-        return time.perf_counter() - t0
+        return step_seconds(self.step, self.device)
 
     def profiled_step(self, out_dir: str | Path, metadata: Mapping[str, Any]) -> Any:
         """One step under torch.profiler (after one traced warm-up step), written to
