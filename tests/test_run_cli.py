@@ -4,6 +4,7 @@ import json
 import re
 import shutil
 import subprocess
+import sys
 
 import pytest
 
@@ -40,6 +41,32 @@ def test_run_csv_schedule_gpt_with_check_and_profile(tmp_path):
         trace = json.loads((prof / f"rank{rank}.pt.trace.json").read_text())
         names = {e.get("name") for e in trace["traceEvents"]}
         assert any(str(n).startswith("PP:") for n in names)
+
+
+def test_profiled_run_is_quiet_unless_verbose(tmp_path):
+    """torch's profiler prints ``USDT: ... profiler_start/stop`` from C++ on every rank; a
+    profiled run hides them, ``--verbose`` shows them (real processes: spawned ranks)."""
+    out = {}
+    for flag in ("", "--verbose"):
+        argv = ["zbv", "-p", "2", "-m", "4", "--batch", "8", "--steps", "2", "--sizes", TINY]
+        argv += ["--profile", str(tmp_path / (flag or "quiet"))] + ([flag] if flag else [])
+        r = subprocess.run(
+            [sys.executable, "-m", "vpipe", "run", *argv],
+            capture_output=True,
+            text=True,
+            timeout=180,
+        )
+        assert r.returncode == 0, r.stderr[-3000:]
+        out[flag] = r.stdout + r.stderr
+    assert "USDT" not in out[""], out[""]
+    assert "summary: zbv" in out[""]
+    assert sorted(p.name for p in (tmp_path / "quiet").iterdir()) == [
+        "rank0.pt.trace.json",
+        "rank1.pt.trace.json",
+    ]
+    if "USDT" not in out["--verbose"]:
+        pytest.skip("this torch build prints no USDT lines, so there is nothing to hide")
+    assert out["--verbose"].count("profiler_start") == 2  # one per rank
 
 
 @pytest.mark.skipif(shutil.which("torchrun") is None, reason="torchrun not on PATH")

@@ -66,3 +66,36 @@ def test_trace_is_named_for_tensorboard_and_old_names_still_convert(tmp_path):
     for run in ("new", "old"):
         ev = convert([tmp_path / run]).events
         assert set(ev["rank"]) == {2} and set(ev["name"]) >= {"0F0", "0B0"}
+
+
+CHATTER = b"USDT:2026-01-01 12:00:00 1:1 SyncActivityProfilerHandler.cpp:52] profiler_start\n"
+
+
+def test_filtered_stderr_drops_kineto_chatter_and_keeps_the_rest(capfd):
+    import os
+
+    from vpipe.trace.quiet import filtered_stderr
+
+    with filtered_stderr():
+        os.write(2, CHATTER + b"a real error\n")
+        os.write(2, b"STAGE:2024-01-01 12:00:00 1:1 ActivityProfilerController.cpp:3] Done\n")
+        os.write(2, b"USDT: not kineto's format, kept\nno newline at the end")
+    os.write(2, b"|after")
+    assert capfd.readouterr().err == (
+        "a real error\nUSDT: not kineto's format, kept\nno newline at the end|after"
+    )
+
+
+def test_profiler_chatter_is_hidden_unless_verbose(tmp_path, capfd):
+    """Kineto's ``USDT: ... profiler_start/stop`` lines are C++ writes to fd 2."""
+    printed = {}
+    for verbose in (False, True):
+        with StepProfiler(
+            tmp_path / str(verbose), 0, wait=0, warmup=1, active=1, verbose=verbose
+        ) as prof:
+            _fake_steps(prof, 3)
+        printed[verbose] = capfd.readouterr().err
+    assert "USDT" not in printed[False], printed[False]
+    if "USDT" not in printed[True]:
+        pytest.skip("this torch build prints no USDT lines: nothing to hide")
+    assert "profiler_start" in printed[True]

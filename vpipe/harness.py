@@ -148,15 +148,19 @@ class RankHarness:
         dist.barrier()
         return step_seconds(self.step, self.device)
 
-    def profiled_step(self, out_dir: str | Path, metadata: Mapping[str, Any]) -> Any:
+    def profiled_step(
+        self, out_dir: str | Path, metadata: Mapping[str, Any], *, verbose: bool = False
+    ) -> Any:
         """One step under torch.profiler (after one traced warm-up step), written to
-        ``out_dir/rank{R}.pt.trace.json`` and returned as this rank's event table."""
+        ``out_dir/rank{R}.pt.trace.json`` and returned as this rank's event table; ``verbose``
+        shows the profiler's own stderr lines."""
         import torch.distributed as dist
 
         from vpipe.trace.kineto import convert
         from vpipe.trace.record import StepProfiler
 
-        with StepProfiler(out_dir, self.rank, wait=0, warmup=1, active=1, metadata=metadata) as p:
+        window = {"wait": 0, "warmup": 1, "active": 1}
+        with StepProfiler(out_dir, self.rank, metadata=metadata, verbose=verbose, **window) as p:
             for _ in range(2):
                 dist.barrier()
                 self.step()

@@ -77,6 +77,9 @@ def register(subparsers: argparse._SubParsersAction) -> None:
         help="keep the per-config Kineto traces (Perfetto) under DIR",
     )
     p.add_argument("--out", default="results/latest", help="output directory (default %(default)s)")
+    p.add_argument(
+        "--verbose", action="store_true", help="show the profiler's own USDT/STAGE lines on stderr"
+    )
     p.set_defaults(func=run_bench)
 
     r = subparsers.add_parser(
@@ -144,6 +147,7 @@ def run_bench(args: argparse.Namespace) -> int:
 
     out = Path(args.out)
     spec.trace_dir = args.traces
+    spec.verbose = args.verbose
     bench_id = new_run_id()
     t0 = time.perf_counter()
     results = run_sweep(spec, bench_id)

@@ -47,7 +47,12 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     p.add_argument("--impl", choices=("vpipe", "torch"), default="vpipe")
     p.add_argument("--check", action="store_true", help="compare with the unpipelined reference")
     p.add_argument("--tol", type=float, default=1e-5, help="--check relative tolerance")
-    p.add_argument("--profile", metavar="DIR", help="write per-rank Kineto traces to DIR")
+    p.add_argument(
+        "--profile", metavar="DIR", help="write per-rank Kineto traces to DIR/rank<N>.pt.trace.json"
+    )
+    p.add_argument(
+        "--verbose", action="store_true", help="show the profiler's own USDT/STAGE lines on stderr"
+    )
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--timeout", type=float, default=600.0, help="local job timeout in seconds")
     p.set_defaults(func=run_command)
@@ -63,6 +68,7 @@ class RunConfig:
     tol: float
     profile: str | None
     meta: dict[str, Any] = field(default_factory=dict)
+    verbose: bool = False  # the profiler's trace-point lines on stderr
 
 
 def run_command(args: argparse.Namespace) -> int:
@@ -140,7 +146,9 @@ def build_config(args: argparse.Namespace) -> RunConfig:
         "device": args.device,
         "seed": args.seed,
     }
-    return RunConfig(spec, args.steps, args.check, args.tol, args.profile, meta)
+    return RunConfig(
+        spec, args.steps, args.check, args.tol, args.profile, meta, verbose=args.verbose
+    )
 
 
 def resolve_schedule(args: argparse.Namespace) -> Schedule:
@@ -178,7 +186,7 @@ def run_rank(rank: int, n_ranks: int, cfg: RunConfig) -> dict[str, Any]:
     wait, warmup = int(cfg.steps >= 3), int(cfg.steps >= 2)  # skip shape inference if we can
     active = max(1, min(3, cfg.steps - wait - warmup))
     window = {"wait": wait, "warmup": warmup, "active": active}
-    with StepProfiler(cfg.profile, rank, metadata=cfg.meta, **window) as prof:
+    with StepProfiler(cfg.profile, rank, metadata=cfg.meta, verbose=cfg.verbose, **window) as prof:
         for k in range(cfg.steps):
             slowest = torch.tensor([h.timed_step()], dtype=torch.float64)
             dist.all_reduce(slowest, op=dist.ReduceOp.MAX)
