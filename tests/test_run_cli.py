@@ -140,3 +140,25 @@ def test_parse_sizes():
     assert parse_sizes("") == {}
     with pytest.raises(VpipeError, match="NAME=INT"):
         parse_sizes("d_model=-1")
+
+
+def test_cuda_ranks_share_a_gpu_only_with_gloo(monkeypatch):
+    """NCCL needs one GPU per local rank; with gloo, rank r runs on cuda:(r mod GPUs)."""
+    import torch
+
+    from vpipe.commands.run import check_gpus
+    from vpipe.harness import local_device
+
+    picked = []
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: 1)
+    monkeypatch.setattr(torch.cuda, "set_device", picked.append)
+    monkeypatch.delenv("LOCAL_RANK", raising=False)
+    check_gpus(2, "gloo")
+    with pytest.raises(VpipeError, match="one CUDA device per local rank.*--backend gloo"):
+        check_gpus(2, "nccl")
+    assert [local_device("cuda", r) for r in (0, 1)] == [torch.device("cuda", 0)] * 2
+    assert picked == [0, 0]
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: 0)
+    with pytest.raises(VpipeError, match="no CUDA device"):
+        check_gpus(1, "gloo")

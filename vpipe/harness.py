@@ -85,11 +85,13 @@ def check_torch_placement(schedule: Schedule) -> None:
 
 
 def local_device(kind: str, rank: int) -> Any:
-    """cpu, or this process's GPU: LOCAL_RANK under torchrun, else the rank (local spawn)."""
+    """cpu, or this process's GPU: LOCAL_RANK under torchrun, else the rank (local spawn), modulo
+    the GPUs: with fewer GPUs than local ranks (gloo only) ranks share them, all on cuda:0 with
+    one."""
     import torch
 
     if kind == "cuda":
-        local = int(os.environ.get("LOCAL_RANK", rank))
+        local = int(os.environ.get("LOCAL_RANK", rank)) % max(1, torch.cuda.device_count())
         torch.cuda.set_device(local)
         return torch.device("cuda", local)
     return torch.device("cpu")

@@ -43,7 +43,12 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     p.add_argument("--steps", type=int, default=10, help="training steps (default 10)")
     p.add_argument("--batch", type=int, default=32, help="samples per step (default 32)")
     p.add_argument("--device", choices=("cpu", "cuda"), default="cpu")
-    p.add_argument("--backend", choices=("gloo", "nccl"), help="default: gloo on cpu, nccl on cuda")
+    p.add_argument(
+        "--backend",
+        choices=("gloo", "nccl"),
+        help="default: gloo on cpu, nccl on cuda (one GPU per local rank); with gloo, cuda ranks "
+        "may share GPUs: rank r on cuda:(r mod GPUs), all on cuda:0 with one GPU",
+    )
     p.add_argument("--impl", choices=("vpipe", "torch"), default="vpipe")
     p.add_argument("--check", action="store_true", help="compare with the unpipelined reference")
     p.add_argument("--tol", type=float, default=1e-5, help="--check relative tolerance")
@@ -96,20 +101,25 @@ def run_command(args: argparse.Namespace) -> int:
             dist.destroy_process_group()
         return 0 if result["ok"] else 1
     if cfg.rank.device == "cuda":
-        _check_gpus(n_ranks)
+        check_gpus(n_ranks, cfg.rank.process_backend)
     results = launch.spawn(
         run_rank, n_ranks, cfg, backend=cfg.rank.process_backend, timeout_s=args.timeout
     )
     return 0 if all(r["ok"] for r in results) else 1
 
 
-def _check_gpus(n_ranks: int) -> None:
+def check_gpus(n_ranks: int, backend: str) -> None:
+    """Raise unless this machine can place ``n_ranks`` local CUDA ranks: one GPU each for NCCL
+    (it refuses two ranks on one device); with gloo, ranks share GPUs (see local_device)."""
     import torch
 
     have = torch.cuda.device_count() if torch.cuda.is_available() else 0
-    if have < n_ranks:
+    if have == 0:
+        raise VpipeError("--device cuda but this machine has no CUDA device")
+    if have < n_ranks and backend != "gloo":
         raise VpipeError(
-            f"--device cuda needs one CUDA device per local rank: {n_ranks} ranks, {have} devices"
+            f"--device cuda with {backend} needs one CUDA device per local rank: {n_ranks} "
+            f"ranks, {have} devices (with --backend gloo ranks may share a device)"
         )
 
 
