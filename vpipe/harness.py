@@ -167,9 +167,10 @@ class RankHarness:
                 dist.barrier()
                 self.step()
                 p.step({"activations": self.stats.get("peak_live_activation_bytes")})
+        trace = p.path
         meta = dict(metadata)
         return convert(
-            [p.path], run_id=meta.get("run_id"), impl=meta.get("impl"), schedule=meta.get("schedule")
+            [trace], run_id=meta.get("run_id"), impl=meta.get("impl"), schedule=meta.get("schedule")
         ).events
 
     def memory_step(self) -> dict[str, Any]:

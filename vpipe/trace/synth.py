@@ -5,8 +5,8 @@ with the spans the runtime records (``ProfilerStep#N`` > ``PP:STEP:k`` > ``PP:{a
 ``PP:WAIT:{recv}`` at the start of each received input's consumer, inside its span), ``ops_per_action`` nested ``aten::`` CPU ops
 per action and a ``[memory]`` instant event per op, as torch.profiler writes them. With
 ``gpu_annotations`` it also has what Kineto adds when CUDA is profiled: a
-``gpu_user_annotation`` copy of every span on a GPU stream (same name, later, on the device's
-clock), which the converter must not count twice.
+``gpu_user_annotation`` copy of every span on a GPU stream (same name, a little later), which
+the converter must not count twice.
 
 ``python -m vpipe.trace.synth [--mb 30] [--no-memory]`` writes a ~30 MB two-rank trace to a
 temp directory and prints the end-to-end conversion speed (trace events per second, JSON files
