@@ -1,5 +1,6 @@
-# Two entry points for a fresh machine with only Python: `make bench` and `make test`.
-# Both create .venv (seeing system packages, so an installed torch is reused, never replaced),
+# Two entry points for a fresh machine with only Python: `make bench` and `make test`; and
+# `make gpu-check` for a machine with a GPU (bench/gpu_check.py; without CUDA it says so, exit 2).
+# All create .venv (seeing system packages, so an installed torch is reused, never replaced),
 # install the CPU build torch==2.13.0 only when no torch is importable, then install vpipe.
 PYTHON ?= python3
 VENV ?= .venv
@@ -14,7 +15,7 @@ $(STAMP): pyproject.toml
 	$(PY) -m pip install -q -e ".[test,asv]"
 	touch $(STAMP)
 
-.PHONY: install test bench lint
+.PHONY: install test bench lint gpu-check
 install: $(STAMP)
 
 test: $(STAMP)
@@ -22,6 +23,9 @@ test: $(STAMP)
 
 bench: $(STAMP)
 	$(VENV)/bin/vpipe bench --out results/latest --force
+
+gpu-check: $(STAMP)
+	$(PY) -m bench.gpu_check
 
 lint: $(STAMP)
 	$(PY) -m ruff check vpipe tests bench

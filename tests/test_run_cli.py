@@ -4,6 +4,7 @@ import json
 import re
 import shutil
 import subprocess
+import sys
 
 import pytest
 
@@ -37,9 +38,35 @@ def test_run_csv_schedule_gpt_with_check_and_profile(tmp_path):
     # status (0: every --check comparison passed) and its files; stdout: the torchrun test
     assert main(["run", *argv, "--check", "--profile", str(prof)]) == 0
     for rank in (0, 1):
-        trace = json.loads((prof / f"rank{rank}.json").read_text())
+        trace = json.loads((prof / f"rank{rank}.pt.trace.json").read_text())
         names = {e.get("name") for e in trace["traceEvents"]}
         assert any(str(n).startswith("PP:") for n in names)
+
+
+def test_profiled_run_is_quiet_unless_verbose(tmp_path):
+    """torch's profiler prints ``USDT: ... profiler_start/stop`` from C++ on every rank; a
+    profiled run hides them, ``--verbose`` shows them (real processes: spawned ranks)."""
+    out = {}
+    for flag in ("", "--verbose"):
+        argv = ["zbv", "-p", "2", "-m", "4", "--batch", "8", "--steps", "2", "--sizes", TINY]
+        argv += ["--profile", str(tmp_path / (flag or "quiet"))] + ([flag] if flag else [])
+        r = subprocess.run(
+            [sys.executable, "-m", "vpipe", "run", *argv],
+            capture_output=True,
+            text=True,
+            timeout=180,
+        )
+        assert r.returncode == 0, r.stderr[-3000:]
+        out[flag] = r.stdout + r.stderr
+    assert "USDT" not in out[""], out[""]
+    assert "summary: zbv" in out[""]
+    assert sorted(p.name for p in (tmp_path / "quiet").iterdir()) == [
+        "rank0.pt.trace.json",
+        "rank1.pt.trace.json",
+    ]
+    if "USDT" not in out["--verbose"]:
+        pytest.skip("this torch build prints no USDT lines, so there is nothing to hide")
+    assert out["--verbose"].count("profiler_start") == 2  # one per rank
 
 
 @pytest.mark.skipif(shutil.which("torchrun") is None, reason="torchrun not on PATH")
@@ -113,3 +140,25 @@ def test_parse_sizes():
     assert parse_sizes("") == {}
     with pytest.raises(VpipeError, match="NAME=INT"):
         parse_sizes("d_model=-1")
+
+
+def test_cuda_ranks_share_a_gpu_only_with_gloo(monkeypatch):
+    """NCCL needs one GPU per local rank; with gloo, rank r runs on cuda:(r mod GPUs)."""
+    import torch
+
+    from vpipe.commands.run import check_gpus
+    from vpipe.harness import local_device
+
+    picked = []
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: 1)
+    monkeypatch.setattr(torch.cuda, "set_device", picked.append)
+    monkeypatch.delenv("LOCAL_RANK", raising=False)
+    check_gpus(2, "gloo")
+    with pytest.raises(VpipeError, match="one CUDA device per local rank.*--backend gloo"):
+        check_gpus(2, "nccl")
+    assert [local_device("cuda", r) for r in (0, 1)] == [torch.device("cuda", 0)] * 2
+    assert picked == [0, 0]
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: 0)
+    with pytest.raises(VpipeError, match="no CUDA device"):
+        check_gpus(1, "gloo")

@@ -60,6 +60,24 @@ def test_one_compute_row_per_action_per_step(tmp_path):
     assert len(mem) == 2 * 2 * sum(len(p) for p in PROGRAMS)
 
 
+def test_gpu_annotation_copies_are_not_counted_twice(tmp_path):
+    """On CUDA, Kineto repeats every record_function span on a GPU stream
+    (``gpu_user_annotation``): only the CPU-side spans become rows."""
+    write_synthetic_run(tmp_path, PROGRAMS, steps=[3, 4], meta=META, gpu_annotations=True)
+    doc = orjson.loads((tmp_path / "rank0.pt.trace.json").read_bytes())
+    cats = {e["cat"] for e in doc["traceEvents"] if e["name"] in ("PP:0F0", "ProfilerStep#3")}
+    assert cats == {"user_annotation", "gpu_user_annotation"}
+    ev = convert([tmp_path]).events
+    for rank, program in enumerate(PROGRAMS):
+        for step in (3, 4):
+            got = ev[(ev["rank"] == rank) & (ev["step"] == step)]
+            assert list(got.loc[~got["kind"].isin(["WAIT", "other"]), "name"]) == [
+                str(a) for a in program
+            ]
+            assert (got["name"] == "STEP").sum() == 1
+    assert set(ev["step"]) == {3, 4}
+
+
 def test_overlap_action_rows_and_nested_part_spans(tmp_path):
     programs = actions_from_strings([["0F0", "(0F1;1B0)OVERLAP_F_B", "1B1"]])
     doc = synthetic_trace(programs, 0, meta={"run_id": "ov"})
@@ -113,7 +131,7 @@ def test_damaged_trace_is_a_trace_error_naming_the_file(tmp_path, damage):
         doc = orjson.loads(raw)
         next(e for e in doc["traceEvents"] if e["name"] == "PP:0F1").pop("ts")
         path.write_bytes(orjson.dumps(doc))
-    with pytest.raises(TraceError, match=r"rank0\.json") as err:
+    with pytest.raises(TraceError, match=r"rank0\.pt\.trace\.json") as err:
         convert([path])
     if damage == "truncate":
         assert "truncated" in str(err.value) and "line" in str(err.value)
@@ -167,13 +185,13 @@ def test_rank_conflicts_and_missing_files(tmp_path):
     write_synthetic_run(tmp_path / "a", PROGRAMS, meta=META)
     write_synthetic_run(tmp_path / "b", PROGRAMS, meta=META)
     with pytest.raises(TraceError, match="rank 0 also comes from"):
-        convert([tmp_path / "a", tmp_path / "b" / "rank0.json"])
+        convert([tmp_path / "a", tmp_path / "b" / "rank0.pt.trace.json"])
     with pytest.raises(TraceError, match="no such trace file"):
         convert([tmp_path / "nope.json"])
     with pytest.raises(TraceError, match="no trace files"):
         (tmp_path / "empty").mkdir()
         convert([tmp_path / "empty"])
-    assert Path(tmp_path / "a" / "rank1.json").exists()
+    assert Path(tmp_path / "a" / "rank1.pt.trace.json").exists()
 
 
 def test_measured_and_simulated_tables_share_one_schema(tmp_path):

@@ -26,7 +26,7 @@ def test_writes_trace_with_metadata_and_samples(tmp_path):
     with StepProfiler(tmp_path, 1, wait=1, warmup=1, active=2, metadata=meta) as prof:
         _fake_steps(prof, 6)
     assert prof.written
-    trace = json.loads((tmp_path / "rank1.json").read_text())
+    trace = json.loads((tmp_path / "rank1.pt.trace.json").read_text())
     assert trace["vpipe"]["run_id"] == "r1" and trace["vpipe"]["rank"] == 1
     steps = sorted({s["step"] for s in trace["vpipe_samples"]})
     assert steps == [2, 3]  # only the active window is sampled
@@ -45,4 +45,57 @@ def test_none_is_noop_and_short_run_warns(tmp_path):
     with pytest.warns(UserWarning, match="no profiler trace written"):
         with StepProfiler(tmp_path, 0, wait=1, warmup=1, active=1) as prof:
             prof.step()
-    assert not (tmp_path / "rank0.json").exists()
+    assert not list(tmp_path.iterdir())
+
+
+def test_trace_is_named_for_tensorboard_and_old_names_still_convert(tmp_path):
+    """``rank{N}.pt.trace.json`` (TensorBoard's profiler plugin lists ``*.pt.trace.json``);
+    the converter reads the rank from that name, and from the old ``rank{N}.json``."""
+    from vpipe.trace.kineto import convert
+
+    with StepProfiler(tmp_path / "new", 2, wait=0, warmup=1, active=1) as prof:
+        _fake_steps(prof, 2)
+    path = tmp_path / "new" / "rank2.pt.trace.json"
+    assert [p.name for p in path.parent.iterdir()] == [path.name]
+    doc = json.loads(path.read_text())
+    doc.pop("vpipe")  # no rank in the metadata: the file name tells it
+    doc.pop("distributedInfo", None)
+    path.write_text(json.dumps(doc))
+    (tmp_path / "old").mkdir()
+    (tmp_path / "old" / "rank2.json").write_text(json.dumps(doc))
+    for run in ("new", "old"):
+        ev = convert([tmp_path / run]).events
+        assert set(ev["rank"]) == {2} and set(ev["name"]) >= {"0F0", "0B0"}
+
+
+CHATTER = b"USDT:2026-01-01 12:00:00 1:1 SyncActivityProfilerHandler.cpp:52] profiler_start\n"
+
+
+def test_filtered_stderr_drops_kineto_chatter_and_keeps_the_rest(capfd):
+    import os
+
+    from vpipe.trace.quiet import filtered_stderr
+
+    with filtered_stderr():
+        os.write(2, CHATTER + b"a real error\n")
+        os.write(2, b"STAGE:2024-01-01 12:00:00 1:1 ActivityProfilerController.cpp:3] Done\n")
+        os.write(2, b"USDT: not kineto's format, kept\nno newline at the end")
+    os.write(2, b"|after")
+    assert capfd.readouterr().err == (
+        "a real error\nUSDT: not kineto's format, kept\nno newline at the end|after"
+    )
+
+
+def test_profiler_chatter_is_hidden_unless_verbose(tmp_path, capfd):
+    """Kineto's ``USDT: ... profiler_start/stop`` lines are C++ writes to fd 2."""
+    printed = {}
+    for verbose in (False, True):
+        with StepProfiler(
+            tmp_path / str(verbose), 0, wait=0, warmup=1, active=1, verbose=verbose
+        ) as prof:
+            _fake_steps(prof, 3)
+        printed[verbose] = capfd.readouterr().err
+    assert "USDT" not in printed[False], printed[False]
+    if "USDT" not in printed[True]:
+        pytest.skip("this torch build prints no USDT lines: nothing to hide")
+    assert "profiler_start" in printed[True]

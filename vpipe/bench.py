@@ -78,6 +78,7 @@ class SweepSpec:
     seed: int = 0
     trace_dir: str | None = None
     progress: bool = True
+    verbose: bool = False  # the profiler's trace-point lines on stderr
 
     def __post_init__(self) -> None:
         self.schedules = tuple(catalogue.canonical(s) for s in self.schedules)
@@ -259,7 +260,8 @@ def rank_worker(
         for r in range(profile_rounds):  # interleaved, like the timed rounds
             for cfg, h in zip(configs, harnesses, strict=True):
                 out = Path(spec.trace_dir) / cfg.key / f"round{r}"
-                traced[cfg.key].append(h.profiled_step(out, _trace_meta(spec, cfg, h, run_id)))
+                meta = _trace_meta(spec, cfg, h, run_id)
+                traced[cfg.key].append(h.profiled_step(out, meta, verbose=spec.verbose))
                 progress.advance(f"profile {r + 1}/{profile_rounds} {cfg.key}")
         events = {k: pd.concat(v, ignore_index=True) for k, v in traced.items() if v}
         memory = {}

@@ -87,11 +87,13 @@ def check_torch_placement(schedule: Schedule) -> None:
 
 
 def local_device(kind: str, rank: int) -> Any:
-    """cpu, or this process's GPU: LOCAL_RANK under torchrun, else the rank (local spawn)."""
+    """cpu, or this process's GPU: LOCAL_RANK under torchrun, else the rank (local spawn), modulo
+    the GPUs: with fewer GPUs than local ranks (gloo only) ranks share them, all on cuda:0 with
+    one."""
     import torch
 
     if kind == "cuda":
-        local = int(os.environ.get("LOCAL_RANK", rank))
+        local = int(os.environ.get("LOCAL_RANK", rank)) % max(1, torch.cuda.device_count())
         torch.cuda.set_device(local)
         return torch.device("cuda", local)
     return torch.device("cpu")
@@ -142,31 +144,32 @@ class RankHarness:
 
     def timed_step(self) -> float:
         """Seconds of one step on this rank, started together with every rank (barrier) and
-        including the GPU's work."""
-        import torch
+        including the GPU's work (timed by CUDA events on GPUs: :mod:`vpipe.timing`)."""
         import torch.distributed as dist
 
-        dist.barrier()
-        t0 = time.perf_counter()
-        self.step()
-        if self.cuda:
-            torch.cuda.synchronize(self.device)
-        return time.perf_counter() - t0
+        from vpipe.timing import step_seconds
 
-    def profiled_step(self, out_dir: str | Path, metadata: Mapping[str, Any]) -> Any:
+        dist.barrier()
+        return step_seconds(self.step, self.device)
+
+    def profiled_step(
+        self, out_dir: str | Path, metadata: Mapping[str, Any], *, verbose: bool = False
+    ) -> Any:
         """One step under torch.profiler (after one traced warm-up step), written to
-        ``out_dir/rank{R}.json`` and returned as this rank's event table."""
+        ``out_dir/rank{R}.pt.trace.json`` and returned as this rank's event table; ``verbose``
+        shows the profiler's own stderr lines."""
         import torch.distributed as dist
 
         from vpipe.trace.kineto import convert
         from vpipe.trace.record import StepProfiler
 
-        with StepProfiler(out_dir, self.rank, wait=0, warmup=1, active=1, metadata=metadata) as p:
+        window = {"wait": 0, "warmup": 1, "active": 1}
+        with StepProfiler(out_dir, self.rank, metadata=metadata, verbose=verbose, **window) as p:
             for _ in range(2):
                 dist.barrier()
                 self.step()
                 p.step({"activations": self.stats.get("peak_live_activation_bytes")})
-        trace = Path(out_dir) / f"rank{self.rank}.json"
+        trace = p.path
         meta = dict(metadata)
         return convert(
             [trace], run_id=meta.get("run_id"), impl=meta.get("impl"), schedule=meta.get("schedule")

@@ -10,6 +10,8 @@ import os
 import tempfile
 from pathlib import Path
 
+from vpipe.trace.record import trace_file_name
+
 P, M, D = 2, 4, 16
 OUT = Path(__file__).parent / "torch_zbv"
 
@@ -53,7 +55,7 @@ if __name__ == "__main__":
         )
         OUT.mkdir(exist_ok=True)
         for r in range(P):
-            raw = (Path(tmp) / f"rank{r}.json").read_bytes()
+            raw = (Path(tmp) / trace_file_name(r)).read_bytes()
             json.loads(raw)  # a complete trace
             (OUT / f"rank{r}.json.gz").write_bytes(gzip.compress(raw, 9))
     print(*(f"{p}: {p.stat().st_size} bytes" for p in sorted(OUT.iterdir())), sep="\n")

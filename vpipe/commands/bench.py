@@ -92,6 +92,9 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     keep.add_argument(
         "--force", action="store_true", help="replace what --out holds once the sweep is done"
     )
+    p.add_argument(
+        "--verbose", action="store_true", help="show the profiler's own USDT/STAGE lines on stderr"
+    )
     p.set_defaults(func=run_bench)
 
     r = subparsers.add_parser(
@@ -152,6 +155,7 @@ def run_bench(args: argparse.Namespace) -> int:
 
     out = check_output_dir(args.out, append=args.append, force=args.force)
     spec.trace_dir = args.traces
+    spec.verbose = args.verbose
     bench_id = new_run_id()
     t0 = time.perf_counter()
     results = run_sweep(spec, bench_id)

@@ -46,11 +46,21 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     p.add_argument("--steps", type=int, default=10, help="training steps (default 10)")
     p.add_argument("--batch", type=int, default=32, help="samples per step (default 32)")
     p.add_argument("--device", choices=("cpu", "cuda"), default="cpu")
-    p.add_argument("--backend", choices=("gloo", "nccl"), help="default: gloo on cpu, nccl on cuda")
+    p.add_argument(
+        "--backend",
+        choices=("gloo", "nccl"),
+        help="default: gloo on cpu, nccl on cuda (one GPU per local rank); with gloo, cuda ranks "
+        "may share GPUs: rank r on cuda:(r mod GPUs), all on cuda:0 with one GPU",
+    )
     p.add_argument("--impl", choices=("vpipe", "torch"), default="vpipe")
     p.add_argument("--check", action="store_true", help="compare with the unpipelined reference")
     p.add_argument("--tol", type=float, default=1e-5, help="--check relative tolerance")
-    p.add_argument("--profile", metavar="DIR", help="write per-rank Kineto traces to DIR")
+    p.add_argument(
+        "--profile", metavar="DIR", help="write per-rank Kineto traces to DIR/rank<N>.pt.trace.json"
+    )
+    p.add_argument(
+        "--verbose", action="store_true", help="show the profiler's own USDT/STAGE lines on stderr"
+    )
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--timeout", type=float, default=600.0, help="local job timeout in seconds")
     p.set_defaults(func=run_command)
@@ -66,6 +76,7 @@ class RunConfig:
     tol: float
     profile: str | None
     meta: dict[str, Any] = field(default_factory=dict)
+    verbose: bool = False  # the profiler's trace-point lines on stderr
 
 
 def run_command(args: argparse.Namespace) -> int:
@@ -93,20 +104,25 @@ def run_command(args: argparse.Namespace) -> int:
             dist.destroy_process_group()
         return 0 if result["ok"] else 1
     if cfg.rank.device == "cuda":
-        _check_gpus(n_ranks)
+        check_gpus(n_ranks, cfg.rank.process_backend)
     results = launch.spawn(
         run_rank, n_ranks, cfg, backend=cfg.rank.process_backend, timeout_s=args.timeout
     )
     return 0 if all(r["ok"] for r in results) else 1
 
 
-def _check_gpus(n_ranks: int) -> None:
+def check_gpus(n_ranks: int, backend: str) -> None:
+    """Raise unless this machine can place ``n_ranks`` local CUDA ranks: one GPU each for NCCL
+    (it refuses two ranks on one device); with gloo, ranks share GPUs (see local_device)."""
     import torch
 
     have = torch.cuda.device_count() if torch.cuda.is_available() else 0
-    if have < n_ranks:
+    if have == 0:
+        raise VpipeError("--device cuda but this machine has no CUDA device")
+    if have < n_ranks and backend != "gloo":
         raise VpipeError(
-            f"--device cuda needs one CUDA device per local rank: {n_ranks} ranks, {have} devices"
+            f"--device cuda with {backend} needs one CUDA device per local rank: {n_ranks} "
+            f"ranks, {have} devices (with --backend gloo ranks may share a device)"
         )
 
 
@@ -144,7 +160,9 @@ def build_config(args: argparse.Namespace) -> RunConfig:
         "device": args.device,
         "seed": args.seed,
     }
-    return RunConfig(spec, args.steps, args.check, args.tol, args.profile, meta)
+    return RunConfig(
+        spec, args.steps, args.check, args.tol, args.profile, meta, verbose=args.verbose
+    )
 
 
 def resolve_schedule(args: argparse.Namespace) -> Schedule:
@@ -180,7 +198,7 @@ def run_rank(rank: int, n_ranks: int, cfg: RunConfig) -> dict[str, Any]:
     wait, warmup = int(cfg.steps >= 3), int(cfg.steps >= 2)  # skip shape inference if we can
     active = max(1, min(3, cfg.steps - wait - warmup))
     window = {"wait": wait, "warmup": warmup, "active": active}
-    with StepProfiler(cfg.profile, rank, metadata=cfg.meta, **window) as prof:
+    with StepProfiler(cfg.profile, rank, metadata=cfg.meta, verbose=cfg.verbose, **window) as prof:
         for k in range(cfg.steps):
             slowest = torch.tensor([h.timed_step()], dtype=torch.float64)
             dist.all_reduce(slowest, op=dist.ReduceOp.MAX)

@@ -18,6 +18,9 @@ What becomes a row of the event table (:mod:`vpipe.events` schema, ``source="mea
   per rank; rows outside every step span are dropped. A trace with neither is one step, 0.
 - Other ``PP:`` spans (e.g. torch's ``PP:0UNSHARD``): ``kind="other"``, stage/microbatch -1.
 
+Only CPU-side spans count: on CUDA, Kineto also writes a ``gpu_user_annotation`` copy of each
+span on a GPU stream (same name), which is skipped.
+
 Times are wall-clock nanoseconds (Kineto's ``baseTimeNanoseconds`` + ``ts``), comparable across
 the ranks of one host. The rank comes from vpipe's embedded metadata, else the trace's
 ``distributedInfo``, else a ``rank<N>`` file name.

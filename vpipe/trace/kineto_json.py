@@ -48,6 +48,9 @@ _MEMORY_EVENTS = pa.schema(
         )
     ]
 )
+# Kineto's device-side copy of a record_function range (on CUDA): the same name on a GPU stream.
+# Only the CPU-side span (``user_annotation``) is read, so an action is never counted twice.
+_GPU_COPY = "gpu_user_annotation"
 _SPAN_NAME = re.compile(rb'"name"\s*:\s*"(PP:|ProfilerStep#)')
 _OBJECT_TAIL = re.compile(rb"[^{}]*(?:\{[^{}]*\}[^{}]*)*\}")
 
@@ -57,7 +60,8 @@ class RawTrace:
     """What vpipe needs from one trace file."""
 
     header: dict[str, Any]  # the top-level keys except traceEvents
-    spans: dict[str, list]  # name, ts, dur (microseconds) of complete PP: / ProfilerStep# spans
+    spans: dict[str, list]  # name, ts, dur (microseconds) of complete CPU-side PP: /
+    # ProfilerStep# spans (not their GPU-stream copies)
     memory: dict[str, np.ndarray]  # ts, alloc, reserved, device of [memory] events
     n_events: int  # events in the file (for speed figures)
 
@@ -114,7 +118,7 @@ def _pick(events: list[tuple[int, dict]], path: Path) -> tuple[dict[str, list], 
                 mem["alloc"].append(int(a.get("Total Allocated", 0)))
                 mem["reserved"].append(int(a.get("Total Reserved", 0)))
                 mem["device"].append(int(a.get("Device Type", 0)))
-            elif e.get("ph") == "X":
+            elif e.get("ph") == "X" and e.get("cat") != _GPU_COPY:
                 spans["name"].append(name)
                 spans["ts"].append(float(e["ts"]))
                 spans["dur"].append(float(e["dur"]))

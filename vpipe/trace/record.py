@@ -1,12 +1,15 @@
 """Record a pipeline run with torch.profiler, one Kineto JSON file per rank.
 
 :class:`StepProfiler` wraps ``torch.profiler.profile`` with a wait/warmup/active schedule and
-writes ``out_dir/rank{rank}.json`` (opens in Perfetto or chrome://tracing). The run metadata
+writes ``out_dir/rank{rank}.pt.trace.json`` (:func:`trace_file_name`: the ``*.pt.trace.json``
+files TensorBoard's profiler plugin looks for; they open in Perfetto too). The run metadata
 (run_id, schedule, impl, ranks, microbatches, model, ...) is embedded in the trace under the
 top-level key ``"vpipe"`` so that :mod:`vpipe.trace.kineto` can label the events without side
 files. Memory figures that the profiler does not record itself (process RSS, the CUDA
 allocator's per-step peak, the runtime's live-activation bytes) are sampled after every active
 step and embedded under ``"vpipe_samples"``, with wall-clock times on the trace's own clock.
+The profiler's own trace-point lines on stderr are filtered out unless ``verbose``
+(:mod:`vpipe.trace.quiet`).
 """
 
 from __future__ import annotations
@@ -16,11 +19,20 @@ import os
 import time
 import warnings
 from collections.abc import Mapping
+from contextlib import AbstractContextManager, nullcontext
 from pathlib import Path
 from typing import Any
 
+from vpipe.trace.quiet import filtered_stderr
+
 META_KEY = "vpipe"
 SAMPLES_KEY = "vpipe_samples"
+
+
+def trace_file_name(rank: int) -> str:
+    """The trace file of ``rank``: ``rank{rank}.pt.trace.json``, a name TensorBoard's profiler
+    plugin lists and from which :mod:`vpipe.trace.kineto` reads the rank."""
+    return f"rank{rank}.pt.trace.json"
 
 
 def current_rss_bytes() -> int | None:
@@ -39,6 +51,7 @@ class StepProfiler:
     ``wait`` steps are skipped, ``warmup`` steps are traced and discarded, ``active`` steps are
     recorded; the trace is written when the active window closes (or at exit, if the run ends
     inside it). With ``out_dir=None`` every method is a no-op, so callers need no branches.
+    ``verbose`` lets the profiler's trace-point lines (``USDT: ... profiler_start``) through.
     """
 
     def __init__(
@@ -53,6 +66,7 @@ class StepProfiler:
         profile_memory: bool = False,
         with_stack: bool = False,
         metadata: Mapping[str, Any] | None = None,
+        verbose: bool = False,
     ) -> None:
         if min(wait, warmup) < 0 or active < 1:
             raise ValueError(
@@ -60,8 +74,9 @@ class StepProfiler:
             )
         self.out_dir = None if out_dir is None else Path(out_dir)
         self.rank = rank
-        self.path = None if self.out_dir is None else self.out_dir / f"rank{rank}.json"
+        self.path = None if self.out_dir is None else self.out_dir / trace_file_name(rank)
         self.written = False
+        self.verbose = verbose
         self._window = (wait, warmup, active)
         self._options = dict(
             record_shapes=record_shapes, profile_memory=profile_memory, with_stack=with_stack
@@ -100,7 +115,8 @@ class StepProfiler:
             **self._options,
         )
         self._prof.preset_metadata_json(META_KEY, json.dumps(self._meta, default=str))
-        self._prof.start()
+        with self._quiet():
+            self._prof.start()
         return self
 
     def step(self, memory: Mapping[str, int] | None = None) -> None:
@@ -115,7 +131,11 @@ class StepProfiler:
             self._sample(memory or {})
             self._prof.add_metadata_json(SAMPLES_KEY, json.dumps(self._samples))
         self._steps += 1
-        self._prof.step()
+        with self._quiet():  # trace windows open and close (and the trace is written) in here
+            self._prof.step()
+
+    def _quiet(self) -> AbstractContextManager[None]:
+        return nullcontext() if self.verbose else filtered_stderr()
 
     def _sample(self, memory: Mapping[str, int]) -> None:
         t_ns = time.time_ns()  # Kineto's clock: baseTimeNanoseconds + ts is wall-clock ns
@@ -142,7 +162,8 @@ class StepProfiler:
         if self._prof is None:
             return
         prof, self._prof = self._prof, None
-        prof.stop()
+        with self._quiet():
+            prof.stop()
         if not self.written and exc[0] is None:
             wait, warmup, _ = self._window
             warnings.warn(

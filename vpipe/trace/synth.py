@@ -3,7 +3,10 @@
 :func:`synthetic_trace` lays out given per-rank action programs back to back on a fake clock,
 with the spans the runtime records (``ProfilerStep#N`` > ``PP:STEP:k`` > ``PP:{action}``, a
 ``PP:WAIT:{recv}`` at the start of each received input's consumer, inside its span), ``ops_per_action`` nested ``aten::`` CPU ops
-per action and a ``[memory]`` instant event per op, as torch.profiler writes them.
+per action and a ``[memory]`` instant event per op, as torch.profiler writes them. With
+``gpu_annotations`` it also has what Kineto adds when CUDA is profiled: a
+``gpu_user_annotation`` copy of every span on a GPU stream (same name, a little later), which
+the converter must not count twice.
 
 ``python -m vpipe.trace.synth [--mb 30] [--no-memory]`` writes a ~30 MB two-rank trace to a
 temp directory and prints the end-to-end conversion speed (trace events per second, JSON files
@@ -22,6 +25,7 @@ from typing import Any
 import orjson
 
 from vpipe.ir import Action, Kind
+from vpipe.trace.record import trace_file_name
 
 _BASE_NS = 1_700_000_000_000_000_000
 _OPS = ("aten::linear", "aten::addmm", "aten::relu", "aten::mm", "aten::add_", "aten::sum")
@@ -35,10 +39,12 @@ def synthetic_trace(
     ops_per_action: int = 2,
     wait_us: float = 3.0,
     memory_events: bool = True,
+    gpu_annotations: bool = False,
     meta: Mapping[str, Any] | None = None,
 ) -> dict[str, Any]:
     """The Kineto JSON document of rank ``rank`` running ``programs[rank]`` for ``steps``
-    (with a ``[memory]`` event per op when ``memory_events``, as ``profile_memory=True``)."""
+    (with a ``[memory]`` event per op when ``memory_events``, as ``profile_memory=True``, and
+    GPU-stream copies of the annotation spans when ``gpu_annotations``, as on CUDA)."""
     events: list[dict[str, Any]] = []
     pid = 1000 + rank
     ts = 10_000.0 + 7.0 * rank  # microseconds since baseTimeNanoseconds; ranks skewed a bit
@@ -85,6 +91,13 @@ def synthetic_trace(
         for name, start, dur in body:
             span(name, start, dur)
         ts = t + 2.0
+    if gpu_annotations:  # Kineto's device-side copies of the CPU's record_function ranges
+        events.extend(
+            {**e, "cat": "gpu_user_annotation", "pid": rank, "tid": 7, "ts": e["ts"] + 5.0,
+             "args": {"External id": e["args"]["External id"], "device": rank, "stream": 7}}
+            for e in list(events)
+            if e["cat"] == "user_annotation"
+        )  # fmt: skip
     return {
         "schemaVersion": 1,
         "deviceProperties": [],
@@ -99,12 +112,13 @@ def synthetic_trace(
 def write_synthetic_run(
     out_dir: str | Path, programs: Sequence[Sequence[Action]], **kwargs: Any
 ) -> list[Path]:
-    """Write ``rank{r}.json`` for every rank of ``programs``; return the paths."""
+    """Write each rank's trace to ``out_dir`` (named as :class:`~vpipe.trace.record.StepProfiler`
+    names them); return the paths."""
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
     paths = []
     for r in range(len(programs)):
-        path = out / f"rank{r}.json"
+        path = out / trace_file_name(r)
         doc = synthetic_trace(programs, r, **kwargs)
         path.write_bytes(orjson.dumps(doc, option=orjson.OPT_INDENT_2))  # Kineto-like layout
         paths.append(path)

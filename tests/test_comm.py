@@ -1,0 +1,59 @@
+"""P2P over gloo with GPU tensors goes through host copies (gloo moves host memory only); here
+against a stand-in process group, so it runs without a GPU."""
+
+import torch
+
+from vpipe.runtime.comm import P2P
+
+
+class _Work:
+    def __init__(self, on_wait=None):
+        self.on_wait, self.done = on_wait, False
+
+    def wait(self):
+        if self.on_wait is not None and not self.done:
+            self.on_wait()
+        self.done = True
+        return True
+
+    def is_completed(self):
+        return self.done
+
+
+class _Group:
+    """Records posted operations; a receive fills its buffer with 7s when waited for."""
+
+    def __init__(self, backend: str):
+        self.backend, self.posted = backend, []
+
+    def _get_backend(self, device):
+        name, coalesce = self.backend, self.backend == "nccl"
+        return type("B", (), {"name": lambda self: name, "supports_coalescing": coalesce})()
+
+    def send(self, tensors, peer, tag):
+        self.posted.append(("send", tensors[0]))
+        return _Work()
+
+    def recv(self, tensors, peer, tag):
+        self.posted.append(("recv", tensors[0]))
+        return _Work(lambda: tensors[0].fill_(7.0))
+
+
+def test_gloo_with_gpu_tensors_receives_into_a_host_buffer():
+    assert not P2P(_Group("gloo"), torch.device("cpu")).via_host
+    assert not P2P(_Group("nccl"), torch.device("cuda", 0)).via_host
+    group = _Group("gloo")
+    p2p = P2P(group, torch.device("cuda", 0))
+    assert p2p.via_host
+    dst = torch.zeros(3)  # stands for the device tensor
+    p2p.queue_recv(dst, 1)
+    p2p.queue_send(torch.ones(2), 1)
+    (recv_work,), (send_work,) = p2p.flush()
+    (_, host), (_, sent) = group.posted
+    assert host is not dst and host.device.type == "cpu" and sent.device.type == "cpu"
+    assert not recv_work.is_completed() and dst.sum() == 0
+    recv_work.wait()
+    assert dst.tolist() == [7.0, 7.0, 7.0] and recv_work.is_completed()
+    blocking = torch.zeros(2)
+    p2p.recv_now(blocking, 1)
+    assert blocking.tolist() == [7.0, 7.0]
