@@ -331,8 +331,8 @@ BAD_ARGV = [
     ["compare", "--schedules", "gpipe,nope"],
     ["compare", "--schedules", "gpipe,,zbv"],
     ["compare", "--cost", "f=1,b="],
-    ["show", "gpipe", "--ranks", "2", "--microbatches", "2", "--csv", "{tmp}/no/dir/x.csv"],
-    ["simulate", "gpipe", "--ranks", "2", "--microbatches", "2", "--trace", "{tmp}/no/t.json"],
+    ["show", "gpipe", "--ranks", "2", "--microbatches", "2", "--csv", "{junk}/x.csv"],
+    ["simulate", "gpipe", "--ranks", "2", "--microbatches", "2", "--trace", "{junk}/t.json"],
 ]
 
 

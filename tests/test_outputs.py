@@ -68,6 +68,8 @@ def test_commands_refuse_directories_as_files_in_a_real_process(tmp_path):
         (["trace", str(tmp_path), "-o", str(d)], "-o " + str(d) + " is a directory"),
         (["report", str(tmp_path), "-o", str(d)], "-o " + str(d) + " is a directory"),
         (["bench", "--quick", "--out", str(tmp_path)], "is not empty"),
+        (["show", "zbv", "-p", "2", "-m", "4", "--csv", str(d)], "--csv " + str(d) + " is a dir"),
+        (["simulate", "zbv", "--trace", str(d)], "--trace " + str(d) + " is a directory"),
     ]
     for argv, message in cases:
         r = subprocess.run([sys.executable, "-m", "vpipe", *argv], capture_output=True, text=True,

@@ -404,9 +404,9 @@ def schedule_from_rows(
 
 
 def _atomic_write_text(path: Path, text: str) -> None:
-    tmp = path.with_name(f".{path.name}.tmp")
-    tmp.write_text(text)
-    tmp.replace(path)
+    from vpipe.outputs import atomic_write
+
+    atomic_write(path, lambda tmp: tmp.write_text(text))
 
 
 def actions_from_strings(rows: Iterable[Iterable[str]]) -> list[list[Action]]:

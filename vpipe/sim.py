@@ -288,6 +288,8 @@ class SimResult:
         overlap. Written to ``path`` when given; the trace dict is returned."""
         import orjson
 
+        from vpipe.outputs import atomic_write
+
         c = self._columns
         us = time_unit_ns / 1000.0
         events: list[dict[str, Any]] = []
@@ -337,7 +339,8 @@ class SimResult:
             "otherData": {"schedule": self.schedule.name, "source": "vpipe.sim", **self.to_dict()},
         }
         if path is not None:
-            Path(path).write_bytes(orjson.dumps(trace))
+            data = orjson.dumps(trace)
+            atomic_write(path, lambda tmp: tmp.write_bytes(data))
         return trace
 
 

@@ -21,6 +21,7 @@ from typing import Any
 
 from vpipe.errors import ScheduleError, VpipeError
 from vpipe.ir import Schedule, format_action
+from vpipe.outputs import check_output_file
 from vpipe.schedules import schedule_names
 from vpipe.schedules.load import load_schedule, shorten, validate_file
 from vpipe.sim_compare import COMPARE_NOTE, REFERENCE_SCHEDULE, compare_rows
@@ -160,6 +161,8 @@ def _cmd_schedules(args: argparse.Namespace) -> int:
 def _cmd_show(args: argparse.Namespace) -> int:
     from vpipe.passes import lower
 
+    if args.csv:
+        check_output_file(args.csv, "--csv")
     schedule = load_schedule(args.source, args.ranks, args.microbatches, args.stages_per_rank)
     if args.lowered and not schedule.is_lowered:
         schedule = lower(schedule)
@@ -348,6 +351,8 @@ def _cmd_simulate(args: argparse.Namespace) -> int:
     from vpipe.sim import simulate
 
     costs = _cost_model(args.cost)
+    if args.trace:
+        check_output_file(args.trace, "--trace")
     schedule = load_schedule(args.source, args.ranks, args.microbatches, args.stages_per_rank)
     result = simulate(schedule, costs)
     if args.trace:
