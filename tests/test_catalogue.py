@@ -253,3 +253,23 @@ def test_register_refuses_duplicates_and_a_second_baseline(toy):
 def test_unknown_family_names_the_known_ones():
     with pytest.raises(ScheduleError, match="unknown schedule 'nope': choose one of gpipe, 1f1b"):
         catalogue.unregister("nope")
+
+
+def test_real_sweep_runs_a_registered_family(toy, tmp_path):
+    """Ranks receive schedules built in the launching process, so a family registered only
+    here runs in a real 2-rank sweep, end to end into the store and the report."""
+    from vpipe.bench import run_sweep
+    from vpipe.bench_results import collect, write_outputs
+    from vpipe.trace.store import Store
+
+    spec = SweepSpec(
+        schedules=("zbv", TOY), microbatches=(2,), impls=("vpipe", "torch"), batch=4,
+        sizes={"d_model": 16, "d_hidden": 32}, warmup=1, steps=1, rounds=1, progress=False,
+    )  # fmt: skip
+    spec.validate()
+    write_outputs(collect(spec, run_sweep(spec, "toy"), "toy", 0.0), tmp_path)
+    runs = Store(tmp_path).runs()
+    toy_runs = runs[(runs["schedule"] == TOY) & (runs["source"] == "measured")]
+    assert list(toy_runs["impl"]) == ["vpipe"] and (toy_runs["step_time_s"] > 0).all()
+    assert len(Store(tmp_path).events(list(toy_runs["run_id"]))) > 0
+    assert TOY in (tmp_path / "report.md").read_text()

@@ -143,8 +143,8 @@ class SweepSpec:
         for rank_spec in self.rank_specs().values():
             rank_spec.check()  # ScheduleError / ModelError name the problem
 
-    def rank_specs(self) -> dict[str, RankSpec]:
-        """Each config's rank harness spec (by config key), its schedule built here, in the
+    def rank_specs(self) -> dict[Config, RankSpec]:
+        """Each config's rank harness spec, in sweep order, its schedule built here, in the
         launching process. Model sizes are fixed across the sweep, grown to the largest stage
         count, so every schedule splits the same model."""
         from vpipe.models import resolve_sizes
@@ -160,7 +160,7 @@ class SweepSpec:
             self.model, max_stages, {**BENCH_SIZES.get(self.model, {}), **self.sizes}
         )
         return {
-            c.key: RankSpec(
+            c: RankSpec(
                 built[(c.schedule, c.microbatches)],
                 impl=c.impl,
                 model=self.model,
@@ -219,7 +219,7 @@ class _Progress:
 
 
 def rank_worker(
-    rank: int, world: int, spec: SweepSpec, run_id: str, rank_specs: dict[str, RankSpec]
+    rank: int, world: int, spec: SweepSpec, run_id: str, rank_specs: dict[Config, RankSpec]
 ) -> dict[str, Any]:
     """Run the whole sweep on one rank (process group already initialised).
 
@@ -234,7 +234,7 @@ def rank_worker(
 
     if world != spec.ranks:
         raise BenchError(f"the job has {world} ranks but the sweep asks for {spec.ranks}")
-    configs = spec.configs()
+    configs = list(rank_specs)  # the launcher's view: ranks may not know a plugin family
     temp_traces = spec.profile and spec.trace_dir is None
     if temp_traces:  # per host, so multi-host jobs need no shared filesystem
         spec = replace(spec, trace_dir=tempfile.mkdtemp(prefix=f"vpipe-traces-{rank}-"))
@@ -244,7 +244,7 @@ def rank_worker(
     try:
         harnesses = []
         for cfg in configs:
-            h = build(rank_specs[cfg.key], rank)
+            h = build(rank_specs[cfg], rank)
             for _ in range(spec.warmup):
                 h.timed_step()
             harnesses.append(h)
