@@ -80,9 +80,16 @@ def test_comm_latency_and_overhead_from_measured_spans():
     assert cal.gap == pytest.approx((12 + 25) / 6)
     assert cal.f.tolist() == [30, 14] and cal.w_share == 0.5
     assert cal.b.tolist() == [0, 8] and cal.w.tolist() == [16, 8]
-    # the predicted schedule's ranks carry their posts and gaps on F and I/B
+    # the cost model keeps compute as measured and charges posts and gaps where the program
+    # has them: rank 0 runs 0RECV_B0 0F0 0SEND_F0 0B0, rank 1 1RECV_F0 1F0 1B0 1SEND_B0
     sched = make_schedule("1f1b", 2, 1)
     cm = cal.cost_model(sched)
-    per = (2 * (cal.post + cal.gap) + 4 * cal.gap) / 2  # 0F0 0SEND_F0 0RECV_B0 0B0: 2 carriers
-    assert cm.per_stage[0]["f"] == pytest.approx(30 + per)
-    assert cm.per_stage[1]["b"] == pytest.approx(8 + per) and cm.per_stage[1]["w"] == 8
+    assert cm.per_stage[0]["f"] == 30 and cm.per_stage[1]["b"] == 8 and cm.per_stage[1]["w"] == 8
+    assert (cm.post, cm.gap) == (cal.post, cal.gap)
+    g, pg, lat = cal.gap, cal.post + cal.gap, cm.comm_latency
+    r0_f0_end = pg + g + 30  # RECV_B0 posted, then 0F0
+    r1_f0 = max(pg + g, r0_f0_end + lat)  # RECV_F0 posted, then wait for 0F0's output
+    r1_b0_end = r1_f0 + 14 + g + 16  # 1F0, then 1B0 (I 8 + W 8)
+    r0_b0 = max(r0_f0_end + pg + g, r1_b0_end + lat)  # SEND_F0 posted, then wait for 1B0's
+    want = max(r0_b0 + 16, r1_b0_end + pg)  # rank 1 ends posting 1SEND_B0
+    assert simulate(sched, cm).makespan == pytest.approx(want)

@@ -336,3 +336,23 @@ def test_overlap_parts_wait_for_their_own_inputs(lowered):
     # 3B1 [8,9]; 2B1 [9,10], 1B1 [10,11] on rank 1; 0B1 [11,12].
     assert tl.loc["0B1", "end"] == r.makespan == 12
     assert r.busy == [8, 8]
+
+
+def test_posting_and_gap_overheads_are_charged_where_the_program_has_them():
+    """1f1b P=2 M=2 lowered: rank 0 runs F0 SEND_F0 RECV_B0 F1 SEND_F1 RECV_B1 B0 B1, rank 1
+    RECV_F0 F0 RECV_F1 B0 SEND_B0 F1 B1 SEND_B1. Each compute action costs a gap before it,
+    each SEND/RECV post + gap; they delay the rank but are not busy time."""
+    from vpipe.sim import CostModel, simulate
+
+    s = make_schedule("1f1b", 2, 2)
+    plain = simulate(s, CostModel.parse("f=1,b=1,w=1"))
+    r = simulate(s, CostModel.parse("f=1,b=1,w=1,post=0.1,gap=0.01"))
+    # rank 1: F0 at max(.12, 1.01) -> 2.01; B0 at 2.13 -> 4.13; F1 at 4.25 -> 5.25;
+    # B1 at 5.26 -> 7.26; then SEND_B1 to 7.37. rank 0: B0 waits for 4.13 -> 6.13; B1 for
+    # 7.26 -> 9.26.
+    assert plain.makespan == 9.0
+    assert r.makespan == pytest.approx(9.26)
+    assert r.busy == plain.busy == [6.0, 6.0]
+    assert simulate(lower(s), CostModel.parse("f=1,b=1,w=1,post=0.1,gap=0.01")).makespan == (
+        pytest.approx(9.26)
+    )

@@ -11,14 +11,13 @@ communication latency:
   compute (the batch needs none), so its whole backward is W (vpipe's runtime measures
   I(0) at well under 1% of W(0)).
 - **Overhead**: a rank's step holds more than compute and waits. Posting a SEND or RECV
-  occupies the rank (the simulator charges nothing for it): ``post`` is the mean SEND/RECV
-  span (a total over many actions is what matters, and posting times are heavy-tailed).
-  Between spans the executor's own work leaves gaps: ``gap`` is the time of the steps covered
-  by no span on a rank divided by the number of actions. For a predicted schedule,
-  each rank's posts and gaps (its lowered program's comm and compute action counts times
-  ``post`` and ``gap``) are spread evenly over its F and I/B actions (W gets none). Only runs
-  with WAIT spans (vpipe's runtime) have these; in other tables idle time and overhead look
-  alike, and both are 0.
+  occupies the rank: ``post`` is the mean SEND/RECV span (a total over many actions is what
+  matters, and posting times are heavy-tailed). Between spans the executor's own work leaves
+  gaps: ``gap`` is the time of the steps covered by no span on a rank divided by the number of
+  actions (compute and communication). The cost model charges them where the predicted
+  schedule's lowered program has them (:class:`vpipe.sim.CostModel`'s ``post`` and ``gap``),
+  as rank time that is neither busy nor waiting. Only runs with WAIT spans (vpipe's runtime)
+  have these; in other tables idle time and overhead look alike, and both are 0.
 - **Communication**: for each receive the rank waited on, the time from the end of the
   matching SEND on the peer to the end of the wait is one message's latency; the median is the
   cost model's ``comm_latency`` (0 when no wait overlapped a send, e.g. no WAIT spans).
@@ -68,7 +67,6 @@ class Calibration:
 
     def cost_model(self, schedule: Any, n_units: int | None = None) -> Any:
         """A CostModel for ``schedule`` on the same model (split into its stage count)."""
-        from vpipe.passes import lower
         from vpipe.sim import CostModel
 
         n_stages = schedule.n_stages
@@ -80,19 +78,10 @@ class Calibration:
             w = total * self.share_of_w()
             w[0] = total[0]  # the first stage computes no input gradient: all of it is W
             b = total - w
-        extra = np.zeros(n_stages)
-        program = schedule if schedule.is_lowered else lower(schedule)
-        for rank, actions in enumerate(program.actions):
-            parts = [p for a in actions if a.is_compute for p in a.compute_parts()]
-            n_comm = sum(a.is_comm for a in actions)
-            carriers = sum(p.kind.value != "W" for p in parts)
-            if carriers:
-                per = (n_comm * (self.post + self.gap) + len(actions) * self.gap) / carriers
-                extra[program.stages_of(rank)] = per
-        per_stage = {
-            s: {"f": f[s] + extra[s], "b": b[s] + extra[s], "w": w[s]} for s in range(n_stages)
-        }
-        return CostModel(comm_latency=self.comm_latency, per_stage=per_stage)
+        per_stage = {s: {"f": f[s], "b": b[s], "w": w[s]} for s in range(n_stages)}
+        return CostModel(
+            comm_latency=self.comm_latency, per_stage=per_stage, post=self.post, gap=self.gap
+        )
 
     def share_of_w(self) -> float:
         """W's share of a backward past the first stage: assumed, or measured (median)."""

@@ -154,18 +154,22 @@ def replay(
     prog: Program,
     durations: np.ndarray | list[float] | None = None,
     links: LinkModel | None = None,
+    lead: np.ndarray | list[float] | None = None,
 ) -> Timing:
     """Run a compiled program under the module's execution semantics.
 
     ``durations`` is per compute part (zero when omitted); ``links`` gives the message times
-    (free when omitted). A part starts at the later of its rank's previous end and its
-    input's arrival (:func:`message_arrivals`). Raises ScheduleError naming where every stuck
-    rank waits when the program deadlocks.
+    (free when omitted); ``lead`` is per part the time its rank spends before it, on work that
+    is neither computing nor waiting (posting the SENDs and RECVs before it, the runtime's own
+    work between actions; zero when omitted). A part starts at the later of its rank's
+    previous end plus its lead and its input's arrival (:func:`message_arrivals`). Raises
+    ScheduleError naming where every stuck rank waits when the program deadlocks.
     """
     fl = prog.flat
     P = fl.schedule.n_ranks
     n_parts = len(fl.p_op)
     dur = [0.0] * n_parts if durations is None else np.asarray(durations, float).tolist()
+    lead_a = np.zeros(n_parts) if lead is None else np.asarray(lead, float)
     cost = (links or LinkModel()).message_costs(prog)
     # Per part: the part whose end posts its input's SEND and (when the transfer takes time;
     # otherwise the rank is past it anyway) the one whose end posts its RECV, -1 for none;
@@ -182,7 +186,7 @@ def replay(
         ro[has] = np.where(r_op >= 0, last_part[r_op], -1)
     rank_lo = np.searchsorted(fl.p_rank, np.arange(P + 1))
     lo = rank_lo.tolist()
-    cols = (so.tolist(), ro.tolist(), c.tolist(), dur)
+    cols = (so.tolist(), ro.tolist(), c.tolist(), dur, lead_a.tolist())
     # zip reuses its result tuple while the loop unpacks it: no allocation per part.
     iters = [
         zip(range(lo[r], lo[r + 1]), *(x[lo[r] : lo[r + 1]] for x in cols), strict=True)
@@ -199,21 +203,26 @@ def replay(
         t = clocks[r]
         row = pending[r]
         pending[r] = None
-        for i, s_part, r_part, transfer, d in iters[r] if row is None else chain((row,), iters[r]):
+        for i, s_part, r_part, transfer, d, ld in (
+            iters[r] if row is None else chain((row,), iters[r])
+        ):
             if s_part >= 0:
                 s = end[s_part]
                 if s < 0:  # not sent yet: park this rank until that part ends
-                    pending[r] = (i, s_part, r_part, transfer, d)
+                    pending[r] = (i, s_part, r_part, transfer, d, ld)
                     if waiter[s_part] >= 0:
                         extra_waiters.setdefault(s_part, []).append(r)
                     else:
                         waiter[s_part] = r
                     break
+                t += ld
                 if r_part >= 0 and end[r_part] > s:
                     s = end[r_part]
                 s += transfer
                 if s > t:
                     t = s
+            else:
+                t += ld
             t += d
             end[i] = t
             if waiter[i] >= 0:
@@ -229,11 +238,13 @@ def replay(
     op_end = end_a[last_part]
     arrive = message_arrivals(prog, op_end, cost)
     # Start of each part, as the loop had it: its rank's previous end (0 for a rank's first
-    # part), or its input's arrival when later. (The arrival counts the RECV's post even where
-    # the loop skips it; that post lies before the part on its rank, so it never decides.)
+    # part) plus its lead, or its input's arrival when later. (The arrival counts the RECV's
+    # post even where the loop skips it; that post lies before the part on its rank, so it
+    # never decides.)
     start = np.zeros(n_parts)
     start[1:] = end_a[:-1]
     start[rank_lo[:-1][rank_lo[:-1] < n_parts]] = 0.0
+    start += lead_a
     start[has] = np.maximum(start[has], arrive[wait[has]])
     return Timing(start, end_a, start[first_part], op_end, arrive)
 

@@ -64,6 +64,12 @@ class CostModel:
     s and s+1 (either direction) costs ``comm_latency + comm_bytes[s] / comm_bandwidth``.
     ``comm_bytes`` and ``activation_bytes`` (per stage, for peak memory) are a number for
     all stages/boundaries, a sequence, or a mapping.
+
+    ``post`` and ``gap`` are what the runtime pays besides computing and waiting: ``post`` per
+    SEND or RECV it posts, ``gap`` per action (its own work between actions). A rank pays them
+    where its program has them: before a compute action, for that action and the SENDs and
+    RECVs since the previous one; after its last compute action, for the SENDs and RECVs that
+    follow it. They occupy the rank but are not busy time (as in a measured step).
     """
 
     f: float = 1.0
@@ -74,9 +80,11 @@ class CostModel:
     per_stage: Mapping[int, Mapping[str, float]] | None = None
     activation_bytes: PerStage | None = None
     comm_bytes: PerStage = 0.0
+    post: float = 0.0
+    gap: float = 0.0
 
     def __post_init__(self) -> None:
-        for name in ("f", "b", "w", "comm_latency"):
+        for name in ("f", "b", "w", "comm_latency", "post", "gap"):
             _non_negative(name, getattr(self, name))
         bw = self.comm_bandwidth
         if not isinstance(bw, (int, float)) or math.isnan(bw) or bw <= 0:
@@ -103,13 +111,16 @@ class CostModel:
         "comm_bytes": "comm_bytes",
         "act_bytes": "activation_bytes",
         "activation_bytes": "activation_bytes",
+        "post": "post",
+        "gap": "gap",
     }
 
     @classmethod
     def parse(cls, text: str) -> CostModel:
         """Parse ``"f=1,b=1,w=1,comm=0"``. Keys: f, b, w, comm (latency), bw (bandwidth,
-        bytes per time unit), bytes (per boundary), act_bytes (per stage), plus the field
-        names. Unspecified keys keep their defaults."""
+        bytes per time unit), bytes (per boundary), act_bytes (per stage), post (per SEND or
+        RECV posted), gap (per action), plus the field names. Unspecified keys keep their
+        defaults."""
         kwargs: dict[str, float] = {}
         for item in (p.strip() for p in str(text).split(",")):
             if not item:
@@ -358,17 +369,44 @@ def simulate(
     S = schedule.n_stages
     f, b, w = costs.stage_times(S)
     part_dur = np.concatenate([f, b + w, b, w])[fl.p_kind * S + fl.p_stage]
-    timing = replay(prog, part_dur, costs.links(S))
-    return _summarise(schedule, costs, fl, prog, plan, part_dur, timing)
+    op_lead, tail = _overheads(fl, plan, costs)
+    part_lead = np.zeros(len(fl.p_op))
+    part_lead[np.searchsorted(fl.p_op, np.arange(len(fl.o_rank)))] = op_lead
+    timing = replay(prog, part_dur, costs.links(S), part_lead)
+    return _summarise(schedule, costs, fl, prog, plan, part_dur, timing, tail)
+
+
+def _overheads(fl: Flat, plan: CommPlan | None, costs: CostModel) -> tuple[np.ndarray, np.ndarray]:
+    """Per compute op, the runtime's time before it (``gap``, plus ``post + gap`` for each
+    SEND/RECV since the rank's previous op); per rank, that of the SENDs/RECVs after its
+    last op."""
+    n_ops, P = len(fl.o_rank), fl.schedule.n_ranks
+    if costs.post == 0 and costs.gap == 0:
+        return np.zeros(n_ops), np.zeros(P)
+    if fl.lowered:  # each SEND/RECV precedes the next op of its rank
+        c_rank = fl.c_rank
+        nxt = np.searchsorted(fl.o_rank << 32 | fl.o_pos, fl.c_rank << 32 | fl.c_pos)
+    else:  # as lower() would place them: SENDs after their op, RECVs before their slot
+        send_rank = fl.o_rank[plan.send_op]
+        c_rank = np.concatenate([send_rank, plan.dst])
+        nxt = np.concatenate([plan.send_op + 1, fl.o_lo[plan.dst] + plan.slot])
+    inside = nxt < fl.o_lo[c_rank + 1]  # else after the rank's last op
+    per_comm = costs.post + costs.gap
+    lead = costs.gap + per_comm * np.bincount(nxt[inside], minlength=n_ops)
+    tail = per_comm * np.bincount(c_rank[~inside], minlength=P)
+    return lead.astype(float), tail.astype(float)
 
 
 def _summarise(
-    schedule, costs, fl: Flat, prog: Program, plan, part_dur, timing: Timing
+    schedule, costs, fl: Flat, prog: Program, plan, part_dur, timing: Timing, tail
 ) -> SimResult:
     P, S = schedule.n_ranks, schedule.n_stages
     lo = fl.o_lo
     end = timing.op_end
-    makespan = float(end.max()) if len(end) else 0.0
+    rank_end = tail.copy()
+    has_ops = lo[1:] > lo[:-1]
+    rank_end[has_ops] += end[lo[1:][has_ops] - 1]
+    makespan = float(rank_end.max()) if len(end) else 0.0
     busy = np.bincount(fl.p_rank, weights=part_dur, minlength=P)
     has = lo[1:] > lo[:-1]
     first, last = np.zeros(P), np.zeros(P)
