@@ -32,8 +32,13 @@ from vpipe.schedules import catalogue
 # Fixed when this module is imported: families registered later join only when named.
 DEFAULT_SCHEDULES = catalogue.names(lambda f: f.default_sweep)
 QUICK_SCHEDULES = catalogue.names(lambda f: f.quick_sweep)
-# Smaller than the models' defaults so that the default sweep takes about a minute on 2 cores.
-BENCH_SIZES = {"mlp": {"d_model": 256, "d_hidden": 1024}}
+# The default sweep sits in the compute-bound regime: the MLP's default blocks (512 -> 2048)
+# with 64-row microbatches (batch 512, M = 8), where compute per action is well above the cost
+# of posting and completing a send/recv, so the schedule ranking says something about real
+# hardware; about a minute on 2 cores.
+DEFAULT_BATCH = 512
+DEFAULT_MICROBATCHES = (8,)
+DEFAULT_PROFILE_STEPS = 3  # calibration takes per-action medians over these
 
 
 class BenchError(VpipeError, ValueError):
@@ -66,15 +71,15 @@ class SweepSpec:
     backend: str | None = None
     model: str = "mlp"
     sizes: dict[str, int] = field(default_factory=dict)
-    batch: int = 32
+    batch: int = DEFAULT_BATCH
     schedules: tuple[str, ...] = DEFAULT_SCHEDULES
-    microbatches: tuple[int, ...] = (4, 8)
+    microbatches: tuple[int, ...] = DEFAULT_MICROBATCHES
     impls: tuple[str, ...] = IMPLS
     warmup: int = 2
     steps: int = 3
     rounds: int = 3
     profile: bool = True
-    profile_steps: int = 1
+    profile_steps: int = DEFAULT_PROFILE_STEPS
     seed: int = 0
     trace_dir: str | None = None
     progress: bool = True
@@ -156,9 +161,7 @@ class SweepSpec:
             for c in configs
         }
         max_stages = max((s.n_stages for s in built.values()), default=1)
-        sizes = resolve_sizes(
-            self.model, max_stages, {**BENCH_SIZES.get(self.model, {}), **self.sizes}
-        )
+        sizes = resolve_sizes(self.model, max_stages, self.sizes)
         return {
             c: RankSpec(
                 built[(c.schedule, c.microbatches)],
@@ -261,7 +264,10 @@ def rank_worker(
             for cfg, h in zip(configs, harnesses, strict=True):
                 out = Path(spec.trace_dir) / cfg.key / f"round{r}"
                 meta = _trace_meta(spec, cfg, h, run_id)
-                traced[cfg.key].append(h.profiled_step(out, meta, verbose=spec.verbose))
+                ev = h.profiled_step(out, meta, verbose=spec.verbose)
+                # one recorded step per round: number it by its round (torch's traces count
+                # their ProfilerStep from 1 again in every round)
+                traced[cfg.key].append(ev.assign(step=ev["step"].where(ev["step"] < 0, r)))
                 progress.advance(f"profile {r + 1}/{profile_rounds} {cfg.key}")
         events = {k: pd.concat(v, ignore_index=True) for k, v in traced.items() if v}
         memory = {}

@@ -297,9 +297,9 @@ def report_sections(res: BenchResults) -> list[Section]:
             "step time: slowest rank, median over interleaved timed steps (IQR shown); peak: "
             "bytes of tensors saved for backward, max over ranks; bubble: idle/(idle+busy) per rank "
             "over the whole profiled step (1 - total busy / total window over ranks); profiled step: "
-            "the one step recorded under torch.profiler (slower than the timed steps: profiling "
-            "costs time per span); sim: simulator calibrated from that profiled step, error vs "
-            "that step. torch's single-stage schedule classes (gpipe, "
+            "the median of the steps recorded under torch.profiler (slower than the timed "
+            "steps: profiling costs time per span); sim: simulator calibrated from those "
+            "profiled steps, error vs the timed median. torch's single-stage schedule classes (gpipe, "
             "1f1b) record no per-action profiler spans, so they have no bubble, timeline or "
             "simulation." + vpipe_only_note(res.spec.schedules, res.spec.impls),
         )
@@ -324,12 +324,56 @@ def report_sections(res: BenchResults) -> list[Section]:
                 "time: > 1 means vpipe is faster",
             )
         )
+    sections.extend(fidelity_sections(res))
     figs = Section("Throughput and memory")
     figs.images["Throughput per schedule"] = to_png(plot_throughput(res.steps))
     figs.images["Peak memory per schedule"] = to_png(plot_memory(res.ranks))
     sections.append(figs)
     sections.extend(_timeline_sections(res))
     return sections
+
+
+def fidelity_sections(res: BenchResults) -> list[Section]:
+    """Leave-one-out fidelity per implementation and M: calibrate on each profiled config in
+    turn, predict every config, and compare with the timed medians."""
+    from vpipe.calibrate import Case, leave_one_out, model_units
+    from vpipe.schedules import make_schedule
+
+    runs = res.measured
+    out = []
+    for (impl, m), group in runs.groupby(["impl", "microbatches"], sort=True):
+        cases = [
+            Case(r.schedule, make_schedule(r.schedule, res.spec.ranks, int(m)), ev, r.step_time_s)
+            for r in group.itertuples()
+            if (ev := res.events.get(r.run_id)) is not None and has_actions(ev)
+        ]
+        if len(cases) < 2:
+            continue
+        units = model_units(
+            {"model": res.spec.model, "sizes": res.meta.get("model_sizes"),
+             "stages": max(c.schedule.n_stages for c in cases)}
+        )  # fmt: skip
+        table = leave_one_out(cases, units)
+        worst = float(table.drop(columns="calibrated on").abs().max().max())
+        shown = table.assign(**{c.label: table[c.label].map(lambda e: f"{e * 100:+.1f}%")
+                                for c in cases})  # fmt: skip
+        out.append(
+            table_section(
+                f"Simulator fidelity ({impl}, M={int(m)})",
+                shown,
+                "error of the predicted step time against the timed median of each config "
+                "(columns), calibrated on the profiled steps of one config (rows: per-action "
+                f"medians over {res.spec.profile_steps} profiled steps); the diagonal is in "
+                f"sample. Largest |error|: {worst * 100:.1f}% (goal: within 5%)."
+                + (
+                    ""
+                    if impl == "vpipe"
+                    else " torch's traces have no wait spans, so posting "
+                    "and communication costs cannot be calibrated from them."
+                ),
+            )
+        )
+    return out
 
 
 def _timeline_sections(res: BenchResults) -> list[Section]:

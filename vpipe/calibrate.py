@@ -277,3 +277,30 @@ def _paired_error(
             made = predict(calibrate(ev, **kw), schedule, n_units).makespan * US / 1e9
             errors.append(made / by_step[step] - 1)
     return (float(np.median(errors)) if errors else float("nan")), len(errors)
+
+
+@dataclass
+class Case:
+    """One measured config for :func:`leave_one_out`: its schedule, its profiled events (to
+    calibrate on) and its timed median step time in seconds (to judge predictions against)."""
+
+    label: str
+    schedule: Any
+    events: pd.DataFrame
+    timed_s: float
+
+
+def leave_one_out(cases: list[Case], n_units: int | None = None) -> pd.DataFrame:
+    """Calibrate on each case in turn and predict every case (itself included: the in-sample
+    error); one row per calibration case, one column per predicted case, holding the relative
+    error predicted / timed median - 1. Each calibration uses the per-action medians over all
+    of that case's profiled steps."""
+    rows = []
+    for source in cases:
+        cal = calibrate(source.events)
+        row: dict[str, Any] = {"calibrated on": source.label}
+        for target in cases:
+            predicted_s = predict(cal, target.schedule, n_units).makespan * US / 1e9
+            row[target.label] = predicted_s / target.timed_s - 1
+        rows.append(row)
+    return pd.DataFrame(rows)

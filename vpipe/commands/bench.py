@@ -41,16 +41,16 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     p.add_argument(
         "--sizes",
         default="",
-        help="model sizes, e.g. d_model=512,d_hidden=2048,n_blocks=4 (default for mlp: "
-        "d_model=256,d_hidden=1024; n_blocks/n_layers grow to the largest stage count)",
+        help="model sizes, e.g. d_model=512,d_hidden=2048,n_blocks=4 (default: the model's; "
+        "n_blocks/n_layers grow to the largest stage count)",
     )
-    p.add_argument("--batch", type=int, help="samples per step (default 32; --quick: 16)")
+    p.add_argument("--batch", type=int, help="samples per step (default 512; --quick: 16)")
     p.add_argument(
         "--schedules",
         help=f"comma-separated schedule names (default {','.join(DEFAULT_SCHEDULES)}; "
         f"--quick: {','.join(QUICK_SCHEDULES)})",
     )
-    p.add_argument("--microbatches", "-m", help="comma-separated counts (default 4,8; --quick: 4)")
+    p.add_argument("--microbatches", "-m", help="comma-separated counts (default 8; --quick: 4)")
     p.add_argument("--impl", default="vpipe,torch", help="vpipe, torch or both (default both)")
     p.add_argument("--warmup", type=int, help="warm-up steps per config (default 2; --quick: 1)")
     p.add_argument(
@@ -62,8 +62,8 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     p.add_argument(
         "--profile-steps",
         type=int,
-        default=1,
-        help="profiled steps per config, one per interleaved round (default 1)",
+        help="profiled steps per config, one per interleaved round; calibration takes "
+        "per-action medians over them (default 3; --quick: 1)",
     )
     p.add_argument(
         "--no-profile",
@@ -111,6 +111,9 @@ def register(subparsers: argparse._SubParsersAction) -> None:
 
 def run_bench(args: argparse.Namespace) -> int:
     from vpipe.bench import (
+        DEFAULT_BATCH,
+        DEFAULT_MICROBATCHES,
+        DEFAULT_PROFILE_STEPS,
         DEFAULT_SCHEDULES,
         QUICK_SCHEDULES,
         SweepSpec,
@@ -125,12 +128,13 @@ def run_bench(args: argparse.Namespace) -> int:
         args.ranks = int(os.environ.get("WORLD_SIZE", 2))
     if args.quick:
         defaults = dict(batch=16, schedules=QUICK_SCHEDULES, microbatches="4", warmup=1, steps=2,
-                        rounds=2)  # fmt: skip
+                        rounds=2, profile_steps=1)  # fmt: skip
         if not sizes and args.model == "mlp":
             sizes = {"d_model": 128, "d_hidden": 512}
     else:
-        defaults = dict(batch=32, schedules=DEFAULT_SCHEDULES, microbatches="4,8", warmup=2,
-                        steps=3, rounds=3)  # fmt: skip
+        defaults = dict(batch=DEFAULT_BATCH, schedules=DEFAULT_SCHEDULES,
+                        microbatches=",".join(map(str, DEFAULT_MICROBATCHES)), warmup=2, steps=3,
+                        rounds=3, profile_steps=DEFAULT_PROFILE_STEPS)  # fmt: skip
     given = {k: getattr(args, k) for k in defaults if getattr(args, k) is not None}
     opts = {**defaults, **given}
     spec = SweepSpec(
@@ -147,7 +151,7 @@ def run_bench(args: argparse.Namespace) -> int:
         steps=opts["steps"],
         rounds=opts["rounds"],
         profile=not args.no_profile,
-        profile_steps=args.profile_steps,
+        profile_steps=opts["profile_steps"],
     )
     spec.validate()
     from vpipe.bench_results import collect, write_outputs
