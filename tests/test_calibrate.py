@@ -43,7 +43,7 @@ def test_round_trip_through_the_simulator():
     assert predict(cal2, make_schedule("zbv", 2, 4), n_units=4).makespan == pytest.approx(truth)
     zbv = make_schedule("zbv", 2, 4)
     truth_ev = simulate(zbv, block_costs(4)).to_events("zbv", zbv)
-    table = fidelity_table(cal, [("zbv", zbv, truth_ev)], 4, ev, w_share=W / (I + W))
+    table = fidelity_table(cal, [("zbv", zbv, truth_ev, None)], 4, ev, w_share=W / (I + W))
     assert table.loc[0, "predicted_step_ms"] == pytest.approx(
         simulate(zbv, block_costs(4)).makespan / 1e3
     )

@@ -64,6 +64,7 @@ def register(subparsers: argparse._SubParsersAction) -> None:
         default="median",
         help="per stage and kind statistic of span durations to calibrate with (default median)",
     )
+    a.add_argument("--json", action="store_true", help="print the figures as one JSON object")
     a.set_defaults(func=analyze_command)
 
 
@@ -113,16 +114,15 @@ def memory_path(events_path: Path) -> Path:
 
 
 def analyze_command(args: argparse.Namespace) -> int:
-    print(
-        analyze_report(
-            args.source,
-            run=args.run,
-            predict=args.predict,
-            batch=args.batch,
-            w_share=args.w_share,
-            stat=args.stat,
-        )
+    found = analyze(
+        args.source,
+        run=args.run,
+        predict=args.predict,
+        batch=args.batch,
+        w_share=args.w_share,
+        stat=args.stat,
     )
+    print(analysis_json(found) if args.json else analysis_text(found))
     return 0
 
 
@@ -160,24 +160,26 @@ def _load(source: str, run: str | None) -> tuple[Any, Any, dict]:
     return tr.events, tr.memory, tr.meta
 
 
-def _counterpart(source: str, meta: dict, schedule: str) -> Any:
-    """Measured events of ``schedule`` on the same config, from the same store (or None)."""
+def _counterpart(source: str, meta: dict, schedule: str) -> tuple[Any, float | None]:
+    """Measured events of ``schedule`` on the same config, from the same store (the same sweep
+    when the run is a sweep's), and its timed median step time; (None, None) if none."""
     from vpipe.trace.store import Store
 
     path = Path(source)
     if not (path / "runs").is_dir():
-        return None
+        return None, None
     runs = Store(path).runs()
-    same = runs["schedule"] == schedule
-    for key in ("ranks", "microbatches", "model", "batch", "impl"):
+    same = (runs["schedule"] == schedule) & (runs["source"].fillna("measured") == "measured")
+    for key in ("ranks", "microbatches", "model", "batch", "impl", "bench_id"):
         if key in meta and key in runs:
             same &= runs[key] == meta[key]
     if not same.any():
-        return None
-    return Store(path).events([str(runs.loc[same, "run_id"].iloc[0])])
+        return None, None
+    row = runs[same].iloc[0]
+    return Store(path).events([str(row["run_id"])]), _timed_s(row)
 
 
-def analyze_report(
+def analyze(
     source: str,
     *,
     run: str | None,
@@ -185,35 +187,80 @@ def analyze_report(
     batch: int | None = None,
     w_share: float = 0.5,
     stat: str = "median",
-) -> str:
-    """The text `vpipe analyze` prints."""
+) -> dict[str, Any]:
+    """Everything `vpipe analyze` reports about a run: its metrics, peaks, per-kind span
+    medians and, with ``predict``, the calibration and the predictions."""
     from vpipe.analysis import kind_durations, peak_memory, summarize
 
     events, memory, meta = _load(source, run)
     batch = batch or _int(meta.get("batch"))
     tps = _int(meta.get("tokens_per_sample")) or _gpt_seq_len(meta)
-    s = summarize(events, memory, batch=batch, tokens_per_sample=tps, missing=None)
-    run_id = str(meta.get("run_id") or (events["run_id"].iloc[0] if len(events) else "?"))
-    desc = ", ".join(
-        f"{k} {meta[k]}"
-        for k in ("impl", "schedule", "ranks", "stages", "microbatches", "model", "batch")
-        if k in meta
-    )
-    lines = [f"run {run_id} ({desc}): {s['steps']} profiled steps"]
+    found: dict[str, Any] = {
+        "run_id": str(meta.get("run_id") or (events["run_id"].iloc[0] if len(events) else "?")),
+        "run": {k: meta[k] for k in RUN_FIELDS if k in meta},
+        "metrics": summarize(events, memory, batch=batch, tokens_per_sample=tps, missing=None),
+        "peak_bytes": dict(peak_memory(memory).max()) if memory is not None else {},
+        "spans": kind_durations(events),
+    }
+    if predict:
+        found.update(_fidelity(source, events, meta, predict, w_share, stat))
+    return found
+
+
+RUN_FIELDS = ("impl", "schedule", "ranks", "stages", "microbatches", "model", "batch")
+
+
+def analyze_report(source: str, **kw: Any) -> str:
+    """The text `vpipe analyze` prints."""
+    return analysis_text(analyze(source, **kw))
+
+
+def analysis_text(found: dict[str, Any]) -> str:
+    """:func:`analyze`'s figures as the lines `vpipe analyze` prints."""
+    s = found["metrics"]
+    desc = ", ".join(f"{k} {v}" for k, v in found["run"].items())
+    lines = [f"run {found['run_id']} ({desc}): {s['steps']} profiled steps"]
     lines.extend(metric_lines(s))
-    peaks = peak_memory(memory).max() if memory is not None else {}
+    peaks = found["peak_bytes"]
     if len(peaks):
         lines.append(
             "  peak memory    " + ", ".join(f"{k} {v / 2**20:.1f} MiB" for k, v in peaks.items())
         )
-    kd = kind_durations(events)
+    kd = found["spans"]
     if not kd.empty:
         table = kd.pivot(index="stage", columns="kind", values="median_s") * 1e3
         lines.append("  median span (ms) per stage and kind:")
         lines.extend("    " + ln for ln in table.round(3).to_string().splitlines())
-    if predict:
-        lines.extend(_fidelity(source, events, meta, predict, w_share, stat))
+    if "predictions" in found:
+        d, units = found["calibration"], found["model_pieces"]
+        head = (
+            f"calibrated on {d['run_id']} ({d['stat']}s): F {d['f_us']} us, I {d['i_us']} us, "
+            f"W {d['w_us']} us per stage; posting {d['post_us']} us per send/recv, gap "
+            f"{d['gap_us']} us per action; comm latency {d['comm_latency_us']} us"
+            + (f"; I/W split assumed (W = {d['w_share']} of B)" if d["w_share"] is not None else "")
+            + (f"; model in {units} pieces" if units else "")
+        )
+        table = found["predictions"]
+        lines += ["", head, table.to_string(index=False, float_format=lambda x: f"{x:.3f}")]
     return "\n".join(lines)
+
+
+def analysis_json(found: dict[str, Any]) -> str:
+    """:func:`analyze`'s figures as one JSON object (tables as lists of records)."""
+    import pandas as pd
+
+    def plain(v: Any) -> Any:
+        if isinstance(v, pd.DataFrame):
+            return [{k: plain(x) for k, x in r.items()} for r in v.to_dict("records")]
+        if isinstance(v, dict):
+            return {str(k): plain(x) for k, x in v.items()}
+        if isinstance(v, (list, tuple)):
+            return [plain(x) for x in v]
+        if hasattr(v, "item"):  # numpy scalars
+            v = v.item()
+        return None if isinstance(v, float) and v != v else v  # NaN -> null
+
+    return json.dumps(plain(found))
 
 
 def metric_lines(values: dict[str, Any]) -> list[str]:
@@ -238,7 +285,7 @@ def metric_lines(values: dict[str, Any]) -> list[str]:
 
 def _fidelity(
     source: str, events: Any, meta: dict, predict: list[str], w_share: float, stat: str
-) -> list[str]:
+) -> dict[str, Any]:
     from vpipe.calibrate import calibrate, fidelity_table, model_units
     from vpipe.schedules import make_schedule
 
@@ -250,21 +297,27 @@ def _fidelity(
     cases = []
     own = str(meta.get("schedule", "unknown"))
     if own != "unknown":
-        cases.append((f"{own} (calibration run)", make_schedule(own, ranks, mbs), events))
+        timed = _timed_s(meta)
+        cases.append((f"{own} (calibration run)", make_schedule(own, ranks, mbs), events, timed))
     for item in predict:
         name, _, trace = item.partition("=")
-        measured = _load(trace, None)[0] if trace else _counterpart(source, meta, name)
-        cases.append((name, make_schedule(name, ranks, mbs), measured))
+        measured, timed = (
+            (_load(trace, None)[0], None) if trace else _counterpart(source, meta, name)
+        )
+        cases.append((name, make_schedule(name, ranks, mbs), measured, timed))
     table = fidelity_table(cal, cases, units, events, w_share=w_share, stat=stat)
-    d = cal.to_dict()
-    head = (
-        f"calibrated on {d['run_id']} ({stat}s): F {d['f_us']} us, I {d['i_us']} us, W {d['w_us']} us per "
-        f"stage; posting {d['post_us']} us per send/recv, gap {d['gap_us']} us per action; "
-        f"comm latency {d['comm_latency_us']} us"
-        + (f"; I/W split assumed (W = {d['w_share']} of B)" if d["w_share"] is not None else "")
-        + (f"; model in {units} pieces" if units else "")
-    )
-    return ["", head, table.to_string(index=False, float_format=lambda x: f"{x:.3f}")]
+    return {
+        "calibration": {**cal.to_dict(), "stat": stat},
+        "model_pieces": units,
+        "predictions": table,
+    }
+
+
+def _timed_s(row: Any) -> float | None:
+    """A measured run's timed median step time, when it has timed steps (a sweep's run)."""
+    steps = _int(row.get("measured_steps"))
+    value = row.get("step_time_s")
+    return float(value) if steps and value is not None and value == value else None
 
 
 def _gpt_seq_len(meta: dict) -> int | None:
