@@ -17,8 +17,9 @@ from matplotlib.patches import Rectangle
 from matplotlib.text import Text
 from matplotlib.transforms import Bbox
 
+from vpipe.analysis import pareto_front
 from vpipe.events import COMM_KINDS, COMPUTE_KINDS, events_frame
-from vpipe.plots import plot_gantt, plot_memory, plot_throughput
+from vpipe.plots import plot_gantt, plot_memory, plot_pareto, plot_throughput
 from vpipe.schedules import catalogue
 
 SCHEDULES = catalogue.names()  # every catalogued schedule: many narrow bars
@@ -55,6 +56,24 @@ def _ranks() -> pd.DataFrame:
             for r in range(2)
         ]
     )  # fmt: skip
+
+
+def _runs() -> pd.DataFrame:
+    """Configs of two microbatch counts whose front is a staircase, with ties: torch has
+    vpipe's memory everywhere, and zbv's two impls tie on both axes."""
+    vpipe = {"gpipe": (600, 500), "1f1b": (400, 520), "interleaved-1f1b": (420, 560),
+             "looped-bfs": (450, 540), "zb-h1": (400, 620), "zbv": (300, 600),
+             "dualpipev": (500, 650)}  # fmt: skip
+    rows = []
+    for m, sched, impl in itertools.product((4, 8), SCHEDULES, ("vpipe", "torch")):
+        mem, thru = vpipe[sched]
+        if impl == "torch" and sched != "zbv":
+            thru *= 0.9
+            mem = 250 if sched == "gpipe" else mem
+        if (sched, impl) != (VPIPE_ONLY, "torch"):
+            rows.append(dict(schedule=sched, microbatches=m, impl=impl, samples_per_s=thru * m / 4,
+                             peak_memory_bytes=mem * 2**20 * 4 // m))  # fmt: skip
+    return pd.DataFrame(rows).astype({"peak_memory_bytes": "Int64", "samples_per_s": "Float64"})
 
 
 def _events(span_ns: int) -> pd.DataFrame:
@@ -139,6 +158,8 @@ FIGURES = {
     "memory-few": lambda: plot_memory(_few(_ranks())),
     "gantt": _gantt,
     "gantt-one": lambda: plot_gantt([("zbv simulated", _events(90_000_000))]),
+    "pareto": lambda: plot_pareto(_runs()),
+    "pareto-few": lambda: plot_pareto(_few(_runs())),
 }
 
 
@@ -214,3 +235,43 @@ def test_gantt_gives_every_event_kind_its_own_colour():
     for (a, (ca, ha)), (b, (cb, hb)) in itertools.combinations(colours.items(), 2):
         if ha == hb:
             assert np.linalg.norm(np.subtract(ca, cb)) > 0.15, (a, b)
+
+
+def test_pareto_plot_draws_each_panels_front_and_labels_every_point():
+    runs = _runs()
+    fig = plot_pareto(runs)
+    renderer = _render(fig)
+    assert [ax.get_title() for ax in fig.axes] == ["M=4", "M=8"]
+    for ax, m in zip(fig.axes, (4, 8), strict=True):
+        d = runs[runs["microbatches"] == m]
+        front = pareto_front(d, "peak_memory_bytes", "samples_per_s")
+        if m == 4:
+            assert set(zip(front["schedule"], front["impl"], strict=True)) == {
+                ("gpipe", "torch"), ("zbv", "vpipe"), ("zbv", "torch"), ("zb-h1", "vpipe"),
+                ("dualpipev", "vpipe"),
+            }  # fmt: skip
+        assert "MiB" in ax.get_xlabel()
+        expected = np.c_[front["peak_memory_bytes"] / 2**20, front["samples_per_s"]].astype(float)
+        (line,) = [ln for ln in ax.lines if ln.get_gid() == "pareto-front-line"]
+        assert line.get_drawstyle() == "steps-post"
+        np.testing.assert_allclose(line.get_xydata(), expected)  # in memory order
+        ringed = [c.get_offsets() for c in ax.collections if c.get_gid() == "pareto-front-points"]
+        np.testing.assert_allclose(
+            sorted(map(tuple, np.concatenate(ringed))), sorted(map(tuple, expected))
+        )
+        assert sorted(t.get_text() for t in ax.texts) == sorted(d["schedule"])
+        points = np.concatenate([c.get_offset_transform().transform(c.get_offsets())
+                                 for c in ax.collections])  # fmt: skip
+        assert len(points) == len(d)
+        for t in ax.texts:
+            box = t.get_window_extent(renderer)
+            assert ax.bbox.contains(box.x0, box.y0) and ax.bbox.contains(box.x1, box.y1)
+            assert not any(box.contains(x, y) for x, y in points), t.get_text()
+
+
+def test_pareto_plot_without_memory_says_so():
+    runs = _runs().assign(peak_memory_bytes=pd.NA)
+    fig = plot_pareto(runs)
+    assert [t.get_text() for ax in fig.axes for t in ax.texts] == [
+        "no run has both peak_memory_bytes and samples_per_s"
+    ]

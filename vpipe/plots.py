@@ -24,7 +24,9 @@ from matplotlib.font_manager import FontProperties
 from matplotlib.lines import Line2D
 from matplotlib.patches import Patch
 from matplotlib.textpath import TextToPath
+from matplotlib.transforms import Bbox
 
+from vpipe.analysis import pareto_front
 from vpipe.events import COMPUTE_KINDS
 from vpipe.schedules import catalogue
 
@@ -34,6 +36,7 @@ MAX_WIDTH_IN = 13.5  # 1080 px at to_png's 80 dpi: fits the report's 1200 px col
 MIN_FONT_PT = 8
 MIN_PANEL_IN = 4.5
 LEGEND_IN = 1.3  # room for a figure legend right of the panels
+IMPL_MARKERS = ("o", "s", "^", "D", "v")
 
 # One colour per kind (seaborn "deep"): compute kinds in strong hues; each send and its
 # receive in two different hues of one family (purple/pink for F, brown/olive for B).
@@ -219,6 +222,161 @@ def plot_memory(ranks: pd.DataFrame, column: str = "peak_bytes") -> Figure:
     _legend_beside(fig, handles)
     fig.suptitle("Peak activation memory (lower is better)")
     return fig
+
+
+# ---------------------------------------------------------------------------------------------
+# Throughput against memory
+
+
+def plot_pareto(
+    runs: pd.DataFrame, x: str = "peak_memory_bytes", y: str = "samples_per_s"
+) -> Figure:
+    """Throughput against peak memory, one panel per microbatch count, one point per
+    (schedule, impl): labelled with the schedule, coloured and shaped by impl.
+
+    The Pareto front (:func:`vpipe.analysis.pareto_front`: the configs no other config beats
+    on both) is drawn as a step line, the best throughput within each memory budget, with its
+    points ringed in black; the dominated points are faded.
+    """
+    d = runs.dropna(subset=[x, y])
+    if d.empty:
+        fig, ax = _subplots(1, 1, figsize=(6.0, 1.2))
+        ax.set_axis_off()
+        ax.text(0.5, 0.5, f"no run has both {x} and {y}", ha="center", transform=ax.transAxes)
+        return fig
+    unit, div = _bytes_unit(float(d[x].max()))
+    d = d.assign(plot_x=d[x].astype(float) / div, plot_y=d[y].astype(float))
+    mbs = sorted(d["microbatches"].unique())
+    impls = _impl_order(d["impl"].unique())
+    style = _point_styles(impls)
+    fig, axes = _facets(len(mbs), 5.5, 4.4)
+    panels = []
+    for ax, m in zip(axes, mbs, strict=True):
+        panels.append(_pareto_panel(ax, d[d["microbatches"] == m], style))
+        ax.set_title(f"M={m}")
+        ax.set_xlabel(f"peak memory ({unit}, max over ranks)")
+        ax.set_ylabel("samples/s (median)")
+    _legend_beside(fig, _pareto_handles(style))
+    fig.suptitle("Throughput vs peak memory (up and to the left is better)")
+    fig.draw_without_rendering()  # fixes the layout and limits: the labels go where they fit
+    for ax, pts in zip(axes, panels, strict=True):
+        _place_labels(ax, pts)
+    return fig
+
+
+def _point_styles(impls: list[str]) -> dict[str, tuple[Any, str, float]]:
+    """Colour, marker and relative size per impl; later impls smaller, so configs tied on
+    both axes show every marker (one inside the other)."""
+    return {
+        impl: (color, IMPL_MARKERS[j % len(IMPL_MARKERS)], 0.4**j)
+        for j, (impl, color) in enumerate(_impl_colors(impls).items())
+    }
+
+
+def _pareto_handles(style: dict[str, tuple[Any, str, float]]) -> list[Line2D]:
+    """Legend entries: each impl's marker, the front's line and ring, a faded point."""
+    handles = [
+        Line2D([], [], ls="", marker=mk, ms=8, color=c, label=i) for i, (c, mk, _) in style.items()
+    ]
+    ring = dict(marker="o", mfc="white", mec="black", mew=1.5)
+    handles.append(Line2D([], [], color="black", label="Pareto front (ringed)", **ring))
+    handles.append(Line2D([], [], ls="", marker="o", color="grey", alpha=0.45, label="dominated"))
+    return handles
+
+
+def _pareto_panel(ax, d: pd.DataFrame, style: dict[str, tuple[Any, str, float]]) -> pd.DataFrame:
+    """The points (``plot_x``, ``plot_y``) of one panel and their front; returns the points, front
+    first, with a ``front`` flag, for labelling once the layout is fixed."""
+    front = pareto_front(d, "plot_x", "plot_y")
+    ax.step(
+        front["plot_x"],
+        front["plot_y"],
+        where="post",
+        color="black",
+        lw=1.2,
+        zorder=2,
+        gid="pareto-front-line",
+    )
+    d = d.assign(front=d.index.isin(front.index))
+    for (impl, on), g in d.groupby(["impl", "front"], observed=True):
+        color, marker, area = style[impl]
+        ax.scatter(
+            g["plot_x"],
+            g["plot_y"],
+            marker=marker,
+            color=color,
+            s=(90 if on else 45) * area,
+            edgecolors="black" if on else "none",
+            linewidths=1.5 * area**0.5,
+            alpha=1 if on else 0.45,
+            zorder=4 - area,  # smaller markers on top
+            gid="pareto-front-points" if on else None,
+        )
+    ax.margins(0.15)  # room for the labels inside the axes
+    return d.sort_values("front", ascending=False, kind="stable")
+
+
+# Label spots around a point (offset in points, alignment): beside, above/below, diagonal,
+# then the same farther out.
+_SPOTS = [
+    (7, 0, "left", "center"),
+    (-7, 0, "right", "center"),
+    (0, 7, "center", "bottom"),
+    (0, -7, "center", "top"),
+    (6, 6, "left", "bottom"),
+    (-6, 6, "right", "bottom"),
+    (6, -6, "left", "top"),
+    (-6, -6, "right", "top"),
+]
+_LABEL_SPOTS = [(dx * k, dy * k, ha, va) for k in (1.0, 2.2, 3.4) for dx, dy, ha, va in _SPOTS]
+
+
+def _place_labels(ax, pts: pd.DataFrame) -> None:
+    """Label each point with its schedule at the first spot in ``_LABEL_SPOTS`` that stays in
+    the axes and clears every point and the labels placed before (front points first); the
+    least crowded spot when none is clear. Needs the figure laid out."""
+    xy = ax.transData.transform(pts[["plot_x", "plot_y"]].to_numpy(dtype=float))
+    r = 5.5 * ax.figure.dpi / 72  # the largest marker's radius in pixels
+    taken = [Bbox.from_extents(px - r, py - r, px + r, py + r) for px, py in xy]
+    taken += _staircase_boxes(ax, pts[pts["front"]])
+    for p in pts.itertuples():
+        ann = ax.annotate(
+            str(p.schedule),
+            (p.plot_x, p.plot_y),
+            xytext=(0, 0),
+            textcoords="offset points",
+            fontsize=MIN_FONT_PT + 1,
+            fontweight="bold" if p.front else "normal",
+        )
+        clashes = []
+        for spot in _LABEL_SPOTS:
+            clashes.append(_clashes(ann, spot, ax, taken))
+            if clashes[-1] == 0:
+                break
+        _clashes(ann, _LABEL_SPOTS[int(np.argmin(clashes))], ax, taken)
+        taken.append(ann.get_window_extent())
+
+
+def _staircase_boxes(ax, front: pd.DataFrame) -> list[Bbox]:
+    """Display boxes of the front's step line: one per horizontal and vertical piece."""
+    xy = front.sort_values("plot_x")[["plot_x", "plot_y"]].to_numpy(dtype=float)
+    xy = ax.transData.transform(xy)
+    boxes = []
+    for (x0, y0), (x1, y1) in zip(xy[:-1], xy[1:], strict=True):
+        boxes.append(Bbox.from_extents(x0, y0, x1, y0).padded(1))
+        boxes.append(Bbox.from_extents(x1, min(y0, y1), x1, max(y0, y1)).padded(1))
+    return boxes
+
+
+def _clashes(ann, spot: tuple[float, float, str, str], ax, taken: list[Bbox]) -> int:
+    """Move ``ann`` to ``spot``; how many boxes it then overlaps (100 if it leaves the axes)."""
+    dx, dy, ha, va = spot
+    ann.xyann = (dx, dy)
+    ann.set_horizontalalignment(ha)
+    ann.set_verticalalignment(va)
+    box = ann.get_window_extent()
+    inside = ax.bbox.contains(box.x0, box.y0) and ax.bbox.contains(box.x1, box.y1)
+    return (0 if inside else 100) + sum(box.overlaps(b) for b in taken)
 
 
 # ---------------------------------------------------------------------------------------------
