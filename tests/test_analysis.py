@@ -2,9 +2,16 @@
 
 import math
 
+import pandas as pd
 import pytest
 
-from vpipe.analysis import headline_peak_bytes, rank_metrics, step_metrics, summarize
+from vpipe.analysis import (
+    headline_peak_bytes,
+    pareto_front,
+    rank_metrics,
+    step_metrics,
+    summarize,
+)
 from vpipe.events import events_frame, memory_frame
 
 
@@ -63,3 +70,23 @@ def test_empty_and_no_batch():
     out = summarize(events_frame([]))
     assert out["steps"] == 0 and math.isnan(out["step_time_s"])
     assert math.isnan(summarize(events_frame([ev(0, "F", 0, 5)]))["samples_per_s"])
+
+
+def test_pareto_front_keeps_ties_and_drops_dominated_rows():
+    df = pd.DataFrame(
+        [
+            ("a", 100, 10.0),  # tied with b on both: both on the front
+            ("b", 100, 10.0),
+            ("same-memory-slower", 100, 8.0),  # beaten by a (equal x, lower y)
+            ("same-speed-more-memory", 200, 10.0),  # beaten by a (higher x, equal y)
+            ("dominated", 260, 12.0),  # beaten by f on both
+            ("f", 250, 15.0),
+            ("e", 300, 20.0),
+            ("no-memory", None, 99.0),  # missing x: not a candidate
+        ],
+        columns=["name", "mem", "thru"],
+    ).astype({"mem": "Int64"})
+    front = pareto_front(df, "mem", "thru")
+    assert list(front["name"]) == ["a", "b", "f", "e"]
+    assert list(front.index) == [0, 1, 5, 6]  # the input's rows, sorted by memory
+    assert pareto_front(df.iloc[:0], "mem", "thru").empty

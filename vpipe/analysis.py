@@ -196,3 +196,18 @@ def compare(
         )
         rows.append({"metric": k, "measured": m, "simulated": s, "error": err})
     return pd.DataFrame(rows)
+
+
+def pareto_front(df: pd.DataFrame, x: str, y: str) -> pd.DataFrame:
+    """The rows of ``df`` that no other row beats: none has ``x`` lower-or-equal and ``y``
+    higher-or-equal with one of them strict (e.g. x peak memory, y throughput: the configs
+    worth choosing for some memory budget).
+
+    Rows tied on both columns are all on the front (neither beats the other); rows missing
+    ``x`` or ``y`` are left out. Returned with their index, sorted by ``x`` ascending."""
+    d = df.dropna(subset=[x, y])
+    xs = d[x].to_numpy(dtype=float)[:, None]
+    ys = d[y].to_numpy(dtype=float)[:, None]
+    # beats[i, j]: row j is at least as good as row i on both columns and better on one
+    beats = (xs.T <= xs) & (ys.T >= ys) & ((xs.T < xs) | (ys.T > ys))
+    return d[~beats.any(axis=1)].sort_values([x, y], ascending=[True, False], kind="stable")

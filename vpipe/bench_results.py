@@ -285,7 +285,7 @@ def write_outputs(res: BenchResults, out: str | Path) -> dict[str, Path]:
 
 def report_sections(res: BenchResults) -> list[Section]:
     """The report of one sweep: setup, summary tables, then figures."""
-    from vpipe.plots import plot_memory, plot_throughput, to_png
+    from vpipe.plots import plot_memory, plot_pareto, plot_throughput, to_png
     from vpipe.report import vpipe_only_note
 
     runs = res.measured
@@ -328,6 +328,7 @@ def report_sections(res: BenchResults) -> list[Section]:
     figs = Section("Throughput and memory")
     figs.images["Throughput per schedule"] = to_png(plot_throughput(res.steps))
     figs.images["Peak memory per schedule"] = to_png(plot_memory(res.ranks))
+    figs.images["Throughput vs peak memory"] = to_png(plot_pareto(runs))
     sections.append(figs)
     sections.extend(_timeline_sections(res))
     return sections
