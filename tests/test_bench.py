@@ -116,3 +116,5 @@ def test_quick_sweep_writes_store_plots_and_report(tmp_path, capsys):
     assert not re.search(r"https?://", html)
     md = (out / "report.md").read_text()
     assert "V-schedules vs interleaved-1f1b" in md and "torch/vpipe" in md
+    assert "## Simulator fidelity (vpipe, M=4)" in md and "calibrated on" in md
+    assert "## Plan for this host" in md and "Recommended:" in md

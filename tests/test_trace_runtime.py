@@ -93,3 +93,24 @@ def test_analyze_predicts_from_a_bench_store(profiled, tmp_path):
     assert "2 profiled steps" in text and "model in 4 pieces" in text
     row = next(line for line in text.splitlines() if line.strip().startswith("zbv"))
     assert "nan" not in row.lower()  # the measured zbv run was found and compared
+
+
+def test_plan_from_a_measured_run(profiled, tmp_path):
+    """`vpipe plan --from STORE --run RUN`: costs and activation bytes from a real run; its
+    own config, re-predicted, matches what the store measured within reason."""
+    from vpipe.plan import Budget, from_run, plan
+
+    _, res = profiled
+    write_outputs(res, tmp_path)
+    run_id = Config("zbv", 4, "vpipe").run_id(BENCH_ID)
+    costs = from_run(str(tmp_path), run_id)
+    assert costs.pieces == 4 and costs.rows == 2 and costs.bytes_per_piece_row > 0
+    result = plan(costs, 2, 8, Budget(1e12))
+    own = next(
+        c for c in result["candidates"]
+        if (c["schedule"], c["stages_per_rank"], c["microbatches"]) == ("zbv", 2, 4)
+    )  # fmt: skip
+    measured = Store(tmp_path).memory([run_id])
+    peak = measured[measured["what"] == "saved_activations"].groupby("rank")["bytes"].max()
+    assert max(own["peak_activation_bytes"]) == pytest.approx(peak.max(), rel=1e-6)
+    assert result["recommended"]["fits"]

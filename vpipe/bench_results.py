@@ -331,6 +331,7 @@ def report_sections(res: BenchResults) -> list[Section]:
     figs.images["Throughput vs peak memory"] = to_png(plot_pareto(runs))
     sections.append(figs)
     sections.extend(_timeline_sections(res))
+    sections.extend(plan_sections(res))
     return sections
 
 
@@ -375,6 +376,61 @@ def fidelity_sections(res: BenchResults) -> list[Section]:
             )
         )
     return out
+
+
+def plan_sections(res: BenchResults, top: int = 10) -> list[Section]:
+    """The plan for the measured host: costs calibrated on the sweep's vpipe zbv config (else
+    its first profiled vpipe config), every family x stages x M simulated for this sweep's
+    ranks and batch, within the most memory any config of the sweep used."""
+    from vpipe.plan import Budget, PlanError, calibrated_costs, plan
+    from vpipe.schedules import make_schedule
+
+    runs = res.measured
+    traced = [
+        r for r in runs[runs["impl"] == "vpipe"].itertuples()
+        if (ev := res.events.get(r.run_id)) is not None and has_actions(ev)
+    ]  # fmt: skip
+    if not traced or res.ranks.empty:
+        return []
+    base = next((r for r in traced if r.schedule == "zbv"), traced[0])
+    rank_rows = res.ranks[
+        (res.ranks["schedule"] == base.schedule)
+        & (res.ranks["microbatches"] == base.microbatches)
+        & (res.ranks["impl"] == "vpipe")
+    ]
+    peaks = dict(zip(rank_rows["rank"], rank_rows["peak_bytes"], strict=True))
+    schedule = make_schedule(base.schedule, res.spec.ranks, int(base.microbatches))
+    meta = {"model": res.spec.model, "sizes": res.meta.get("model_sizes"), "batch": res.spec.batch}
+    budget = Budget(float(res.ranks["peak_bytes"].max()))
+    try:
+        costs = calibrated_costs(res.events[base.run_id], peaks, schedule, meta)
+        result = plan(costs, res.spec.ranks, res.spec.batch, budget)
+    except PlanError as e:
+        return [Section("Plan for this host", f'<p class="note">{e}</p>', str(e))]
+    rec = result["recommended"]
+    table = pd.DataFrame(
+        {
+            "schedule": c["schedule"],
+            "stages/rank": c["stages_per_rank"],
+            "M": c["microbatches"],
+            "predicted step ms": f"{c['predicted_step_s'] * 1e3:.2f}",
+            "bubble": f"{c['bubble_ratio']:.3f}",
+            "peak MiB/rank": f"{max(c['peak_activation_bytes']) / 2**20:.2f}",
+            "fits": "yes" if c["fits"] else "no",
+        }
+        for c in result["candidates"][:top]
+    )
+    note = (
+        f"vpipe plan for {res.spec.ranks} ranks and batch {res.spec.batch}, costs calibrated on "
+        f"{base.schedule} M={int(base.microbatches)} (vpipe), budget: the most memory a config "
+        f"of this sweep used ({budget.describe(budget.value)} per rank). Recommended: "
+        f"{rec['schedule']} with {rec['stages_per_rank']} stages per rank and "
+        f"{rec['microbatches']} microbatches, {rec['predicted_step_s'] * 1e3:.2f} ms per step "
+        f"predicted. Fastest {min(top, len(result['candidates']))} of "
+        f"{len(result['candidates'])} candidates; `vpipe plan --from STORE --run "
+        f"{base.run_id} --memory ...` plans for another budget."
+    )
+    return [table_section("Plan for this host", table, note)]
 
 
 def _timeline_sections(res: BenchResults) -> list[Section]:

@@ -1,0 +1,97 @@
+"""`vpipe plan`: budgets and cost specs parse strictly; the recommendation is the fastest
+candidate within the budget, checked by simulating every candidate independently; a budget
+nothing fits is refused, naming the smallest peak."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from vpipe.cli import main
+from vpipe.plan import Budget, PlanError, SpecCosts, plan
+from vpipe.schedules import catalogue
+from vpipe.sim import CostModel, simulate
+
+SPEC = "f=1000,b=900,w=700,comm=40,act_bytes=2e6,rows=8,post=20,gap=5"
+
+
+@pytest.mark.parametrize(
+    ("text", "value", "units"),
+    [("12GiB", 12 * 2**30, False), ("500MB", 5e8, False), ("4096", 4096, False),
+     ("1.5 mib", 1.5 * 2**20, False), ("6units", 6, True)],
+)  # fmt: skip
+def test_budgets_parse(text, value, units):
+    assert Budget.parse(text) == Budget(value, units)
+
+
+@pytest.mark.parametrize("text", ["12XB", "GiB", "-3GiB", "lots"])
+def test_bad_budget_is_one_clear_error(text):
+    with pytest.raises(PlanError, match="expected bytes"):
+        Budget.parse(text)
+
+
+@pytest.mark.parametrize(
+    ("text", "message"),
+    [("b=1,w=1", "needs f"), ("f=1,b=1,w=x", "'x' is not a number"), ("f=1,b=1,w=1,z=2", "KEY one of"),
+     ("f=1,b=1,w=-1", ">= 0"), ("f=1,b=1,w=1,rows=0", "rows must be > 0")],
+)  # fmt: skip
+def test_bad_cost_spec(text, message):
+    with pytest.raises(PlanError, match=message):
+        SpecCosts.parse(text)
+
+
+def independent_step_s(spec: SpecCosts, name: str, ranks: int, v: int, m: int, batch: int):
+    """The candidate's step time and peak bytes, from the spec's definition directly."""
+    s = catalogue.get(name).generator(ranks, m, v)
+    share = ranks / s.n_stages * (batch / m) / spec.rows
+    cm = CostModel(f=spec.f * share, b=spec.b * share, w=spec.w * share,
+                   comm_latency=spec.comm, activation_bytes=spec.act_bytes * share,
+                   post=spec.post, gap=spec.gap)  # fmt: skip
+    r = simulate(s, cm)
+    return r.makespan * 1e-6, max(r.peak_activation_bytes)
+
+
+def test_recommendation_is_the_fastest_candidate_within_budget():
+    spec = SpecCosts.parse(SPEC)
+    ranks, batch = 4, 32
+    everything = plan(spec, ranks, batch, Budget(1e30))["candidates"]
+    peaks = sorted({max(c["peak_activation_bytes"]) for c in everything})
+    budget = Budget(peaks[len(peaks) // 2])  # about half the candidates fit
+    result = plan(spec, ranks, batch, budget)
+    fitting = []
+    for c in result["candidates"]:
+        step_s, peak = independent_step_s(
+            spec, c["schedule"], ranks, c["stages_per_rank"], c["microbatches"], batch
+        )
+        assert c["predicted_step_s"] == pytest.approx(step_s)
+        assert max(c["peak_activation_bytes"]) == pytest.approx(peak)
+        assert c["fits"] == (peak <= budget.value)
+        if c["fits"]:
+            fitting.append((step_s, peak, c))
+    assert 0 < len(fitting) < len(result["candidates"])
+    best = min(fitting, key=lambda t: (t[0], t[1]))[2]
+    assert result["recommended"] == best
+    assert {"gpipe", "1f1b", "interleaved-1f1b", "zb-h1", "zbv", "dualpipev"} <= {
+        c["schedule"] for c in result["candidates"]
+    }
+
+
+def test_nothing_fits_is_refused_naming_the_smallest_peak(capsys):
+    argv = ["plan", "-p", "4", "--batch", "32", "--memory", "1KiB", "--cost", SPEC]
+    assert main(argv) == 2
+    err = capsys.readouterr().err.strip()
+    assert "nothing fits --memory 1.00 KiB per rank: the smallest peak is 976.56 KiB" in err and "\n" not in err
+
+
+def test_plan_json_and_plot(tmp_path, capsys):
+    png = tmp_path / "plan.png"
+    argv = ["plan", "-p", "2", "--batch", "16", "--memory", "64MiB", "--cost", SPEC, "--json",
+            "--plot", str(png)]  # fmt: skip
+    assert main(argv) == 0
+    out = json.loads(capsys.readouterr().out)
+    keys = {"schedule", "stages_per_rank", "microbatches", "predicted_step_s", "bubble_ratio",
+            "peak_activation_bytes", "fits"}  # fmt: skip
+    assert keys <= set(out["recommended"]) and all(keys <= set(c) for c in out["candidates"])
+    assert all(len(c["peak_activation_bytes"]) == 2 for c in out["candidates"])
+    assert png.read_bytes()[:4] == b"\x89PNG"

@@ -1,0 +1,104 @@
+"""``vpipe plan``: the schedule, stages per rank and microbatch count to run for a memory
+budget, from a calibrated run or an explicit cost spec (see :mod:`vpipe.plan`)."""
+
+from __future__ import annotations
+
+import argparse
+import json
+
+
+def register(subparsers: argparse._SubParsersAction) -> None:
+    p = subparsers.add_parser(
+        "plan",
+        help="recommend a schedule for a memory budget (every family x stages x M, simulated)",
+        description="Simulate every schedule family x stages per rank x microbatch count with "
+        "costs calibrated from a measured run (--from STORE --run RUN) or given (--cost), and "
+        "recommend the fastest whose peak activation memory fits --memory on every rank.",
+    )
+    p.add_argument("--ranks", "-p", type=int, required=True, help="pipeline ranks P")
+    p.add_argument("--batch", type=int, required=True, help="samples per step")
+    p.add_argument(
+        "--memory", required=True, help="budget per rank: bytes (12GiB, 500MB) or units (6units)"
+    )
+    src = p.add_mutually_exclusive_group(required=True)
+    src.add_argument("--from", dest="store", metavar="STORE", help="results store of the run")
+    src.add_argument(
+        "--cost",
+        metavar="SPEC",
+        help="per full stage (1/P of the model) and microbatch of `rows` rows, microseconds: "
+        "f=..,b=..,w=..[,comm=..,act_bytes=..,rows=..,post=..,gap=..]",
+    )
+    p.add_argument("--run", help="the calibration run in --from (vpipe runs STORE lists them)")
+    p.add_argument("--microbatches", "-m", help="comma-separated counts (default: divisors of "
+                   "the batch up to 8P)")  # fmt: skip
+    p.add_argument("--schedules", help="comma-separated families (default: the whole catalogue)")
+    p.add_argument("--top", type=int, default=15, help="rows of the table to print (default 15)")
+    p.add_argument("--plot", metavar="PNG", help="throughput vs peak memory, Pareto front")
+    p.add_argument("--json", action="store_true", help='print {"recommended", "candidates"}')
+    p.set_defaults(func=plan_command)
+
+
+def plan_command(args: argparse.Namespace) -> int:
+    from vpipe.bench import parse_list
+    from vpipe.outputs import atomic_write, check_output_file
+    from vpipe.plan import Budget, PlanError, SpecCosts, from_run, plan
+
+    if args.ranks < 1 or args.batch < 1:
+        raise PlanError(f"--ranks and --batch must be >= 1, got {args.ranks} and {args.batch}")
+    budget = Budget.parse(args.memory)
+    if args.plot:
+        check_output_file(args.plot, "--plot")
+    if args.store and not args.run:
+        raise PlanError("--from needs --run RUN (vpipe runs STORE lists the runs)")
+    costs = SpecCosts.parse(args.cost) if args.cost else from_run(args.store, args.run)
+    if budget.units is False and not any(
+        getattr(costs, k, 0) for k in ("act_bytes", "bytes_per_piece_row")
+    ):
+        raise PlanError("a budget in bytes needs activation bytes: give act_bytes= in --cost "
+                        "or a run with memory samples, or budget in units (e.g. 6units)")  # fmt: skip
+    try:
+        mbs = [int(m) for m in parse_list(args.microbatches)] if args.microbatches else None
+    except ValueError:
+        raise PlanError(f"--microbatches must be integers, got {args.microbatches!r}") from None
+    schedules = parse_list(args.schedules) if args.schedules else None
+    result = plan(costs, args.ranks, args.batch, budget, microbatches=mbs, schedules=schedules)
+    if args.plot:
+        from vpipe.plan import pareto_frame
+        from vpipe.plots import plot_pareto, to_png
+
+        png = to_png(plot_pareto(pareto_frame(result["candidates"])))
+        atomic_write(args.plot, lambda p: p.write_bytes(png))
+    if args.json:
+        print(json.dumps(result))
+        return 0
+    print(render(result, budget, args.top))
+    return 0
+
+
+def render(result: dict, budget: object, top: int) -> str:
+    """The ranked table and the recommendation as text."""
+    rec = result["recommended"]
+    lines = [
+        f"{'schedule':<18}{'v':>3}{'M':>5}{'step ms':>10}{'samples/s':>11}{'bubble':>8}"
+        f"{'peak/rank':>12}{'fits':>6}"
+    ]
+    for c in result["candidates"][:top]:
+        lines.append(
+            f"{c['schedule']:<18}{c['stages_per_rank']:>3}{c['microbatches']:>5}"
+            f"{c['predicted_step_s'] * 1e3:>10.2f}{c['samples_per_s']:>11.1f}"
+            f"{c['bubble_ratio']:>8.3f}{budget.describe(_peak(budget, c)):>12}"
+            f"{'yes' if c['fits'] else 'no':>6}"
+        )
+    shown = min(top, len(result["candidates"]))
+    lines.append(f"({shown} of {len(result['candidates'])} candidates shown)")
+    lines.append(
+        f"recommended: {rec['schedule']} with {rec['stages_per_rank']} stages per rank and "
+        f"{rec['microbatches']} microbatches: {rec['predicted_step_s'] * 1e3:.2f} ms per step, "
+        f"peak {budget.describe(_peak(budget, rec))} per rank (budget "
+        f"{budget.describe(budget.value)})"
+    )
+    return "\n".join(lines)
+
+
+def _peak(budget: object, c: dict) -> float:
+    return max(c["peak_activation_units"] if budget.units else c["peak_activation_bytes"])

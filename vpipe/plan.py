@@ -1,0 +1,320 @@
+"""``vpipe plan``: which schedule to run for a memory budget, from a calibrated cost model.
+
+Costs come from a measured run (a store and run id: per-stage F, I, W medians, posting and gap
+overheads, message latency, and the bytes saved for backward per rank) or from an explicit
+spec. Both are turned into a cost model for any schedule and microbatch size:
+
+- compute scales with the rows of a microbatch (``batch / M``) and with the share of the model
+  a stage holds (its pieces: MLP blocks, GPT layers; or 1/P of the model per full stage for an
+  explicit spec);
+- posting, gap and message latency are per action and do not scale;
+- activation bytes per stage scale like compute: a stage's share times the rows.
+
+Every catalogue family x stages per rank x microbatch count that the family can build is
+simulated (:func:`vpipe.sim.simulate`), and the fastest candidate whose peak activation memory
+fits the budget on every rank is recommended. Budgets are bytes (``12GiB``, ``500MB``) or
+activation units (``6units``: the most microbatch activations of a full stage, 1/P of the
+model, a rank may hold; a V stage's count half).
+"""
+
+from __future__ import annotations
+
+import math
+import re
+from collections.abc import Sequence
+from dataclasses import asdict, dataclass, replace
+from typing import Any
+
+import numpy as np
+
+from vpipe.errors import ScheduleError, VpipeError
+from vpipe.ir import Schedule
+from vpipe.sim import CostModel
+
+__all__ = ["Budget", "Candidate", "PlanError", "SpecCosts", "candidates", "plan", "recommend"]
+
+
+class PlanError(VpipeError, ValueError):
+    """A plan that cannot be made as asked (bad budget or costs, nothing fits)."""
+
+
+_UNITS = {"": 1, "b": 1, "kb": 10**3, "mb": 10**6, "gb": 10**9, "tb": 10**12,
+          "kib": 2**10, "mib": 2**20, "gib": 2**30, "tib": 2**40}  # fmt: skip
+
+
+@dataclass(frozen=True)
+class Budget:
+    """Peak activation memory allowed per rank: ``value`` bytes, or activation units."""
+
+    value: float
+    units: bool = False
+
+    @classmethod
+    def parse(cls, text: str) -> Budget:
+        """``12GiB``, ``500MB``, ``4096`` (bytes) or ``6units`` (activation units)."""
+        m = re.fullmatch(r"\s*([0-9]*\.?[0-9]+)\s*([A-Za-z]*)\s*", str(text))
+        unit = m.group(2).lower() if m else ""
+        if m is None or (unit not in _UNITS and unit not in ("unit", "units", "act")):
+            raise PlanError(
+                f"--memory {text!r}: expected bytes (e.g. 12GiB, 500MB, 4096) or activation "
+                "units (e.g. 6units)"
+            )
+        if unit in ("unit", "units", "act"):
+            return cls(float(m.group(1)), units=True)
+        return cls(float(m.group(1)) * _UNITS[unit])
+
+    def peak(self, c: Candidate) -> float:
+        """A candidate's peak in this budget's measure (max over ranks)."""
+        return float(max(c.peak_activation_units if self.units else c.peak_activation_bytes))
+
+    def describe(self, value: float) -> str:
+        return f"{value:.3g} units" if self.units else _bytes(value)
+
+
+def _bytes(n: float) -> str:
+    for unit, size in (("GiB", 2**30), ("MiB", 2**20), ("KiB", 2**10)):
+        if n >= size:
+            return f"{n / size:.2f} {unit}"
+    return f"{n:.0f} B"
+
+
+@dataclass(frozen=True)
+class SpecCosts:
+    """An explicit cost spec: times in microseconds of one full stage (1/P of the model, one
+    stage per rank) for one microbatch of ``rows`` rows: forward ``f``, input gradient ``b``,
+    weight gradient ``w``; per message ``comm``; per SEND/RECV ``post`` and per action ``gap``;
+    ``act_bytes`` saved for backward by one such stage and microbatch."""
+
+    f: float
+    b: float
+    w: float
+    comm: float = 0.0
+    act_bytes: float = 0.0
+    rows: float = 1.0
+    post: float = 0.0
+    gap: float = 0.0
+
+    @classmethod
+    def parse(cls, text: str) -> SpecCosts:
+        """``f=1.2,b=1.1,w=0.9,comm=0.05,act_bytes=2e6,rows=64``; f, b and w are required."""
+        values: dict[str, float] = {}
+        for item in filter(None, (p.strip() for p in str(text).split(","))):
+            key, sep, value = item.partition("=")
+            if not sep or key.strip() not in cls.__dataclass_fields__:
+                known = ", ".join(cls.__dataclass_fields__)
+                raise PlanError(
+                    f"--cost item {item!r}: expected KEY=NUMBER with KEY one of {known}"
+                )
+            try:
+                number = float(value)
+            except ValueError:
+                raise PlanError(f"--cost item {item!r}: {value!r} is not a number") from None
+            if not math.isfinite(number) or number < 0:
+                raise PlanError(f"--cost item {item!r}: must be a finite number >= 0")
+            values[key.strip()] = number
+        missing = [k for k in ("f", "b", "w") if k not in values]
+        if missing:
+            raise PlanError(
+                f"--cost needs {', '.join(missing)} (and may give comm, act_bytes, ...)"
+            )
+        if values.get("rows", 1.0) <= 0:
+            raise PlanError("--cost rows must be > 0")
+        return cls(**values)
+
+    def cost_model(self, schedule: Schedule, rows: float) -> CostModel:
+        """Costs of ``schedule``'s stages for microbatches of ``rows`` rows."""
+        share = schedule.n_ranks / schedule.n_stages * rows / self.rows
+        return CostModel(
+            f=self.f * share, b=self.b * share, w=self.w * share, comm_latency=self.comm,
+            activation_bytes=self.act_bytes * share, post=self.post, gap=self.gap,
+        )  # fmt: skip
+
+
+@dataclass(frozen=True)
+class CalibratedCosts:
+    """Costs calibrated on a measured run (see :func:`from_run`)."""
+
+    calibration: Any  # vpipe.calibrate.Calibration
+    pieces: int  # the model's pieces (MLP blocks; GPT embedding, layers, head)
+    rows: float  # rows of the calibration run's microbatches
+    bytes_per_piece_row: float  # activation bytes one piece saves per row of a microbatch
+
+    def cost_model(self, schedule: Schedule, rows: float) -> CostModel:
+        from vpipe.calibrate import split_sizes
+
+        if schedule.n_stages > self.pieces:
+            raise ScheduleError(
+                f"{schedule.n_stages} stages need at least as many model pieces ({self.pieces})"
+            )
+        cm = self.calibration.cost_model(schedule, self.pieces)
+        k = rows / self.rows
+        per_stage = {s: {n: v * k for n, v in c.items()} for s, c in cm.per_stage.items()}
+        act = [
+            p * rows * self.bytes_per_piece_row for p in split_sizes(self.pieces, schedule.n_stages)
+        ]
+        return replace(cm, per_stage=per_stage, activation_bytes=act)
+
+
+def from_run(store_root: str, run_id: str) -> CalibratedCosts:
+    """Costs from a measured run of a results store (see :func:`calibrated_costs`)."""
+    import json
+
+    import pandas as pd
+
+    from vpipe.schedules import make_schedule
+    from vpipe.trace.store import Store
+
+    store = Store(store_root)
+    runs = store.runs()
+    row = runs[runs["run_id"] == run_id]
+    if row.empty:
+        raise PlanError(f"{store_root}: no run {run_id!r} (vpipe runs {store_root} lists them)")
+    meta = {k: v for k, v in row.iloc[0].items() if not pd.isna(v)}
+    if isinstance(meta.get("sizes"), str):
+        meta["sizes"] = json.loads(meta["sizes"])
+    for key in ("schedule", "ranks", "microbatches", "batch", "model"):
+        if key not in meta:
+            raise PlanError(f"run {run_id!r} records no {key}: cannot plan from it")
+    memory = store.memory([run_id])
+    saved = memory[memory["what"].astype(str) == "saved_activations"]
+    peaks = saved.groupby("rank")["bytes"].max().to_dict() if len(saved) else {}
+    schedule = make_schedule(str(meta["schedule"]), int(meta["ranks"]), int(meta["microbatches"]))
+    return calibrated_costs(store.events([run_id]), peaks, schedule, meta)
+
+
+def calibrated_costs(
+    events: Any, peak_bytes: dict[int, float], schedule: Schedule, meta: dict[str, Any]
+) -> CalibratedCosts:
+    """Costs from a measured run: calibrated per-action medians (:mod:`vpipe.calibrate`) and
+    the bytes saved for backward per model piece and row, from the run's measured peak per
+    rank (``peak_bytes``) against the simulated peak of the same schedule. ``meta`` names the
+    model, its sizes, stages and batch."""
+    from vpipe.calibrate import calibrate, model_units, split_sizes
+    from vpipe.sim import simulate
+
+    pieces = model_units({**meta, "stages": schedule.n_stages})
+    if pieces is None:
+        raise PlanError(
+            f"model {meta.get('model')!r}: its pieces are unknown (built-in models only)"
+        )
+    rows = int(meta["batch"]) / schedule.n_microbatches
+    units = split_sizes(pieces, schedule.n_stages)
+    sim = simulate(schedule, CostModel(activation_bytes=[u * rows for u in units]))
+    ratios = [peak_bytes.get(r, 0) / p for r, p in enumerate(sim.peak_activation_bytes) if p]
+    return CalibratedCosts(calibrate(events), pieces, rows, float(max(ratios, default=0.0)))
+
+
+@dataclass
+class Candidate:
+    """One schedule family x stages per rank x microbatch count, simulated."""
+
+    schedule: str
+    stages_per_rank: int
+    microbatches: int
+    predicted_step_s: float
+    samples_per_s: float
+    bubble_ratio: float
+    peak_activation_bytes: list[float]
+    peak_activation_units: list[float]  # microbatch activations of a full stage (1/P of model)
+    fits: bool = True
+
+    def to_dict(self) -> dict[str, Any]:
+        return asdict(self)
+
+
+def microbatch_choices(batch: int, ranks: int, limit: int | None = None) -> list[int]:
+    """Microbatch counts worth trying: divisors of the batch up to ``limit`` (default 8P)."""
+    top = limit or max(8 * ranks, 8)
+    return [m for m in range(1, min(batch, top) + 1) if batch % m == 0]
+
+
+def candidates(
+    costs: Any,
+    ranks: int,
+    batch: int,
+    *,
+    microbatches: Sequence[int] | None = None,
+    schedules: Sequence[str] | None = None,
+    time_unit_s: float = 1e-6,
+) -> list[Candidate]:
+    """Every family (or those named) x stages per rank x microbatch count it can build, with
+    the simulator's prediction. ``costs.cost_model(schedule, rows)`` gives each one's costs,
+    in units of ``time_unit_s`` seconds."""
+    from vpipe.schedules import catalogue
+    from vpipe.sim import simulate
+
+    families = catalogue.families() if schedules is None else [catalogue.get(s) for s in schedules]
+    out = []
+    for fam in families:
+        for v in sorted({fam.stages_per_rank, 1, 2, 4}):
+            for m in microbatches or microbatch_choices(batch, ranks):
+                if batch % m:
+                    raise PlanError(f"batch {batch} does not split into {m} microbatches")
+                try:
+                    schedule = fam.generator(ranks, m, v)
+                    cm = costs.cost_model(schedule, batch / m)
+                except ScheduleError:
+                    continue  # the family cannot build this combination
+                r = simulate(schedule, cm)
+                step_s = r.makespan * time_unit_s
+                out.append(
+                    Candidate(
+                        fam.name,
+                        v,
+                        m,
+                        step_s,
+                        batch / step_s if step_s > 0 else math.inf,
+                        r.bubble_ratio,
+                        [float(x) for x in r.peak_activation_bytes or [0.0]],
+                        [x * ranks / schedule.n_stages for x in r.peak_activations],
+                    )  # fmt: skip
+                )
+    return out
+
+
+def recommend(found: list[Candidate], budget: Budget) -> Candidate:
+    """Mark which candidates fit and return the fastest that does (less memory on a tie); a
+    budget nothing fits is a PlanError naming the smallest peak available."""
+    if not found:
+        raise PlanError("no schedule family can run this many ranks and microbatches")
+    for c in found:
+        c.fits = budget.peak(c) <= budget.value
+    fitting = [c for c in found if c.fits]
+    if not fitting:
+        low = min(found, key=budget.peak)
+        raise PlanError(
+            f"nothing fits --memory {budget.describe(budget.value)} per rank: the smallest peak "
+            f"is {budget.describe(budget.peak(low))} ({low.schedule}, {low.stages_per_rank} "
+            f"stages per rank, M={low.microbatches})"
+        )
+    return min(fitting, key=lambda c: (c.predicted_step_s, budget.peak(c)))
+
+
+def plan(costs: Any, ranks: int, batch: int, budget: Budget, **kw: Any) -> dict[str, Any]:
+    """``{"recommended": ..., "candidates": [...]}`` (fitting candidates first, fastest
+    first), as ``vpipe plan --json`` prints it."""
+    found = candidates(costs, ranks, batch, **kw)
+    best = recommend(found, budget)
+    ranked = sorted(found, key=lambda c: (not c.fits, c.predicted_step_s, budget.peak(c)))
+    return {"recommended": best.to_dict(), "candidates": [c.to_dict() for c in ranked]}
+
+
+def pareto_frame(found: list[dict[str, Any]]) -> Any:
+    """The candidates on the Pareto front (no other is both faster and smaller), as the table
+    :func:`vpipe.plots.plot_pareto` draws: one panel, points labelled ``family vV MM``."""
+    import pandas as pd
+
+    from vpipe.analysis import pareto_front
+
+    table = pd.DataFrame(
+        {
+            "schedule": [
+                f"{c['schedule']} v{c['stages_per_rank']} M{c['microbatches']}" for c in found
+            ],
+            "impl": ["fits" if c["fits"] else "over budget" for c in found],
+            "microbatches": ["all"] * len(found),
+            "samples_per_s": [c["samples_per_s"] for c in found],
+            "peak_memory_bytes": [float(np.max(c["peak_activation_bytes"])) for c in found],
+        }
+    )
+    return pareto_front(table, "peak_memory_bytes", "samples_per_s")
