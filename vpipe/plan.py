@@ -29,7 +29,7 @@ import numpy as np
 
 from vpipe.errors import ScheduleError, VpipeError
 from vpipe.ir import Schedule
-from vpipe.sim import CostModel
+from vpipe.sim import CostModel, parse_numbers
 
 __all__ = ["Budget", "Candidate", "PlanError", "SpecCosts", "candidates", "plan", "recommend"]
 
@@ -97,21 +97,10 @@ class SpecCosts:
     @classmethod
     def parse(cls, text: str) -> SpecCosts:
         """``f=1.2,b=1.1,w=0.9,comm=0.05,act_bytes=2e6,rows=64``; f, b and w are required."""
-        values: dict[str, float] = {}
-        for item in filter(None, (p.strip() for p in str(text).split(","))):
-            key, sep, value = item.partition("=")
-            if not sep or key.strip() not in cls.__dataclass_fields__:
-                known = ", ".join(cls.__dataclass_fields__)
-                raise PlanError(
-                    f"--cost item {item!r}: expected KEY=NUMBER with KEY one of {known}"
-                )
-            try:
-                number = float(value)
-            except ValueError:
-                raise PlanError(f"--cost item {item!r}: {value!r} is not a number") from None
+        values = parse_numbers(text, cls.__dataclass_fields__, "--cost", PlanError)
+        for key, number in values.items():
             if not math.isfinite(number) or number < 0:
-                raise PlanError(f"--cost item {item!r}: must be a finite number >= 0")
-            values[key.strip()] = number
+                raise PlanError(f"--cost {key}={number:g}: must be a finite number >= 0")
         missing = [k for k in ("f", "b", "w") if k not in values]
         if missing:
             raise PlanError(
@@ -157,21 +146,11 @@ class CalibratedCosts:
 
 def from_run(store_root: str, run_id: str) -> CalibratedCosts:
     """Costs from a measured run of a results store (see :func:`calibrated_costs`)."""
-    import json
-
-    import pandas as pd
-
     from vpipe.schedules import make_schedule
     from vpipe.trace.store import Store
 
     store = Store(store_root)
-    runs = store.runs()
-    row = runs[runs["run_id"] == run_id]
-    if row.empty:
-        raise PlanError(f"{store_root}: no run {run_id!r} (vpipe runs {store_root} lists them)")
-    meta = {k: v for k, v in row.iloc[0].items() if not pd.isna(v)}
-    if isinstance(meta.get("sizes"), str):
-        meta["sizes"] = json.loads(meta["sizes"])
+    meta = store.run_meta(run_id)
     for key in ("schedule", "ranks", "microbatches", "batch", "model"):
         if key not in meta:
             raise PlanError(f"run {run_id!r} records no {key}: cannot plan from it")

@@ -27,7 +27,7 @@ and in bytes when ``activation_bytes`` is given.
 from __future__ import annotations
 
 import math
-from collections.abc import Mapping, Sequence
+from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass, field, fields
 from functools import cached_property
 from pathlib import Path
@@ -42,7 +42,7 @@ from vpipe.ir import Schedule
 from vpipe.passes import CommPlan, plan_comm, slot_keys
 from vpipe.validation import check_static
 
-__all__ = ["CostModel", "CostModelError", "SimResult", "simulate"]
+__all__ = ["CostModel", "CostModelError", "SimResult", "parse_numbers", "simulate"]
 
 _KIND_NAMES = ("F", "B", "I", "W", "SEND_F", "RECV_F", "SEND_B", "RECV_B")
 
@@ -121,22 +121,8 @@ class CostModel:
         bytes per time unit), bytes (per boundary), act_bytes (per stage), post (per SEND or
         RECV posted), gap (per action), plus the field names. Unspecified keys keep their
         defaults."""
-        kwargs: dict[str, float] = {}
-        for item in (p.strip() for p in str(text).split(",")):
-            if not item:
-                continue
-            key, sep, value = item.partition("=")
-            key = key.strip()
-            if not sep or key not in cls._ALIASES:
-                known = ", ".join(sorted(cls._ALIASES))
-                raise CostModelError(
-                    f"bad cost item {item!r}: expected KEY=NUMBER, KEY one of {known}"
-                )
-            try:
-                number = float(value)
-            except ValueError:
-                raise CostModelError(f"bad cost value in {item!r}: not a number") from None
-            kwargs[cls._ALIASES[key]] = number
+        values = parse_numbers(text, cls._ALIASES, "cost", CostModelError)
+        kwargs = {cls._ALIASES[k]: v for k, v in values.items()}
         return cls(**kwargs)
 
     def stage_times(self, n_stages: int) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
@@ -170,6 +156,27 @@ class CostModel:
             v = getattr(self, fd.name)
             out[fd.name] = dict(v) if isinstance(v, Mapping) else v
         return out
+
+
+def parse_numbers(
+    text: str, keys: Iterable[str], what: str, error: type[Exception]
+) -> dict[str, float]:
+    """``"a=1,b=2.5"`` as ``{"a": 1.0, "b": 2.5}``, every key one of ``keys``; a bad item is
+    ``error`` naming it (``what`` says whose item it is)."""
+    known = sorted(keys)
+    values: dict[str, float] = {}
+    for item in filter(None, (p.strip() for p in str(text).split(","))):
+        key, sep, value = item.partition("=")
+        key = key.strip()
+        if not sep or key not in known:
+            raise error(
+                f"bad {what} item {item!r}: expected KEY=NUMBER, KEY one of {', '.join(known)}"
+            )
+        try:
+            values[key] = float(value)
+        except ValueError:
+            raise error(f"bad {what} value in {item!r}: not a number") from None
+    return values
 
 
 def _non_negative(name: str, value: Any) -> None:

@@ -128,7 +128,6 @@ def analyze_command(args: argparse.Namespace) -> int:
 
 def _load(source: str, run: str | None) -> tuple[Any, Any, dict]:
     """(events, memory, metadata) of one measured run from a store, trace or events file."""
-    import pandas as pd
 
     from vpipe.trace.kineto import convert
     from vpipe.trace.store import Store, read_parquet
@@ -144,13 +143,7 @@ def _load(source: str, run: str | None) -> tuple[Any, Any, dict]:
                     f"(vpipe runs {path} lists them)"
                 )
             run = str(runs["run_id"].iloc[0])
-        row = runs[runs["run_id"] == run]
-        if row.empty:
-            raise TraceError(f"{path}: no run {run!r} in the store")
-        meta = {k: v for k, v in row.iloc[0].items() if not pd.isna(v)}
-        if isinstance(meta.get("sizes"), str):
-            meta["sizes"] = json.loads(meta["sizes"])
-        return store.events([run]), store.memory([run]), meta
+        return store.events([run]), store.memory([run]), store.run_meta(run)
     if path.suffix == ".parquet":
         events, meta = read_parquet(path)
         mem = memory_path(path)

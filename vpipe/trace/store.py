@@ -256,6 +256,18 @@ class Store:
         frames = [read_parquet(self._run_file(r))[0] for r in self.run_ids()]
         return runs_frame(pd.concat(frames, ignore_index=True) if frames else [])
 
+    def run_meta(self, run_id: str) -> dict[str, Any]:
+        """One run's row of the runs table as a dict (missing values left out, the model's
+        ``sizes`` decoded); an unknown run is a TraceError that says how to list them."""
+        runs = self.runs()
+        row = runs[runs["run_id"] == run_id]
+        if row.empty:
+            raise TraceError(f"{self.root}: no run {run_id!r} (vpipe runs {self.root} lists them)")
+        meta = {k: v for k, v in row.iloc[0].items() if not pd.isna(v)}
+        if isinstance(meta.get("sizes"), str):
+            meta["sizes"] = json.loads(meta["sizes"])
+        return meta
+
     def events(self, run_ids: Iterable[str] | None = None) -> pd.DataFrame:
         """Event table of the given committed runs (all by default)."""
         return events_frame(self._read_table("events", run_ids))
