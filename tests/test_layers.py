@@ -28,7 +28,8 @@ LAYERS: list[tuple[str, ...]] = [
         "vpipe.sim_compare",
         "vpipe.timing",
     ),
-    ("vpipe.analysis", "vpipe.metrics"),  # pure functions of event tables; the store's columns
+    # pure functions of event tables and step times; the store's columns
+    ("vpipe.analysis", "vpipe.metrics", "vpipe.stats"),
     ("vpipe.trace",),
     ("vpipe.calibrate", "vpipe.harness"),
     ("vpipe.plan", "vpipe.plots", "vpipe.report"),
