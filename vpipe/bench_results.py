@@ -26,6 +26,7 @@ from vpipe.report import (
     Section,
     impl_table,
     meta_table,
+    regime_section,
     render_html,
     render_markdown,
     slug,
@@ -289,7 +290,9 @@ def report_sections(res: BenchResults) -> list[Section]:
     from vpipe.report import vpipe_only_note
 
     runs = res.measured
-    sections = [table_section("Setup", meta_table(res.meta))]
+    regime = regime_section(runs)
+    sections = [regime] if regime else []
+    sections.append(table_section("Setup", meta_table(res.meta)))
     sections.append(
         table_section(
             "Summary",

@@ -1,6 +1,6 @@
 """Self-contained reports of benchmark sweeps: one HTML file (inline CSS, PNGs as data URIs,
 nothing fetched from the network) and a Markdown summary; plus comparisons of runs from
-different commits or machines (speedup tables with spreads).
+different commits or machines (speedup tables with spreads); the regime warning.
 
 Works from the sweep's runs table alone (one row per config with step-time median and
 quartiles), so it reads both a ``vpipe bench`` output directory and a results store.
@@ -72,6 +72,12 @@ def table_section(title: str, df: pd.DataFrame, note: str = "") -> Section:
     return Section(
         title, note_html + table_html(df), (note + "\n\n" if note else "") + table_markdown(df)
     )
+
+
+def text_section(title: str, paragraphs: Sequence[str]) -> Section:
+    """A section of plain paragraphs."""
+    body = "".join(f"<p>{html.escape(p)}</p>" for p in paragraphs)
+    return Section(title, body, "\n\n".join(paragraphs))
 
 
 def render_html(title: str, sections: Sequence[Section]) -> str:
@@ -242,6 +248,58 @@ def v_vs_baseline(runs: pd.DataFrame, schedules: Sequence[str] | None = None) ->
                     }
                 )
     return pd.DataFrame(rows)
+
+
+CONFIG = ["schedule", "microbatches", "impl"]
+
+
+# Below this regime figure (compute per action / one message's send+recv cost), posting the
+# messages alone costs over a tenth of the compute they accompany: as much as the 10-20%
+# step-time differences between schedules' bubbles that a sweep ranks, so the ranking follows
+# per-message overhead, which larger microbatches and real interconnects do not share.
+REGIME_THRESHOLD = 10.0
+OVERHEAD_BOUND = (
+    "per-action overhead and communication dominate; the schedule ranking will not transfer to "
+    "real hardware"
+)
+
+
+def regime_warning(runs: pd.DataFrame) -> str:
+    """A warning in words when configs of a sweep are overhead-bound (their ``regime`` figure,
+    :mod:`vpipe.metrics`, is below :data:`REGIME_THRESHOLD`); empty otherwise."""
+    figures = _regime_figures(runs)
+    low = figures[figures < REGIME_THRESHOLD]
+    if low.empty:
+        return ""
+    span = f"regime figure {low.min():.1f}-{low.max():.1f}"
+    below = f"compute per action under {REGIME_THRESHOLD:g}x the cost of sending one message"
+    if len(low) == len(figures):
+        return f"Overhead-bound: every profiled config has {below} ({span}): {OVERHEAD_BOUND}."
+    names = ", ".join(f"{s} M={m} {i}" for s, m, i in low.index)
+    return (
+        f"Overhead-bound: {len(low)} of {len(figures)} profiled configs ({names}) have {below} "
+        f"({span}): for them, {OVERHEAD_BOUND}."
+    )
+
+
+def regime_section(runs: pd.DataFrame) -> Section | None:
+    """The sweep's regime in words: the overhead-bound warning, or that it is compute-bound;
+    None when no config has a regime figure."""
+    figures = _regime_figures(runs)
+    if figures.empty:
+        return None
+    text = regime_warning(runs) or (
+        f"Compute-bound: every profiled config has compute per action at least "
+        f"{REGIME_THRESHOLD:g}x the cost of sending one message (regime figure "
+        f"{figures.min():.1f}-{figures.max():.1f})."
+    )
+    return text_section("Regime", [text])
+
+
+def _regime_figures(runs: pd.DataFrame) -> pd.Series:
+    if "regime" not in runs.columns:
+        return pd.Series(dtype=float)
+    return runs.set_index(CONFIG)["regime"].dropna().astype(float)
 
 
 def meta_table(meta: Mapping[str, Any]) -> pd.DataFrame:
