@@ -63,6 +63,27 @@ def _runs(scale: float = 1.0, commit: str = "aaaa", host: str = "h1") -> pd.Data
     return pd.DataFrame(rows)
 
 
+def _timed(runs: pd.DataFrame, rounds: int = 3, steps: int = 3, seed: int = 0) -> pd.DataFrame:
+    """Timed steps of every config of ``runs`` around its median: step k of round r is the
+    config's median times one machine-state factor per (r, k), as back-to-back configs see."""
+    noise = 1 + 0.02 * np.random.default_rng(seed).standard_normal((rounds, steps))
+    return pd.DataFrame(
+        [
+            dict(
+                schedule=row.schedule,
+                microbatches=row.microbatches,
+                impl=row.impl,
+                round=r,
+                step=k,
+                step_time_s=row.step_time_s * noise[r, k],
+            )
+            for row in runs.itertuples()
+            for r in range(rounds)
+            for k in range(steps)
+        ]
+    )
+
+
 def _steps(rng: np.random.Generator) -> pd.DataFrame:
     rows = []
     for sched in ("interleaved-1f1b", "zbv"):
@@ -126,9 +147,32 @@ def test_summary_and_v_ratios():
     zbv = table[(table["schedule"] == "zbv") & (table["impl"] == "vpipe")].iloc[0]
     assert zbv["thru vs interleaved-1f1b"] == "1.25"  # 0.10 / 0.08
     assert zbv["mem vs interleaved-1f1b"] == "0.75"
-    vv = v_vs_baseline(runs).set_index(["impl", "schedule"])
+    vv = v_vs_baseline(runs, _timed(runs)).set_index(["impl", "schedule"])
     assert vv.loc[("torch", "dualpipev"), "peak memory ratio"] == "1.50"
-    assert vv.loc[("vpipe", "dualpipev"), "throughput ratio"] == "1.11"
+    # paired steps share the machine's noise: every pairwise ratio is 0.10 / 0.09
+    dualpipev = vv.loc[("vpipe", "dualpipev")]
+    assert dualpipev["throughput ratio"] == "1.11" and dualpipev["95% CI"] == "1.11-1.11"
+    assert dualpipev["verdict"] == "faster" and dualpipev["pairs"] == 9
+    assert dualpipev["outliers (excluded)"] == 0
+
+
+def test_v_vs_baseline_says_no_significant_difference_and_excludes_outliers():
+    runs = _runs().assign(step_time_s=0.1)  # every schedule as fast as interleaved-1f1b
+    steps = _timed(runs).assign(
+        step_time_s=lambda d: (
+            d["step_time_s"] * (1 + 0.05 * np.random.default_rng(3).random(len(d)))
+        )
+    )
+    hiccup = (steps["schedule"] == "zbv") & (steps["round"] == 1) & (steps["step"] == 0)
+    steps.loc[hiccup, "step_time_s"] *= 10
+    vv = v_vs_baseline(runs, steps).set_index(["impl", "schedule"])
+    assert (vv["verdict"] == "no significant difference").all()
+    for impl in ("vpipe", "torch"):
+        lo, hi = (float(x) for x in vv.loc[(impl, "zbv"), "95% CI"].split("-"))
+        assert lo < 1 < hi
+        assert vv.loc[(impl, "zbv"), "outliers (excluded)"] == 1
+        assert vv.loc[(impl, "zbv"), "pairs"] == 8  # the hiccup's pair is left out
+        assert vv.loc[(impl, "dualpipev"), "pairs"] == 9
 
 
 def test_impl_table_pairs_steps(tmp_path):
@@ -136,6 +180,8 @@ def test_impl_table_pairs_steps(tmp_path):
     assert list(table["schedule"]) == ["interleaved-1f1b", "zbv"]
     assert (table["pairs"] == 6).all()
     assert all(abs(float(v) - 2.0) < 0.05 for v in table["torch/vpipe step time"])
+    assert (table["verdict"] == "vpipe faster").all()
+    assert all(float(ci.split("-")[0]) > 1 for ci in table["95% CI"])
 
 
 def test_comparison_speedup_and_spread():

@@ -1,9 +1,9 @@
 """Self-contained reports of benchmark sweeps: one HTML file (inline CSS, PNGs as data URIs,
-nothing fetched from the network) and a Markdown summary; plus comparisons of runs from
-different commits or machines (speedup tables with spreads); the regime warning.
-
-Works from the sweep's runs table alone (one row per config with step-time median and
-quartiles), so it reads both a ``vpipe bench`` output directory and a results store.
+nothing fetched from the network) and a Markdown summary, and their tables: the summary from
+the runs table; A-vs-B ratios (V-schedules vs interleaved-1f1b, vpipe vs torch) with
+bootstrap intervals and verdicts from the timed steps (:mod:`vpipe.stats`); the regime
+warning; plus comparisons of runs from different commits or machines (speedup tables with
+spreads).
 """
 
 from __future__ import annotations
@@ -22,6 +22,15 @@ from vpipe.errors import VpipeError
 from vpipe.metrics import Metric, registry
 from vpipe.plots import BASELINE, schedule_order
 from vpipe.schedules import catalogue
+from vpipe.stats import (
+    CONFIDENCE,
+    MIN_SAMPLES,
+    OUTLIER_FACTOR,
+    RESAMPLES,
+    SEED,
+    Ratio,
+    paired_ratio,
+)
 
 CSS = """
 body{font-family:system-ui,-apple-system,Segoe UI,Helvetica,Arial,sans-serif;margin:2em auto;
@@ -194,25 +203,54 @@ def vpipe_only_note(schedules: Sequence[str], impls: Sequence[str]) -> str:
     )
 
 
+CONFIG = ["schedule", "microbatches", "impl"]
+CI = f"{CONFIDENCE:.0%} CI"
+OUTLIERS = "outliers (excluded)"
+
+
+def config_times(steps: pd.DataFrame, schedule: str, m: int, impl: str) -> pd.Series:
+    """One config's timed steps, indexed by (round, step)."""
+    d = steps[(steps["schedule"] == schedule) & (steps["microbatches"] == m)]
+    return d[d["impl"] == impl].set_index(["round", "step"])["step_time_s"]
+
+
+def _paired(num: pd.Series, den: pd.Series) -> Ratio:
+    """:func:`vpipe.stats.paired_ratio` of two configs' steps paired by (round, step)."""
+    both = pd.concat([num.rename("a"), den.rename("b")], axis=1, join="inner")
+    return paired_ratio(both["a"], both["b"])
+
+
+def ratio_cells(label: str, r: Ratio, above: str, below: str) -> dict[str, Any]:
+    """A ratio's cells: value, interval, verdict, samples used and outliers excluded."""
+    return {
+        label: _fmt(r.value),
+        CI: r.interval_text(),
+        "verdict": r.verdict(above, below),
+        "pairs": r.n,
+        OUTLIERS: r.outliers,
+    }
+
+
+STATS_NOTE = (
+    f"Ratios are medians of pairwise ratios (pairs: same round and step index, measured back to "
+    f"back) with a {CONFIDENCE:.0%} percentile-bootstrap interval ({RESAMPLES} resamples of the "
+    f'pairs, seed {SEED}); "no significant difference" when it contains 1, no verdict under '
+    f"{MIN_SAMPLES} pairs. Steps over {OUTLIER_FACTOR:g}x their config's median are outliers, "
+    "counted and excluded (with their pair)."
+)
+
+
 def impl_table(steps: pd.DataFrame) -> pd.DataFrame:
     """vpipe vs torch per schedule and M: the median of pairwise step-time ratios torch/vpipe
-    (pairs are the same round and step index, measured back to back), with its IQR."""
+    (pairs are the same round and step index, measured back to back), with its bootstrap
+    interval and verdict (:mod:`vpipe.stats`)."""
     rows = []
     for (sched, m), d in steps.groupby(["schedule", "microbatches"], observed=True):
-        v = d[d["impl"] == "vpipe"].set_index(["round", "step"])["step_time_s"]
-        t = d[d["impl"] == "torch"].set_index(["round", "step"])["step_time_s"]
-        ratio = (t / v).dropna()
-        if ratio.empty:
+        r = _paired(config_times(d, sched, m, "torch"), config_times(d, sched, m, "vpipe"))
+        if r.n == 0:
             continue
-        rows.append(
-            {
-                "schedule": sched,
-                "M": m,
-                "pairs": len(ratio),
-                "torch/vpipe step time": _fmt(ratio.median()),
-                "IQR": f"{ratio.quantile(0.25):.2f}-{ratio.quantile(0.75):.2f}",
-            }
-        )
+        cells = ratio_cells("torch/vpipe step time", r, "vpipe faster", "torch faster")
+        rows.append({"schedule": sched, "M": m, **cells})
     df = pd.DataFrame(rows)
     if df.empty:
         return df
@@ -220,9 +258,13 @@ def impl_table(steps: pd.DataFrame) -> pd.DataFrame:
     return df.assign(_o=df["schedule"].map(order)).sort_values(["M", "_o"]).drop(columns="_o")
 
 
-def v_vs_baseline(runs: pd.DataFrame, schedules: Sequence[str] | None = None) -> pd.DataFrame:
+def v_vs_baseline(
+    runs: pd.DataFrame, steps: pd.DataFrame, schedules: Sequence[str] | None = None
+) -> pd.DataFrame:
     """Throughput and peak-memory ratios of ``schedules`` (default: the catalogue's families
-    with V placement) to the baseline, interleaved-1f1b."""
+    with V placement) to the baseline, interleaved-1f1b, of the same impl and M. The
+    throughput ratio is the median of pairwise ratios of the timed ``steps`` (baseline step
+    time / schedule step time, same round and step index) with its bootstrap interval."""
     if schedules is None:
         schedules = catalogue.names(lambda f: f.placement == "v")
     rows = []
@@ -231,15 +273,17 @@ def v_vs_baseline(runs: pd.DataFrame, schedules: Sequence[str] | None = None) ->
         if BASELINE not in d.index:
             continue
         b = d.loc[BASELINE]
+        base_steps = config_times(steps, BASELINE, m, impl)
         for s in schedules:
             if s in d.index:
                 r = d.loc[s]
+                thru = _paired(base_steps, config_times(steps, s, m, impl))
                 rows.append(
                     {
                         "impl": impl,
                         "M": m,
                         "schedule": s,
-                        "throughput ratio": _ratio(r.samples_per_s, b.samples_per_s),
+                        **ratio_cells("throughput ratio", thru, "faster", "slower"),
                         "peak memory ratio": _ratio(r.peak_memory_bytes, b.peak_memory_bytes),
                         "samples/s": _fmt(r.samples_per_s, 1),
                         f"{BASELINE} samples/s": _fmt(b.samples_per_s, 1),
@@ -248,9 +292,6 @@ def v_vs_baseline(runs: pd.DataFrame, schedules: Sequence[str] | None = None) ->
                     }
                 )
     return pd.DataFrame(rows)
-
-
-CONFIG = ["schedule", "microbatches", "impl"]
 
 
 # Below this regime figure (compute per action / one message's send+recv cost), posting the
