@@ -32,7 +32,7 @@ LAYERS: list[tuple[str, ...]] = [
     ("vpipe.analysis", "vpipe.metrics", "vpipe.stats"),
     ("vpipe.trace",),
     ("vpipe.calibrate", "vpipe.harness"),
-    ("vpipe.plan", "vpipe.plots", "vpipe.report"),
+    ("vpipe.plan", "vpipe.plots", "vpipe.report", "vpipe.comparison"),
     ("vpipe.bench", "vpipe.bench_results"),
     ("vpipe.commands", "vpipe.cli", "vpipe.__main__", "vpipe"),
 ]

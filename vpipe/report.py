@@ -1,9 +1,8 @@
 """Self-contained reports of benchmark sweeps: one HTML file (inline CSS, PNGs as data URIs,
 nothing fetched from the network) and a Markdown summary, and their tables: the summary from
-the runs table; A-vs-B ratios (V-schedules vs interleaved-1f1b, vpipe vs torch) with
-bootstrap intervals and verdicts from the timed steps (:mod:`vpipe.stats`); the regime
-warning; plus comparisons of runs from different commits or machines (speedup tables with
-spreads).
+the runs table; A-vs-B ratios (V-schedules vs interleaved-1f1b, vpipe vs torch, one sweep vs
+another: :mod:`vpipe.comparison`) with bootstrap intervals and verdicts from the timed steps
+(:mod:`vpipe.stats`); the regime warning.
 """
 
 from __future__ import annotations
@@ -13,7 +12,6 @@ import html
 import json
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
-from pathlib import Path
 from typing import Any
 
 import pandas as pd
@@ -346,135 +344,3 @@ def _regime_figures(runs: pd.DataFrame) -> pd.Series:
 def meta_table(meta: Mapping[str, Any]) -> pd.DataFrame:
     items = [(k, v if isinstance(v, str) else json.dumps(v, default=str)) for k, v in meta.items()]
     return pd.DataFrame(items, columns=["field", "value"])
-
-
-# ---------------------------------------------------------------------------------------------
-# Comparing runs across commits / machines
-
-
-def run_label(runs: pd.DataFrame, fallback: str) -> str:
-    """A short label for one sweep: commit and host when recorded."""
-    parts = []
-    for col in ("commit", "host"):
-        if col in runs.columns and runs[col].notna().any():
-            parts.append(str(runs[col].dropna().iloc[0])[:12])
-    return "@".join(parts) or fallback
-
-
-def comparison_table(sweeps: Sequence[tuple[str, pd.DataFrame]]) -> pd.DataFrame:
-    """Speedup of each sweep over the first, per (schedule, M, impl) present in both.
-
-    speedup = base median step time / this median step time; the spread is the range the
-    quartiles allow (base p25 / this p75 .. base p75 / this p25).
-    """
-    if len(sweeps) < 2:
-        raise ReportError("a comparison needs at least two runs")
-    key = ["schedule", "microbatches", "impl"]
-    base_label, base = sweeps[0]
-    b = base.set_index(key)
-    rows = []
-    for label, runs in sweeps[1:]:
-        r = runs.set_index(key)
-        for idx in b.index.intersection(r.index):
-            x, y = b.loc[idx], r.loc[idx]
-            rows.append(
-                {
-                    "schedule": idx[0],
-                    "M": idx[1],
-                    "impl": idx[2],
-                    "run": label,
-                    f"{base_label} ms": _fmt(x.step_time_s * 1e3),
-                    "run ms": _fmt(y.step_time_s * 1e3),
-                    "speedup": _fmt(x.step_time_s / y.step_time_s),
-                    "spread": f"{x.step_time_q1_s / y.step_time_q3_s:.2f}-"
-                    f"{x.step_time_q3_s / y.step_time_q1_s:.2f}",
-                }
-            )
-    if not rows:
-        raise ReportError(
-            f"the runs share no (schedule, microbatches, impl) config with {base_label}"
-        )
-    df = pd.DataFrame(rows)
-    order = {x: i for i, x in enumerate(schedule_order(df["schedule"].unique()))}
-    df = df.assign(_o=df["schedule"].map(order)).sort_values(["run", "M", "impl", "_o"])
-    return df.drop(columns="_o").reset_index(drop=True)
-
-
-RUNS_COLUMNS = (
-    "schedule",
-    "microbatches",
-    "impl",
-    "step_time_s",
-    "step_time_q1_s",
-    "step_time_q3_s",
-    "samples_per_s",
-    "peak_memory_bytes",
-)
-
-
-def load_runs(path: str | Path) -> pd.DataFrame:
-    """Measured rows of the runs table of a ``vpipe bench`` output directory or results store,
-    or of a runs Parquet file."""
-    from vpipe.trace.store import Store, runs_frame
-
-    p = Path(path)
-    try:
-        if p.is_file():
-            df = runs_frame(pd.read_parquet(p))
-        elif (p / "runs").is_dir():
-            df = Store(p).runs()
-        else:
-            raise ReportError(f"{p}: not a vpipe bench output or results store (no runs table)")
-    except VpipeError:
-        raise
-    except Exception as e:  # pyarrow raises several types for corrupt files
-        raise ReportError(f"{p}: cannot read runs table: {e}") from None
-    if df.empty:
-        raise ReportError(f"{p}: the runs table is empty")
-    missing = [c for c in RUNS_COLUMNS if df[c].isna().all()] if len(df) else []
-    if missing:
-        raise ReportError(f"{p}: runs table has no values for {missing}")
-    return df[df["source"].fillna("measured") == "measured"].reset_index(drop=True)
-
-
-def comparison_report(paths: Sequence[str | Path]) -> tuple[str, str]:
-    """HTML and Markdown comparing several runs (first = baseline); runs tables that hold
-    several sweeps (a store) are split by their ``bench_id``."""
-    sweeps: list[tuple[str, pd.DataFrame]] = []
-    for p in paths:
-        runs = load_runs(p)
-        groups = (
-            runs.groupby("bench_id", sort=True) if "bench_id" in runs.columns else [(None, runs)]
-        )
-        for bench_id, d in groups:
-            label = run_label(d, str(bench_id or Path(p).name))
-            if any(label == s[0] for s in sweeps):
-                label = f"{label}#{len(sweeps)}"
-            sweeps.append((label, d))
-    sections = [
-        table_section(
-            "Runs",
-            pd.DataFrame(
-                [
-                    {
-                        "label": lbl,
-                        "configs": len(d),
-                        "bench_id": d["bench_id"].iloc[0] if "bench_id" in d.columns else "",
-                    }
-                    for lbl, d in sweeps
-                ]
-            ),
-        )
-    ]
-    if len(sweeps) == 1:
-        sections.append(table_section("Summary", summary_table(sweeps[0][1])))
-    else:
-        sections.append(
-            table_section(
-                f"Speedup over {sweeps[0][0]}",
-                comparison_table(sweeps),
-                "speedup > 1: the run is faster than the baseline; spread from step-time quartiles",
-            )
-        )
-    title = "vpipe benchmark comparison"
-    return render_html(title, sections), render_markdown(title, sections)
