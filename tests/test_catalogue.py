@@ -174,7 +174,14 @@ def test_report_v_schedules_include_registered_v_families(toy_v_family):
             for s, x, y in (("interleaved-1f1b", 100, 2**20), (TOY_V, 120, 2**21))
         ]
     )
-    vv = v_vs_baseline(runs)
+    steps = pd.DataFrame(
+        [
+            dict(schedule=s, microbatches=4, impl="vpipe", round=0, step=k, step_time_s=8 / x)
+            for s, x in (("interleaved-1f1b", 100), (TOY_V, 120))
+            for k in range(6)
+        ]
+    )
+    vv = v_vs_baseline(runs, steps)
     assert list(vv["schedule"]) == [TOY_V]
     assert vv.iloc[0]["throughput ratio"] == "1.20" and vv.iloc[0]["peak memory ratio"] == "2.00"
 

@@ -28,10 +28,11 @@ LAYERS: list[tuple[str, ...]] = [
         "vpipe.sim_compare",
         "vpipe.timing",
     ),
-    ("vpipe.analysis", "vpipe.metrics"),  # pure functions of event tables; the store's columns
+    # pure functions of event tables and step times; the store's columns
+    ("vpipe.analysis", "vpipe.metrics", "vpipe.stats"),
     ("vpipe.trace",),
     ("vpipe.calibrate", "vpipe.harness"),
-    ("vpipe.plan", "vpipe.plots", "vpipe.report"),
+    ("vpipe.plan", "vpipe.plots", "vpipe.report", "vpipe.comparison"),
     ("vpipe.bench", "vpipe.bench_results"),
     ("vpipe.commands", "vpipe.cli", "vpipe.__main__", "vpipe"),
 ]

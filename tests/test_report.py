@@ -12,6 +12,7 @@ import pandas as pd
 import pytest
 
 from vpipe.cli import main
+from vpipe.comparison import Sweep, comparison_table
 from vpipe.events import events_frame, memory_frame
 from vpipe.plots import (
     plot_gantt,
@@ -24,16 +25,17 @@ from vpipe.plots import (
 from vpipe.report import (
     ReportError,
     Section,
-    comparison_table,
     impl_table,
     render_html,
     summary_table,
     v_vs_baseline,
 )
-from vpipe.trace.store import Store
+from vpipe.trace.store import Store, write_parquet
 
 
-def _runs(scale: float = 1.0, commit: str = "aaaa", host: str = "h1") -> pd.DataFrame:
+def _runs(
+    scale: float = 1.0, commit: str = "aaaa", host: str = "h1", threads: int = 1
+) -> pd.DataFrame:
     rows = []
     for sched, t, mem in (
         ("interleaved-1f1b", 0.10, 400),
@@ -48,6 +50,14 @@ def _runs(scale: float = 1.0, commit: str = "aaaa", host: str = "h1") -> pd.Data
                     source="measured",
                     commit=commit,
                     host=host,
+                    torch="2.13.0+cpu",
+                    threads=threads,
+                    device="cpu",
+                    backend="gloo",
+                    ranks=2,
+                    model="mlp",
+                    sizes='{"d_model": 256}',
+                    batch=32,
                     bench_id=f"b{commit}",
                     schedule=sched,
                     microbatches=4,
@@ -61,6 +71,27 @@ def _runs(scale: float = 1.0, commit: str = "aaaa", host: str = "h1") -> pd.Data
                 )
             )
     return pd.DataFrame(rows)
+
+
+def _timed(runs: pd.DataFrame, rounds: int = 3, steps: int = 3, seed: int = 0) -> pd.DataFrame:
+    """Timed steps of every config of ``runs`` around its median: step k of round r is the
+    config's median times one machine-state factor per (r, k), as back-to-back configs see."""
+    noise = 1 + 0.02 * np.random.default_rng(seed).standard_normal((rounds, steps))
+    return pd.DataFrame(
+        [
+            dict(
+                schedule=row.schedule,
+                microbatches=row.microbatches,
+                impl=row.impl,
+                round=r,
+                step=k,
+                step_time_s=row.step_time_s * noise[r, k],
+            )
+            for row in runs.itertuples()
+            for r in range(rounds)
+            for k in range(steps)
+        ]
+    )
 
 
 def _steps(rng: np.random.Generator) -> pd.DataFrame:
@@ -126,9 +157,32 @@ def test_summary_and_v_ratios():
     zbv = table[(table["schedule"] == "zbv") & (table["impl"] == "vpipe")].iloc[0]
     assert zbv["thru vs interleaved-1f1b"] == "1.25"  # 0.10 / 0.08
     assert zbv["mem vs interleaved-1f1b"] == "0.75"
-    vv = v_vs_baseline(runs).set_index(["impl", "schedule"])
+    vv = v_vs_baseline(runs, _timed(runs)).set_index(["impl", "schedule"])
     assert vv.loc[("torch", "dualpipev"), "peak memory ratio"] == "1.50"
-    assert vv.loc[("vpipe", "dualpipev"), "throughput ratio"] == "1.11"
+    # paired steps share the machine's noise: every pairwise ratio is 0.10 / 0.09
+    dualpipev = vv.loc[("vpipe", "dualpipev")]
+    assert dualpipev["throughput ratio"] == "1.11" and dualpipev["95% CI"] == "1.11-1.11"
+    assert dualpipev["verdict"] == "faster" and dualpipev["pairs"] == 9
+    assert dualpipev["outliers (excluded)"] == 0
+
+
+def test_v_vs_baseline_says_no_significant_difference_and_excludes_outliers():
+    runs = _runs().assign(step_time_s=0.1)  # every schedule as fast as interleaved-1f1b
+    steps = _timed(runs).assign(
+        step_time_s=lambda d: (
+            d["step_time_s"] * (1 + 0.05 * np.random.default_rng(3).random(len(d)))
+        )
+    )
+    hiccup = (steps["schedule"] == "zbv") & (steps["round"] == 1) & (steps["step"] == 0)
+    steps.loc[hiccup, "step_time_s"] *= 10
+    vv = v_vs_baseline(runs, steps).set_index(["impl", "schedule"])
+    assert (vv["verdict"] == "no significant difference").all()
+    for impl in ("vpipe", "torch"):
+        lo, hi = (float(x) for x in vv.loc[(impl, "zbv"), "95% CI"].split("-"))
+        assert lo < 1 < hi
+        assert vv.loc[(impl, "zbv"), "outliers (excluded)"] == 1
+        assert vv.loc[(impl, "zbv"), "pairs"] == 8  # the hiccup's pair is left out
+        assert vv.loc[(impl, "dualpipev"), "pairs"] == 9
 
 
 def test_impl_table_pairs_steps(tmp_path):
@@ -136,41 +190,98 @@ def test_impl_table_pairs_steps(tmp_path):
     assert list(table["schedule"]) == ["interleaved-1f1b", "zbv"]
     assert (table["pairs"] == 6).all()
     assert all(abs(float(v) - 2.0) < 0.05 for v in table["torch/vpipe step time"])
+    assert (table["verdict"] == "vpipe faster").all()
+    assert all(float(ci.split("-")[0]) > 1 for ci in table["95% CI"])
 
 
-def test_comparison_speedup_and_spread():
+def test_comparison_ratio_interval_and_verdict():
     base, fast = _runs(1.0, "aaaa"), _runs(0.5, "bbbb")
-    table = comparison_table([("aaaa", base), ("bbbb", fast)])
+    sweeps = [Sweep("aaaa", base, _timed(base, seed=1)), Sweep("bbbb", fast, _timed(fast, seed=2))]
+    table = comparison_table(sweeps)
     assert len(table) == 6
-    assert set(table["speedup"]) == {"2.00"}
-    lo, hi = (float(x) for x in table["spread"].iloc[0].split("-"))
-    assert lo == pytest.approx(0.95 / 1.1 * 2, abs=0.01) and hi == pytest.approx(
-        1.1 / 0.95 * 2, abs=0.01
-    )
+    assert all(abs(float(v) - 2.0) < 0.1 for v in table["speedup"])
+    assert (table["verdict"] == "faster").all() and (table["steps"] == 9).all()
+    assert all(float(ci.split("-")[0]) > 1.5 for ci in table["95% CI"])
+    same = comparison_table([sweeps[0], Sweep("again", base, _timed(base, seed=1))])
+    assert (same["verdict"] == "no significant difference").all()
+    assert set(same["speedup"]) == {"1.00"}
+    # runs tables only: the ratio of the recorded medians, no interval
+    bare = comparison_table([Sweep("aaaa", base), Sweep("bbbb", fast)])
+    assert set(bare["speedup"]) == {"2.00"} and set(bare["95% CI"]) == {""}
+    assert set(bare["verdict"]) == {"no interval: runs table only"}
     with pytest.raises(ReportError, match="at least two"):
-        comparison_table([("aaaa", base)])
+        comparison_table([Sweep("aaaa", base)])
     other = base.assign(schedule="gpipe")
     with pytest.raises(ReportError, match="share no"):
-        comparison_table([("aaaa", base), ("x", other)])
+        comparison_table([Sweep("aaaa", base), Sweep("x", other)])
 
 
-def _store(path, runs: pd.DataFrame) -> None:
+def _store(path, runs: pd.DataFrame, steps: pd.DataFrame | None = None) -> None:
+    """A results store of ``runs``, with ``steps.parquet`` as vpipe bench writes it."""
     store = Store(path)
     for row in runs.to_dict("records"):
         store.append_run(row)
+    if steps is not None:
+        bench_id = runs["bench_id"].iloc[0]
+        write_parquet(steps, path / "steps.parquet", {"table": "steps", "bench_id": bench_id})
+
+
+def _compare(tmp_path, a: pd.DataFrame, b: pd.DataFrame) -> tuple[str, str]:
+    """``vpipe report A B`` in-process on stores of ``a`` and ``b`` with their timed steps."""
+    _store(tmp_path / "a", a, _timed(a, seed=1))
+    _store(tmp_path / "b", b, _timed(b, seed=2))
+    out = tmp_path / "cmp.html"
+    assert main(["report", str(tmp_path / "a"), str(tmp_path / "b"), "-o", str(out)]) == 0
+    return out.read_text(), out.with_suffix(".md").read_text()
 
 
 def test_report_cli_compares_two_stores(tmp_path, capsys):
-    _store(tmp_path / "a", _runs(1.0, "aaaa", "h1"))
-    _store(tmp_path / "b", _runs(0.8, "bbbb", "h2"))
-    out = tmp_path / "cmp.html"
-    assert main(["report", str(tmp_path / "a"), str(tmp_path / "b"), "-o", str(out)]) == 0
-    text = out.read_text()
-    assert "Speedup over aaaa@h1" in text and "bbbb@h2" in text and "1.25" in text
-    assert "1.25" in out.with_suffix(".md").read_text()
+    text, md = _compare(tmp_path, _runs(1.0, "aaaa", "h1"), _runs(0.8, "bbbb", "h1"))
+    assert "Speedup over aaaa@h1" in text and "bbbb@h1" in text
+    table = md.split("## Speedup over aaaa@h1")[1]
+    assert "| speedup | 95% CI | verdict |" in table and "| faster |" in table
+    assert "not a speedup" not in md and "runs table only" not in md
     # one run: its summary
     assert main(["report", str(tmp_path / "a"), "-o", str(tmp_path / "one.html")]) == 0
     assert "Summary" in (tmp_path / "one.html").read_text()
+
+
+def test_report_cli_refuses_a_speedup_across_hosts(tmp_path, capsys):
+    text, md = _compare(tmp_path, _runs(1.0, "aaaa", "h1"), _runs(0.8, "bbbb", "h2"))
+    assert "Speedup over" not in md and "## Step-time ratio (not a speedup) over aaaa@h1" in md
+    assert "| ratio (not a speedup: host differs: h1 vs h2) |" in md
+    assert "Not a speedup (host differs: h1 vs h2): the ratio measures the setup" in md
+    assert "| faster |" not in md and "not comparable: setup differs" in md
+    assert "ratio (not a speedup: host differs: h1 vs h2)" in text
+
+
+def test_report_cli_refuses_a_speedup_across_thread_counts(tmp_path, capsys):
+    _, md = _compare(tmp_path, _runs(1.0, "aaaa", "h1"), _runs(0.8, "bbbb", "h1", threads=2))
+    assert "| ratio (not a speedup: threads per rank differs: 1 vs 2) |" in md
+    assert "host differs" not in md and "| faster |" not in md
+
+
+def test_comparison_names_every_setting_that_differs_or_is_missing():
+    base, other = _runs(1.0, "aaaa"), _runs(0.5, "bbbb").assign(batch=64)
+    table = comparison_table([Sweep("aaaa", base), Sweep("bbbb", other.drop(columns="torch"))])
+    assert (
+        "ratio (not a speedup: torch version not recorded for bbbb; batch differs: 32 vs 64)"
+        in (table.columns)
+    )
+    assert set(table["verdict"]) == {"not comparable: setup differs"}
+
+
+def test_report_cli_on_a_bare_runs_file_says_it_has_no_steps(tmp_path, capsys):
+    a, b = _runs(1.0, "aaaa", "h1"), _runs(0.8, "bbbb", "h1").assign(regime=4.0)
+    _store(tmp_path / "a", a, _timed(a))
+    b.to_parquet(tmp_path / "b.parquet")
+    out = tmp_path / "cmp.html"
+    assert main(["report", str(tmp_path / "a"), str(tmp_path / "b.parquet"), "-o", str(out)]) == 0
+    md = out.with_suffix(".md").read_text()
+    assert "bbbb@h1: runs table only (no steps.parquet)" in md
+    assert "| none: runs table only |" in md and "no interval: runs table only" in md
+    assert "| 1.25 |" in md  # the runs tables' ratio of medians
+    assert "bbbb@h1: Overhead-bound: every profiled config" in md.split("## Runs")[0]
 
 
 def test_report_cli_bad_input_is_one_line_error(tmp_path, capsys):

@@ -14,6 +14,11 @@ Definitions (per run, step and rank; a step's figures are then combined over ran
   after its last one are not counted.
 - A step's bubble ratios over ranks are 1 - sum(busy) / sum(window or span).
 - **comm wait**: the union of the rank's ``WAIT`` spans (time blocked on communication).
+- **regime figure** (per run): median compute span per action (F, B, I, W) / median cost of
+  one message across a stage boundary, the median SEND span plus the median RECV span (the
+  sender's and the receiver's post). Both vpipe's and torch's traces have these spans, so the
+  figure means the same for both; blocking waits are left out (torch's traces have no WAIT
+  spans: its compute spans hold them, as if computing), so it errs towards compute-bound.
 
 Spread over steps is given as the interquartile range (``*_q1``/``*_q3``) next to the median.
 """
@@ -114,6 +119,21 @@ def combine_ranks(r: pd.DataFrame) -> pd.DataFrame:
         }
     )
     return out.reset_index()
+
+
+def regime_figure(events: pd.DataFrame) -> float | None:
+    """Median compute span per action over the median send plus the median receive span, in
+    the profiled steps; None without compute or without both kinds of message span."""
+    ev = events[events["step"] >= 0]
+    kind = ev["kind"].astype(str)
+    dur = ev["end_ns"] - ev["start_ns"]
+    compute = dur[kind.isin(COMPUTE_KINDS)]
+    sends = dur[kind.isin([k for k in COMM_KINDS if k.startswith("SEND")])]
+    recvs = dur[kind.isin([k for k in COMM_KINDS if k.startswith("RECV")])]
+    if compute.empty or sends.empty or recvs.empty:
+        return None
+    comm = sends.median() + recvs.median()
+    return float(compute.median() / comm) if comm > 0 else float("inf")
 
 
 def peak_memory(memory: pd.DataFrame) -> pd.DataFrame:

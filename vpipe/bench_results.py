@@ -23,9 +23,11 @@ from vpipe.bench import Config, SweepSpec, spec_dict
 from vpipe.events import COMPUTE_KINDS, events_frame, memory_frame
 from vpipe.metrics import Inputs, Simulated, compute
 from vpipe.report import (
+    STATS_NOTE,
     Section,
     impl_table,
     meta_table,
+    regime_section,
     render_html,
     render_markdown,
     slug,
@@ -289,7 +291,9 @@ def report_sections(res: BenchResults) -> list[Section]:
     from vpipe.report import vpipe_only_note
 
     runs = res.measured
-    sections = [table_section("Setup", meta_table(res.meta))]
+    regime = regime_section(runs)
+    sections = [regime] if regime else []
+    sections.append(table_section("Setup", meta_table(res.meta)))
     sections.append(
         table_section(
             "Summary",
@@ -304,14 +308,14 @@ def report_sections(res: BenchResults) -> list[Section]:
             "simulation." + vpipe_only_note(res.spec.schedules, res.spec.impls),
         )
     )
-    vv = v_vs_baseline(runs)
+    vv = v_vs_baseline(runs, res.steps)
     if len(vv):
         sections.append(
             table_section(
                 "V-schedules vs interleaved-1f1b",
                 vv,
                 "ratios > 1: more throughput / more memory than the "
-                "interleaved-1f1b config of the same impl and M",
+                "interleaved-1f1b config of the same impl and M. " + STATS_NOTE,
             )
         )
     it = impl_table(res.steps)
@@ -320,8 +324,7 @@ def report_sections(res: BenchResults) -> list[Section]:
             table_section(
                 "vpipe vs torch.distributed.pipelining",
                 it,
-                "median over step pairs (same round and index) of torch step time / vpipe step "
-                "time: > 1 means vpipe is faster",
+                "torch step time / vpipe step time: > 1 means vpipe is faster. " + STATS_NOTE,
             )
         )
     sections.extend(fidelity_sections(res))

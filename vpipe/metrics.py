@@ -27,7 +27,7 @@ from typing import TYPE_CHECKING, Any, Literal
 
 import pandas as pd
 
-from vpipe.analysis import combine_ranks, headline_peak, quartiles, rank_metrics
+from vpipe.analysis import combine_ranks, headline_peak, quartiles, rank_metrics, regime_figure
 
 if TYPE_CHECKING:
     from vpipe.sim import SimResult
@@ -282,6 +282,14 @@ BUILTIN = (
         {"events": lambda x: x.step_median("comm_wait_s")},
         show=Show(**_MS, digits=3, group="comm wait", note="(longest rank, median step)",
                   table=False),
+    ),
+    Metric(
+        "regime", "compute/comm", "ratio", "higher",
+        "regime figure: median compute span per action over the median send plus receive span "
+        "(one message's posts), in the profiled steps; below 10 a sweep is overhead-bound",
+        {"events": lambda x: regime_figure(x.events)},
+        show=Show(digits=1, group="regime", note="compute per action / send+recv cost",
+                  optional=True),
     ),
     Metric(
         "profiled_step_time_s", "profiled step ms", "s", "lower",

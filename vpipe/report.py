@@ -1,9 +1,8 @@
 """Self-contained reports of benchmark sweeps: one HTML file (inline CSS, PNGs as data URIs,
-nothing fetched from the network) and a Markdown summary; plus comparisons of runs from
-different commits or machines (speedup tables with spreads).
-
-Works from the sweep's runs table alone (one row per config with step-time median and
-quartiles), so it reads both a ``vpipe bench`` output directory and a results store.
+nothing fetched from the network) and a Markdown summary, and their tables: the summary from
+the runs table; A-vs-B ratios (V-schedules vs interleaved-1f1b, vpipe vs torch, one sweep vs
+another: :mod:`vpipe.comparison`) with bootstrap intervals and verdicts from the timed steps
+(:mod:`vpipe.stats`); the regime warning.
 """
 
 from __future__ import annotations
@@ -13,7 +12,6 @@ import html
 import json
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
-from pathlib import Path
 from typing import Any
 
 import pandas as pd
@@ -22,6 +20,15 @@ from vpipe.errors import VpipeError
 from vpipe.metrics import Metric, registry
 from vpipe.plots import BASELINE, schedule_order
 from vpipe.schedules import catalogue
+from vpipe.stats import (
+    CONFIDENCE,
+    MIN_SAMPLES,
+    OUTLIER_FACTOR,
+    RESAMPLES,
+    SEED,
+    Ratio,
+    paired_ratio,
+)
 
 CSS = """
 body{font-family:system-ui,-apple-system,Segoe UI,Helvetica,Arial,sans-serif;margin:2em auto;
@@ -72,6 +79,12 @@ def table_section(title: str, df: pd.DataFrame, note: str = "") -> Section:
     return Section(
         title, note_html + table_html(df), (note + "\n\n" if note else "") + table_markdown(df)
     )
+
+
+def text_section(title: str, paragraphs: Sequence[str]) -> Section:
+    """A section of plain paragraphs."""
+    body = "".join(f"<p>{html.escape(p)}</p>" for p in paragraphs)
+    return Section(title, body, "\n\n".join(paragraphs))
 
 
 def render_html(title: str, sections: Sequence[Section]) -> str:
@@ -188,25 +201,54 @@ def vpipe_only_note(schedules: Sequence[str], impls: Sequence[str]) -> str:
     )
 
 
+CONFIG = ["schedule", "microbatches", "impl"]
+CI = f"{CONFIDENCE:.0%} CI"
+OUTLIERS = "outliers (excluded)"
+
+
+def config_times(steps: pd.DataFrame, schedule: str, m: int, impl: str) -> pd.Series:
+    """One config's timed steps, indexed by (round, step)."""
+    d = steps[(steps["schedule"] == schedule) & (steps["microbatches"] == m)]
+    return d[d["impl"] == impl].set_index(["round", "step"])["step_time_s"]
+
+
+def _paired(num: pd.Series, den: pd.Series) -> Ratio:
+    """:func:`vpipe.stats.paired_ratio` of two configs' steps paired by (round, step)."""
+    both = pd.concat([num.rename("a"), den.rename("b")], axis=1, join="inner")
+    return paired_ratio(both["a"], both["b"])
+
+
+def ratio_cells(label: str, r: Ratio, above: str, below: str) -> dict[str, Any]:
+    """A ratio's cells: value, interval, verdict, samples used and outliers excluded."""
+    return {
+        label: _fmt(r.value),
+        CI: r.interval_text(),
+        "verdict": r.verdict(above, below),
+        "pairs": r.n,
+        OUTLIERS: r.outliers,
+    }
+
+
+STATS_NOTE = (
+    f"Ratios are medians of pairwise ratios (pairs: same round and step index, measured back to "
+    f"back) with a {CONFIDENCE:.0%} percentile-bootstrap interval ({RESAMPLES} resamples of the "
+    f'pairs, seed {SEED}); "no significant difference" when it contains 1, no verdict under '
+    f"{MIN_SAMPLES} pairs. Steps over {OUTLIER_FACTOR:g}x their config's median are outliers, "
+    "counted and excluded (with their pair)."
+)
+
+
 def impl_table(steps: pd.DataFrame) -> pd.DataFrame:
     """vpipe vs torch per schedule and M: the median of pairwise step-time ratios torch/vpipe
-    (pairs are the same round and step index, measured back to back), with its IQR."""
+    (pairs are the same round and step index, measured back to back), with its bootstrap
+    interval and verdict (:mod:`vpipe.stats`)."""
     rows = []
     for (sched, m), d in steps.groupby(["schedule", "microbatches"], observed=True):
-        v = d[d["impl"] == "vpipe"].set_index(["round", "step"])["step_time_s"]
-        t = d[d["impl"] == "torch"].set_index(["round", "step"])["step_time_s"]
-        ratio = (t / v).dropna()
-        if ratio.empty:
+        r = _paired(config_times(d, sched, m, "torch"), config_times(d, sched, m, "vpipe"))
+        if r.n == 0:
             continue
-        rows.append(
-            {
-                "schedule": sched,
-                "M": m,
-                "pairs": len(ratio),
-                "torch/vpipe step time": _fmt(ratio.median()),
-                "IQR": f"{ratio.quantile(0.25):.2f}-{ratio.quantile(0.75):.2f}",
-            }
-        )
+        cells = ratio_cells("torch/vpipe step time", r, "vpipe faster", "torch faster")
+        rows.append({"schedule": sched, "M": m, **cells})
     df = pd.DataFrame(rows)
     if df.empty:
         return df
@@ -214,9 +256,13 @@ def impl_table(steps: pd.DataFrame) -> pd.DataFrame:
     return df.assign(_o=df["schedule"].map(order)).sort_values(["M", "_o"]).drop(columns="_o")
 
 
-def v_vs_baseline(runs: pd.DataFrame, schedules: Sequence[str] | None = None) -> pd.DataFrame:
+def v_vs_baseline(
+    runs: pd.DataFrame, steps: pd.DataFrame, schedules: Sequence[str] | None = None
+) -> pd.DataFrame:
     """Throughput and peak-memory ratios of ``schedules`` (default: the catalogue's families
-    with V placement) to the baseline, interleaved-1f1b."""
+    with V placement) to the baseline, interleaved-1f1b, of the same impl and M. The
+    throughput ratio is the median of pairwise ratios of the timed ``steps`` (baseline step
+    time / schedule step time, same round and step index) with its bootstrap interval."""
     if schedules is None:
         schedules = catalogue.names(lambda f: f.placement == "v")
     rows = []
@@ -225,15 +271,17 @@ def v_vs_baseline(runs: pd.DataFrame, schedules: Sequence[str] | None = None) ->
         if BASELINE not in d.index:
             continue
         b = d.loc[BASELINE]
+        base_steps = config_times(steps, BASELINE, m, impl)
         for s in schedules:
             if s in d.index:
                 r = d.loc[s]
+                thru = _paired(base_steps, config_times(steps, s, m, impl))
                 rows.append(
                     {
                         "impl": impl,
                         "M": m,
                         "schedule": s,
-                        "throughput ratio": _ratio(r.samples_per_s, b.samples_per_s),
+                        **ratio_cells("throughput ratio", thru, "faster", "slower"),
                         "peak memory ratio": _ratio(r.peak_memory_bytes, b.peak_memory_bytes),
                         "samples/s": _fmt(r.samples_per_s, 1),
                         f"{BASELINE} samples/s": _fmt(b.samples_per_s, 1),
@@ -244,138 +292,55 @@ def v_vs_baseline(runs: pd.DataFrame, schedules: Sequence[str] | None = None) ->
     return pd.DataFrame(rows)
 
 
-def meta_table(meta: Mapping[str, Any]) -> pd.DataFrame:
-    items = [(k, v if isinstance(v, str) else json.dumps(v, default=str)) for k, v in meta.items()]
-    return pd.DataFrame(items, columns=["field", "value"])
-
-
-# ---------------------------------------------------------------------------------------------
-# Comparing runs across commits / machines
-
-
-def run_label(runs: pd.DataFrame, fallback: str) -> str:
-    """A short label for one sweep: commit and host when recorded."""
-    parts = []
-    for col in ("commit", "host"):
-        if col in runs.columns and runs[col].notna().any():
-            parts.append(str(runs[col].dropna().iloc[0])[:12])
-    return "@".join(parts) or fallback
-
-
-def comparison_table(sweeps: Sequence[tuple[str, pd.DataFrame]]) -> pd.DataFrame:
-    """Speedup of each sweep over the first, per (schedule, M, impl) present in both.
-
-    speedup = base median step time / this median step time; the spread is the range the
-    quartiles allow (base p25 / this p75 .. base p75 / this p25).
-    """
-    if len(sweeps) < 2:
-        raise ReportError("a comparison needs at least two runs")
-    key = ["schedule", "microbatches", "impl"]
-    base_label, base = sweeps[0]
-    b = base.set_index(key)
-    rows = []
-    for label, runs in sweeps[1:]:
-        r = runs.set_index(key)
-        for idx in b.index.intersection(r.index):
-            x, y = b.loc[idx], r.loc[idx]
-            rows.append(
-                {
-                    "schedule": idx[0],
-                    "M": idx[1],
-                    "impl": idx[2],
-                    "run": label,
-                    f"{base_label} ms": _fmt(x.step_time_s * 1e3),
-                    "run ms": _fmt(y.step_time_s * 1e3),
-                    "speedup": _fmt(x.step_time_s / y.step_time_s),
-                    "spread": f"{x.step_time_q1_s / y.step_time_q3_s:.2f}-"
-                    f"{x.step_time_q3_s / y.step_time_q1_s:.2f}",
-                }
-            )
-    if not rows:
-        raise ReportError(
-            f"the runs share no (schedule, microbatches, impl) config with {base_label}"
-        )
-    df = pd.DataFrame(rows)
-    order = {x: i for i, x in enumerate(schedule_order(df["schedule"].unique()))}
-    df = df.assign(_o=df["schedule"].map(order)).sort_values(["run", "M", "impl", "_o"])
-    return df.drop(columns="_o").reset_index(drop=True)
-
-
-RUNS_COLUMNS = (
-    "schedule",
-    "microbatches",
-    "impl",
-    "step_time_s",
-    "step_time_q1_s",
-    "step_time_q3_s",
-    "samples_per_s",
-    "peak_memory_bytes",
+# Below this regime figure (compute per action / one message's send+recv cost), posting the
+# messages alone costs over a tenth of the compute they accompany: as much as the 10-20%
+# step-time differences between schedules' bubbles that a sweep ranks, so the ranking follows
+# per-message overhead, which larger microbatches and real interconnects do not share.
+REGIME_THRESHOLD = 10.0
+OVERHEAD_BOUND = (
+    "per-action overhead and communication dominate; the schedule ranking will not transfer to "
+    "real hardware"
 )
 
 
-def load_runs(path: str | Path) -> pd.DataFrame:
-    """Measured rows of the runs table of a ``vpipe bench`` output directory or results store,
-    or of a runs Parquet file."""
-    from vpipe.trace.store import Store, runs_frame
-
-    p = Path(path)
-    try:
-        if p.is_file():
-            df = runs_frame(pd.read_parquet(p))
-        elif (p / "runs").is_dir():
-            df = Store(p).runs()
-        else:
-            raise ReportError(f"{p}: not a vpipe bench output or results store (no runs table)")
-    except VpipeError:
-        raise
-    except Exception as e:  # pyarrow raises several types for corrupt files
-        raise ReportError(f"{p}: cannot read runs table: {e}") from None
-    if df.empty:
-        raise ReportError(f"{p}: the runs table is empty")
-    missing = [c for c in RUNS_COLUMNS if df[c].isna().all()] if len(df) else []
-    if missing:
-        raise ReportError(f"{p}: runs table has no values for {missing}")
-    return df[df["source"].fillna("measured") == "measured"].reset_index(drop=True)
+def regime_warning(runs: pd.DataFrame) -> str:
+    """A warning in words when configs of a sweep are overhead-bound (their ``regime`` figure,
+    :mod:`vpipe.metrics`, is below :data:`REGIME_THRESHOLD`); empty otherwise."""
+    figures = _regime_figures(runs)
+    low = figures[figures < REGIME_THRESHOLD]
+    if low.empty:
+        return ""
+    span = f"regime figure {low.min():.1f}-{low.max():.1f}"
+    below = f"compute per action under {REGIME_THRESHOLD:g}x the cost of sending one message"
+    if len(low) == len(figures):
+        return f"Overhead-bound: every profiled config has {below} ({span}): {OVERHEAD_BOUND}."
+    names = ", ".join(f"{s} M={m} {i}" for s, m, i in low.index)
+    return (
+        f"Overhead-bound: {len(low)} of {len(figures)} profiled configs ({names}) have {below} "
+        f"({span}): for them, {OVERHEAD_BOUND}."
+    )
 
 
-def comparison_report(paths: Sequence[str | Path]) -> tuple[str, str]:
-    """HTML and Markdown comparing several runs (first = baseline); runs tables that hold
-    several sweeps (a store) are split by their ``bench_id``."""
-    sweeps: list[tuple[str, pd.DataFrame]] = []
-    for p in paths:
-        runs = load_runs(p)
-        groups = (
-            runs.groupby("bench_id", sort=True) if "bench_id" in runs.columns else [(None, runs)]
-        )
-        for bench_id, d in groups:
-            label = run_label(d, str(bench_id or Path(p).name))
-            if any(label == s[0] for s in sweeps):
-                label = f"{label}#{len(sweeps)}"
-            sweeps.append((label, d))
-    sections = [
-        table_section(
-            "Runs",
-            pd.DataFrame(
-                [
-                    {
-                        "label": lbl,
-                        "configs": len(d),
-                        "bench_id": d["bench_id"].iloc[0] if "bench_id" in d.columns else "",
-                    }
-                    for lbl, d in sweeps
-                ]
-            ),
-        )
-    ]
-    if len(sweeps) == 1:
-        sections.append(table_section("Summary", summary_table(sweeps[0][1])))
-    else:
-        sections.append(
-            table_section(
-                f"Speedup over {sweeps[0][0]}",
-                comparison_table(sweeps),
-                "speedup > 1: the run is faster than the baseline; spread from step-time quartiles",
-            )
-        )
-    title = "vpipe benchmark comparison"
-    return render_html(title, sections), render_markdown(title, sections)
+def regime_section(runs: pd.DataFrame) -> Section | None:
+    """The sweep's regime in words: the overhead-bound warning, or that it is compute-bound;
+    None when no config has a regime figure."""
+    figures = _regime_figures(runs)
+    if figures.empty:
+        return None
+    text = regime_warning(runs) or (
+        f"Compute-bound: every profiled config has compute per action at least "
+        f"{REGIME_THRESHOLD:g}x the cost of sending one message (regime figure "
+        f"{figures.min():.1f}-{figures.max():.1f})."
+    )
+    return text_section("Regime", [text])
+
+
+def _regime_figures(runs: pd.DataFrame) -> pd.Series:
+    if "regime" not in runs.columns:
+        return pd.Series(dtype=float)
+    return runs.set_index(CONFIG)["regime"].dropna().astype(float)
+
+
+def meta_table(meta: Mapping[str, Any]) -> pd.DataFrame:
+    items = [(k, v if isinstance(v, str) else json.dumps(v, default=str)) for k, v in meta.items()]
+    return pd.DataFrame(items, columns=["field", "value"])

@@ -99,10 +99,11 @@ def register(subparsers: argparse._SubParsersAction) -> None:
 
     r = subparsers.add_parser(
         "report",
-        help="HTML/Markdown report of a bench run, or a speedup comparison of several runs",
+        help="HTML/Markdown report of a bench run, or a comparison of several runs",
         description="With one run: its summary. With several (different commits or machines): "
-        "the speedup of each over the first, with spreads. Arguments are vpipe bench output "
-        "directories, runs Parquet files or results stores.",
+        "the step-time ratio of each to the first, with 95% intervals and verdicts; called a "
+        "speedup only when host, torch, threads and workload match. Arguments are vpipe bench "
+        "output directories, runs Parquet files or results stores.",
     )
     r.add_argument("runs", nargs="+", metavar="RUN_OR_STORE")
     r.add_argument("-o", "--output", default="report.html", help="HTML file (default %(default)s)")
@@ -186,8 +187,8 @@ def _ints(text: str) -> list[int]:
 
 
 def run_report(args: argparse.Namespace) -> int:
+    from vpipe.comparison import comparison_report
     from vpipe.outputs import atomic_write, check_output_file
-    from vpipe.report import comparison_report
 
     out = check_output_file(args.output, "-o")
     md = check_output_file(out.with_suffix(".md"), "-o (Markdown)")

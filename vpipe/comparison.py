@@ -1,0 +1,286 @@
+"""Comparing sweeps across commits or machines (``vpipe report``): each sweep's runs table
+and, from a ``vpipe bench`` output directory, its timed steps (``steps.parquet``); the ratio
+of step times per config with a bootstrap interval (:mod:`vpipe.stats`), called a speedup
+only when the setups match; one document with that table or, for one sweep, its summary.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+from math import nan
+from pathlib import Path
+
+import pandas as pd
+
+from vpipe.errors import VpipeError
+from vpipe.plots import schedule_order
+from vpipe.report import (
+    CONFIG,
+    OUTLIERS,
+    ReportError,
+    config_times,
+    ratio_cells,
+    regime_warning,
+    render_html,
+    render_markdown,
+    summary_table,
+    table_section,
+    text_section,
+)
+from vpipe.stats import CONFIDENCE, OUTLIER_FACTOR, RESAMPLES, SEED, Ratio, ratio_of_medians
+
+
+def run_label(runs: pd.DataFrame, fallback: str) -> str:
+    """A short label for one sweep: commit and host when recorded."""
+    parts = []
+    for col in ("commit", "host"):
+        if col in runs.columns and runs[col].notna().any():
+            parts.append(str(runs[col].dropna().iloc[0])[:12])
+    return "@".join(parts) or fallback
+
+
+@dataclass
+class Sweep:
+    """One sweep to compare: a label, its measured runs-table rows and its timed steps (None
+    when only the runs table is at hand)."""
+
+    label: str
+    runs: pd.DataFrame
+    steps: pd.DataFrame | None = None
+
+
+# What must match for a ratio of step times between two sweeps to be the code's speedup: the
+# machine (host, torch, threads) and the workload (a smaller model is no faster code).
+SETUP = {
+    "host": "host",
+    "torch": "torch version",
+    "threads": "threads per rank",
+    "device": "device",
+    "backend": "backend",
+    "ranks": "ranks",
+    "model": "model",
+    "sizes": "model sizes",
+    "batch": "batch",
+}
+
+
+def setting(runs: pd.DataFrame, column: str) -> str | None:
+    """A sweep's distinct values of a runs-table column, joined; None when not recorded."""
+    values = runs[column].dropna() if column in runs.columns else pd.Series(dtype=object)
+    return ",".join(sorted({str(v) for v in values})) or None
+
+
+def setup_differences(base: Sweep, run: Sweep) -> list[str]:
+    """In words, what of :data:`SETUP` differs between two sweeps or is not recorded."""
+    out = []
+    for column, words in SETUP.items():
+        a, b = setting(base.runs, column), setting(run.runs, column)
+        if a is None or b is None:
+            missing = " and ".join(s.label for s, v in ((base, a), (run, b)) if v is None)
+            out.append(f"{words} not recorded for {missing}")
+        elif a != b:
+            out.append(f"{words} differs: {a} vs {b}")
+    return out
+
+
+def setup_note(sweeps: Sequence[Sweep]) -> str:
+    """In words, what differs between the first sweep's setup and each other's (prefixed by
+    the sweep's label when there are several); empty when every setup matches."""
+    diffs = [(s.label, d) for s in sweeps[1:] if (d := setup_differences(sweeps[0], s))]
+    if len(sweeps) == 2 and diffs:
+        return "; ".join(diffs[0][1])
+    return "; ".join(f"{label}: " + ", ".join(d) for label, d in diffs)
+
+
+def ratio_label(sweeps: Sequence[Sweep]) -> str:
+    """The ratio column's header: "speedup" when every run's setup matches the first's, else
+    "ratio (not a speedup: ...)" saying what differs."""
+    words = setup_note(sweeps)
+    return f"ratio (not a speedup: {words})" if words else "speedup"
+
+
+def comparison_table(sweeps: Sequence[Sweep]) -> pd.DataFrame:
+    """Base step time over each sweep's, per (schedule, M, impl) present in both (the first
+    sweep is the base): the ratio of median step times with a bootstrap interval resampling
+    each sweep's steps of the config independently (:func:`vpipe.stats.ratio_of_medians`).
+
+    The ms columns are the runs tables' medians. A sweep without steps gets their ratio and no
+    interval. A sweep whose :data:`SETUP` (host, torch, threads, workload) differs from the
+    base's or is not recorded gets no verdict: the ratio is then no speedup of the code, and the
+    column's header says what differs.
+    """
+    if len(sweeps) < 2:
+        raise ReportError("a comparison needs at least two runs")
+    base = sweeps[0]
+    label = ratio_label(sweeps)
+    b = base.runs.set_index(CONFIG)
+    rows = []
+    for run in sweeps[1:]:
+        r = run.runs.set_index(CONFIG)
+        comparable = not setup_differences(base, run)
+        timed = base.steps is not None and run.steps is not None
+        for idx in b.index.intersection(r.index):
+            x, y = b.loc[idx], r.loc[idx]
+            if timed:
+                ratio = ratio_of_medians(
+                    config_times(base.steps, *idx), config_times(run.steps, *idx)
+                )
+            else:  # the runs tables' medians
+                ratio = Ratio(x.step_time_s / y.step_time_s, nan, nan, 0, 0)
+            cells = ratio_cells(label, ratio, "faster", "slower")
+            cells["steps"] = cells.pop("pairs")
+            if not timed:
+                cells.update({"verdict": "no interval: runs table only", OUTLIERS: "", "steps": ""})
+            if not comparable:
+                cells["verdict"] = "not comparable: setup differs"
+            rows.append(
+                {
+                    "schedule": idx[0],
+                    "M": idx[1],
+                    "impl": idx[2],
+                    "run": run.label,
+                    f"{base.label} ms": _ms(x.step_time_s),
+                    "run ms": _ms(y.step_time_s),
+                    **cells,
+                }
+            )
+    if not rows:
+        raise ReportError(
+            f"the runs share no (schedule, microbatches, impl) config with {base.label}"
+        )
+    df = pd.DataFrame(rows)
+    order = {x: i for i, x in enumerate(schedule_order(df["schedule"].unique()))}
+    df = df.assign(_o=df["schedule"].map(order)).sort_values(["run", "M", "impl", "_o"])
+    return df.drop(columns="_o").reset_index(drop=True)
+
+
+def _ms(seconds: float) -> str:
+    return "" if pd.isna(seconds) else f"{seconds * 1e3:.2f}"
+
+
+RUNS_COLUMNS = (
+    "schedule",
+    "microbatches",
+    "impl",
+    "step_time_s",
+    "step_time_q1_s",
+    "step_time_q3_s",
+    "samples_per_s",
+    "peak_memory_bytes",
+)
+
+
+def load_runs(path: str | Path) -> pd.DataFrame:
+    """Measured rows of the runs table of a ``vpipe bench`` output directory or results store,
+    or of a runs Parquet file."""
+    from vpipe.trace.store import Store, runs_frame
+
+    p = Path(path)
+    try:
+        if p.is_file():
+            df = runs_frame(pd.read_parquet(p))
+        elif (p / "runs").is_dir():
+            df = Store(p).runs()
+        else:
+            raise ReportError(f"{p}: not a vpipe bench output or results store (no runs table)")
+    except VpipeError:
+        raise
+    except Exception as e:  # pyarrow raises several types for corrupt files
+        raise ReportError(f"{p}: cannot read runs table: {e}") from None
+    if df.empty:
+        raise ReportError(f"{p}: the runs table is empty")
+    missing = [c for c in RUNS_COLUMNS if df[c].isna().all()] if len(df) else []
+    if missing:
+        raise ReportError(f"{p}: runs table has no values for {missing}")
+    return df[df["source"].fillna("measured") == "measured"].reset_index(drop=True)
+
+
+def load_steps(path: str | Path) -> tuple[pd.DataFrame | None, str | None]:
+    """The timed steps of a ``vpipe bench`` output directory (its ``steps.parquet``) and the
+    sweep (``bench_id``) they belong to; (None, None) where there are none (a runs file)."""
+    from vpipe.trace.store import read_parquet
+
+    f = Path(path) / "steps.parquet"
+    if not f.is_file():
+        return None, None
+    steps, meta = read_parquet(f)
+    return steps, meta.get("bench_id")
+
+
+def load_sweeps(paths: Sequence[str | Path]) -> list[Sweep]:
+    """The sweeps of several runs tables (a store holding several is split by ``bench_id``),
+    each with its timed steps when its directory has them."""
+    sweeps: list[Sweep] = []
+    for p in paths:
+        runs = load_runs(p)
+        steps, steps_id = load_steps(p)
+        groups = list(
+            runs.groupby("bench_id", sort=True) if "bench_id" in runs.columns else [(None, runs)]
+        )
+        for bench_id, d in groups:
+            label = run_label(d, str(bench_id or Path(p).name))
+            if any(label == s.label for s in sweeps):
+                label = f"{label}#{len(sweeps)}"
+            unnamed = (steps_id is None or bench_id is None) and len(groups) == 1
+            own = steps if steps_id == bench_id or unnamed else None
+            sweeps.append(Sweep(label, d, own))
+    return sweeps
+
+
+def comparison_report(paths: Sequence[str | Path]) -> tuple[str, str]:
+    """HTML and Markdown comparing several runs (first = baseline)."""
+    sweeps = load_sweeps(paths)
+    runs_table = pd.DataFrame(
+        [
+            {
+                "label": s.label,
+                "configs": len(s.runs),
+                "bench_id": s.runs["bench_id"].iloc[0] if "bench_id" in s.runs.columns else "",
+                **{col: setting(s.runs, col) or "" for col in SETUP},
+                "timed steps": "none: runs table only" if s.steps is None else len(s.steps),
+            }
+            for s in sweeps
+        ]
+    )
+    sections = [table_section("Runs", runs_table)]
+    warnings = [f"{s.label}: {w}" for s in sweeps if (w := regime_warning(s.runs))]
+    if warnings:
+        sections.insert(0, text_section("Regime", warnings))
+    if len(sweeps) == 1:
+        sections.append(table_section("Summary", summary_table(sweeps[0].runs)))
+    else:
+        differs = setup_note(sweeps)
+        title = "Step-time ratio (not a speedup)" if differs else "Speedup"
+        sections.append(
+            table_section(
+                f"{title} over {sweeps[0].label}",
+                comparison_table(sweeps),
+                _comparison_note(sweeps, differs),
+            )
+        )
+    title = "vpipe benchmark comparison"
+    return render_html(title, sections), render_markdown(title, sections)
+
+
+def _comparison_note(sweeps: Sequence[Sweep], differs: str) -> str:
+    """What the comparison table's figures mean, and why they are no speedup if so."""
+    words = (
+        [f"Not a speedup ({differs}): the ratio measures the setup as much as the code."]
+        if differs
+        else []
+    )
+    words.append(
+        f"ratio = base median step time / the run's (> 1: the run is faster), with a "
+        f"{CONFIDENCE:.0%} percentile-bootstrap interval ({RESAMPLES} resamples of each sweep's "
+        f'steps of the config, independently; seed {SEED}); "no significant difference" '
+        f"when it contains 1. Steps over {OUTLIER_FACTOR:g}x their config's median are "
+        "outliers, counted and excluded."
+    )
+    bare = [s.label for s in sweeps if s.steps is None]
+    if bare:
+        words.append(
+            f"{', '.join(bare)}: runs table only (no steps.parquet), so the ratio of its "
+            "configs is of the runs tables' medians, without interval or verdict."
+        )
+    return " ".join(words)
