@@ -12,7 +12,8 @@ import pytest
 
 from vpipe.baselines.torch_pp import TORCH_SCHEDULES, torch_placement
 from vpipe.bench import DEFAULT_SCHEDULES, QUICK_SCHEDULES, BenchError, SweepSpec
-from vpipe.bench_results import BenchResults, report_sections
+from vpipe.bench_report import report_sections
+from vpipe.bench_results import BenchResults
 from vpipe.cli import main
 from vpipe.errors import ScheduleError
 from vpipe.ir import Schedule, loop_placement
@@ -266,7 +267,8 @@ def test_real_sweep_runs_a_registered_family(toy, tmp_path):
     """Ranks receive schedules built in the launching process, so a family registered only
     here runs in a real 2-rank sweep, end to end into the store and the report."""
     from vpipe.bench import run_sweep
-    from vpipe.bench_results import collect, write_outputs
+    from vpipe.bench_report import write_outputs
+    from vpipe.bench_results import collect
     from vpipe.trace.store import Store
 
     spec = SweepSpec(

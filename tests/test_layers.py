@@ -33,7 +33,7 @@ LAYERS: list[tuple[str, ...]] = [
     ("vpipe.trace",),
     ("vpipe.calibrate", "vpipe.harness"),
     ("vpipe.plan", "vpipe.plots", "vpipe.report", "vpipe.comparison"),
-    ("vpipe.bench", "vpipe.bench_results"),
+    ("vpipe.bench", "vpipe.bench_results", "vpipe.bench_report"),
     ("vpipe.commands", "vpipe.cli", "vpipe.__main__", "vpipe"),
 ]
 MAX_LINES = 520

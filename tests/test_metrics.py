@@ -12,7 +12,8 @@ import pytest
 
 from vpipe.analysis import quartiles, rank_metrics
 from vpipe.bench import SweepSpec
-from vpipe.bench_results import collect, write_outputs
+from vpipe.bench_report import write_outputs
+from vpipe.bench_results import collect
 from vpipe.commands.trace import analyze_report
 from vpipe.metrics import Inputs, Metric, Show, Track, compute, register, registry, unregister
 from vpipe.report import summary_table

@@ -9,7 +9,8 @@ import pytest
 
 from vpipe.analysis import regime_figure
 from vpipe.bench import SweepSpec
-from vpipe.bench_results import collect, report_sections
+from vpipe.bench_report import report_sections
+from vpipe.bench_results import collect
 from vpipe.events import events_frame
 from vpipe.metrics import Inputs, compute
 from vpipe.report import REGIME_THRESHOLD, regime_section, regime_warning

@@ -6,7 +6,8 @@ up too, and the store holds every run with its metrics."""
 import pytest
 
 from vpipe.bench import Config, SweepSpec, run_sweep
-from vpipe.bench_results import collect, write_outputs
+from vpipe.bench_report import write_outputs
+from vpipe.bench_results import collect
 from vpipe.passes import lower
 from vpipe.schedules import make_schedule
 from vpipe.trace.store import Store

@@ -155,7 +155,8 @@ def run_bench(args: argparse.Namespace) -> int:
         profile_steps=opts["profile_steps"],
     )
     spec.validate()
-    from vpipe.bench_results import collect, write_outputs
+    from vpipe.bench_report import write_outputs
+    from vpipe.bench_results import collect
     from vpipe.outputs import check_output_dir, clear_dir
 
     out = check_output_dir(args.out, append=args.append, force=args.force)

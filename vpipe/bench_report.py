@@ -1,0 +1,253 @@
+"""Write a sweep's outputs: the results store, steps and ranks tables, plots and the report.
+
+:func:`write_outputs` fills ``vpipe bench``'s output directory from the tables that
+:func:`vpipe.bench_results.collect` made; :func:`report_sections` builds the report of one
+sweep (regime, setup, summary, comparisons with intervals, simulator fidelity, figures,
+timelines, and the plan for the measured host).
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pandas as pd
+
+from vpipe.bench import Config
+from vpipe.bench_results import BenchResults, has_actions
+from vpipe.report import (
+    STATS_NOTE,
+    Section,
+    impl_table,
+    meta_table,
+    regime_section,
+    render_html,
+    render_markdown,
+    slug,
+    summary_table,
+    table_section,
+    v_vs_baseline,
+)
+
+
+def write_outputs(res: BenchResults, out: str | Path) -> dict[str, Path]:
+    """Store, tables, plots and reports under ``out``; returns the main paths."""
+    from vpipe.trace.store import Store, write_parquet
+
+    out = Path(out)
+    store = Store(out)
+    for row in res.runs.to_dict("records"):
+        rid = row["run_id"]
+        store.append_run(row, res.events.get(rid), res.memory.get(rid))
+    meta = {"table": "steps", "bench_id": res.bench_id}
+    write_parquet(res.steps, out / "steps.parquet", meta)
+    write_parquet(res.ranks, out / "ranks.parquet", {**meta, "table": "ranks"})
+    (out / "meta.json").write_text(json.dumps(res.meta, indent=1, default=str) + "\n")
+    sections = report_sections(res)
+    plots = out / "plots"
+    plots.mkdir(parents=True, exist_ok=True)
+    for s in sections:
+        for name, png in s.images.items():
+            (plots / f"{slug(name)}.png").write_bytes(png)
+    title = f"vpipe bench {res.bench_id}"
+    html_path, md_path = out / "report.html", out / "report.md"
+    html_path.write_text(render_html(title, sections), encoding="utf-8")
+    md_path.write_text(render_markdown(title, sections, image_dir="plots"), encoding="utf-8")
+    return {"html": html_path, "markdown": md_path, "store": out}
+
+
+def report_sections(res: BenchResults) -> list[Section]:
+    """The report of one sweep: setup, summary tables, then figures."""
+    from vpipe.plots import plot_memory, plot_pareto, plot_throughput, to_png
+    from vpipe.report import vpipe_only_note
+
+    runs = res.measured
+    regime = regime_section(runs)
+    sections = [regime] if regime else []
+    sections.append(table_section("Setup", meta_table(res.meta)))
+    sections.append(
+        table_section(
+            "Summary",
+            summary_table(runs),
+            "step time: slowest rank, median over interleaved timed steps (IQR shown); peak: "
+            "bytes of tensors saved for backward, max over ranks; bubble: idle/(idle+busy) per rank "
+            "over the whole profiled step (1 - total busy / total window over ranks); profiled step: "
+            "the median of the steps recorded under torch.profiler (slower than the timed "
+            "steps: profiling costs time per span); sim: simulator calibrated from those "
+            "profiled steps, error vs the timed median. torch's single-stage schedule classes (gpipe, "
+            "1f1b) record no per-action profiler spans, so they have no bubble, timeline or "
+            "simulation." + vpipe_only_note(res.spec.schedules, res.spec.impls),
+        )
+    )
+    vv = v_vs_baseline(runs, res.steps)
+    if len(vv):
+        sections.append(
+            table_section(
+                "V-schedules vs interleaved-1f1b",
+                vv,
+                "ratios > 1: more throughput / more memory than the "
+                "interleaved-1f1b config of the same impl and M. " + STATS_NOTE,
+            )
+        )
+    it = impl_table(res.steps)
+    if len(it):
+        sections.append(
+            table_section(
+                "vpipe vs torch.distributed.pipelining",
+                it,
+                "torch step time / vpipe step time: > 1 means vpipe is faster. " + STATS_NOTE,
+            )
+        )
+    sections.extend(fidelity_sections(res))
+    figs = Section("Throughput and memory")
+    figs.images["Throughput per schedule"] = to_png(plot_throughput(res.steps))
+    figs.images["Peak memory per schedule"] = to_png(plot_memory(res.ranks))
+    figs.images["Throughput vs peak memory"] = to_png(plot_pareto(runs))
+    sections.append(figs)
+    sections.extend(_timeline_sections(res))
+    sections.extend(plan_sections(res))
+    return sections
+
+
+def fidelity_sections(res: BenchResults) -> list[Section]:
+    """Leave-one-out fidelity per implementation and M: calibrate on each profiled config in
+    turn, predict every config, and compare with the timed medians."""
+    from vpipe.calibrate import Case, leave_one_out, model_units
+    from vpipe.schedules import make_schedule
+
+    runs = res.measured
+    out = []
+    for (impl, m), group in runs.groupby(["impl", "microbatches"], sort=True):
+        cases = [
+            Case(r.schedule, make_schedule(r.schedule, res.spec.ranks, int(m)), ev, r.step_time_s)
+            for r in group.itertuples()
+            if (ev := res.events.get(r.run_id)) is not None and has_actions(ev)
+        ]
+        if len(cases) < 2:
+            continue
+        units = model_units(
+            {"model": res.spec.model, "sizes": res.meta.get("model_sizes"),
+             "stages": max(c.schedule.n_stages for c in cases)}
+        )  # fmt: skip
+        table = leave_one_out(cases, units)
+        worst = float(table.drop(columns="calibrated on").abs().max().max())
+        shown = table.assign(**{c.label: table[c.label].map(lambda e: f"{e * 100:+.1f}%")
+                                for c in cases})  # fmt: skip
+        out.append(
+            table_section(
+                f"Simulator fidelity ({impl}, M={int(m)})",
+                shown,
+                "error of the predicted step time against the timed median of each config "
+                "(columns), calibrated on the profiled steps of one config (rows: per-action "
+                f"medians over {res.spec.profile_steps} profiled steps); the diagonal is in "
+                f"sample. Largest |error|: {worst * 100:.1f}% (goal: within 5%)."
+                + (
+                    ""
+                    if impl == "vpipe"
+                    else " torch's traces have no wait spans, so posting "
+                    "and communication costs cannot be calibrated from them."
+                ),
+            )
+        )
+    return out
+
+
+def plan_sections(res: BenchResults, top: int = 10) -> list[Section]:
+    """The plan for the measured host: costs calibrated on the sweep's vpipe zbv config (else
+    its first profiled vpipe config), every family x stages x M simulated for this sweep's
+    ranks and batch, within the most memory any config of the sweep used."""
+    from vpipe.plan import Budget, PlanError, calibrated_costs, plan
+    from vpipe.schedules import make_schedule
+
+    runs = res.measured
+    traced = [
+        r for r in runs[runs["impl"] == "vpipe"].itertuples()
+        if (ev := res.events.get(r.run_id)) is not None and has_actions(ev)
+    ]  # fmt: skip
+    if not traced or res.ranks.empty:
+        return []
+    base = next((r for r in traced if r.schedule == "zbv"), traced[0])
+    rank_rows = res.ranks[
+        (res.ranks["schedule"] == base.schedule)
+        & (res.ranks["microbatches"] == base.microbatches)
+        & (res.ranks["impl"] == "vpipe")
+    ]
+    peaks = dict(zip(rank_rows["rank"], rank_rows["peak_bytes"], strict=True))
+    schedule = make_schedule(base.schedule, res.spec.ranks, int(base.microbatches))
+    meta = {"model": res.spec.model, "sizes": res.meta.get("model_sizes"), "batch": res.spec.batch}
+    budget = Budget(float(res.ranks["peak_bytes"].max()))
+    try:
+        costs = calibrated_costs(res.events[base.run_id], peaks, schedule, meta)
+        result = plan(costs, res.spec.ranks, res.spec.batch, budget)
+    except PlanError as e:
+        return [Section("Plan for this host", f'<p class="note">{e}</p>', str(e))]
+    rec = result["recommended"]
+    table = pd.DataFrame(
+        {
+            "schedule": c["schedule"],
+            "stages/rank": c["stages_per_rank"],
+            "M": c["microbatches"],
+            "predicted step ms": f"{c['predicted_step_s'] * 1e3:.2f}",
+            "bubble": f"{c['bubble_ratio']:.3f}",
+            "peak MiB/rank": f"{max(c['peak_activation_bytes']) / 2**20:.2f}",
+            "fits": "yes" if c["fits"] else "no",
+        }
+        for c in result["candidates"][:top]
+    )
+    note = (
+        f"vpipe plan for {res.spec.ranks} ranks and batch {res.spec.batch}, costs calibrated on "
+        f"{base.schedule} M={int(base.microbatches)} (vpipe), budget: the most memory a config "
+        f"of this sweep used ({budget.describe(budget.value)} per rank). Recommended: "
+        f"{rec['schedule']} with {rec['stages_per_rank']} stages per rank and "
+        f"{rec['microbatches']} microbatches, {rec['predicted_step_s'] * 1e3:.2f} ms per step "
+        f"predicted. Fastest {min(top, len(result['candidates']))} of "
+        f"{len(result['candidates'])} candidates; `vpipe plan --from STORE --run "
+        f"{base.run_id} --memory ...` plans for another budget."
+    )
+    return [table_section("Plan for this host", table, note)]
+
+
+def _timeline_sections(res: BenchResults) -> list[Section]:
+    from vpipe.plots import plot_gantt, plot_memory_timeline, schedule_order, to_png
+
+    runs = res.measured
+    if not res.events or runs.empty:
+        return []
+    m = int(runs["microbatches"].max())
+    gantt = Section(
+        f"Timelines (M={m}): measured vs simulated",
+        '<p class="note">One profiled step per config; simulated with the cost '
+        "model calibrated from the same step.</p>",
+        "One profiled step per config; simulated with the calibrated cost model.",
+    )
+    mem = Section(f"Memory over time (M={m})")
+    mems = []
+    for sched in schedule_order(runs["schedule"].unique()):
+        panels = []
+        for impl in ("vpipe", "torch"):
+            ev = res.events.get(Config(sched, m, impl).run_id(res.bench_id))
+            if ev is not None and has_actions(ev):
+                panels.append((f"{sched} {impl} measured", _one_step(ev)))
+        sim = res.events.get(Config(sched, m, "vpipe").run_id(res.bench_id, simulated=True))
+        if sim is not None and len(sim):
+            panels.append((f"{sched} simulated (vpipe costs)", sim))
+        if panels:
+            gantt.images[f"Gantt {sched} M={m}"] = to_png(plot_gantt(panels))
+        for impl in ("vpipe", "torch"):
+            x = res.memory.get(Config(sched, m, impl).run_id(res.bench_id))
+            if x is not None and len(x):
+                mems.append(x.assign(label=f"{sched} {impl}"))
+    if mems:
+        mem.images[f"Saved activations over time M={m}"] = to_png(
+            plot_memory_timeline(
+                pd.concat(mems, ignore_index=True),
+                "Bytes saved for backward during one step, per rank",
+            )
+        )
+    return [s for s in (gantt, mem) if s.images]
+
+
+def _one_step(ev: pd.DataFrame) -> pd.DataFrame:
+    """The events of the last profiled step (spans outside a step are dropped)."""
+    ev = ev[ev["step"] >= 0]
+    return ev[ev["step"] == ev["step"].max()] if len(ev) else ev
