@@ -164,6 +164,13 @@ def test_sweep_runs_a_family_without_torch_class_on_vpipe_only(toy):
         replace(spec, schedules=(TOY,), impls=("torch",)).validate()
 
 
+def test_builtins_without_torch_class_sweep_on_vpipe_only():
+    names = ("v-half", "v-min", "zb-h2", "auto")
+    spec = SweepSpec(schedules=names, microbatches=(4,), impls=("vpipe", "torch"))
+    spec.validate()
+    assert [c.key for c in spec.configs()] == [f"{n}-m4-vpipe" for n in names]
+
+
 def test_unknown_sweep_schedule_lists_registered_families(toy):
     with pytest.raises(BenchError, match=f"choose from gpipe, {TOY}, 1f1b"):
         SweepSpec(schedules=("nope",), impls=("vpipe",)).validate()

@@ -103,7 +103,7 @@ def auto_schedule(
     f, b, w = (list(map(float, x)) for x in costs.stage_times(n))
     times = (f, b, w, list(map(float, costs.boundary_costs(n))))
     period = 3 * spr
-    fixed = [(s.name, s.actions, 0) for s in (g(p, m) for g in _FIXED[placement])]
+    fixed = [(s.name, s.actions, None) for s in (g(p, m) for g in _FIXED[placement])]
     found = _fastest(_plans(_blocks(placement, p, period), place, m, cap) + fixed, place, cap, times)
     while found is None:  # stretch the least-memory block until one microbatch fits
         period += 1
@@ -115,7 +115,7 @@ def auto_schedule(
     )
 
 
-Candidate = tuple[object, list[list[Action]], int]
+Candidate = tuple[object, list[list[Action]], "int | None"]
 
 
 def _plans(blocks: list[Block], place: dict[int, int], m: int, cap: int) -> list[Candidate]:
@@ -130,12 +130,13 @@ def _plans(blocks: list[Block], place: dict[int, int], m: int, cap: int) -> list
 
 def _fastest(
     candidates: list[Candidate], place: dict[int, int], cap: int, times: tuple
-) -> tuple[Filled, object, int] | None:
+) -> tuple[Filled, object, int | None] | None:
     """The candidate with the least (makespan, peak), first listed on ties, among those whose
-    peak fits ``cap`` (a complete program's cap entry is unused); None when none fits."""
+    peak fits ``cap`` (a complete program, whose cap is None, is timed as it is); None when
+    none fits."""
     best, found = None, None
     for k, (source, orders, c) in enumerate(candidates):
-        filled = fill(place, orders, c, *times)
+        filled = fill(place, orders, cap if c is None else c, *times)
         key = (filled.makespan, max(filled.peaks), k)
         if max(filled.peaks) <= cap and (best is None or key < best):
             best, found = key, (filled, source, c)

@@ -42,7 +42,7 @@ def v_min(ranks: int, microbatches: int, stages_per_rank: int | None = None) -> 
     the least bubble, found by searching offsets up to 6). Each rank runs its F's and I's in
     planned order and its W's whenever its next F or I is not ready (or the memory cap
     holds its next F back).
-    Memory: every rank's peak is min(2M, 2*floor((P+4)/3)) V stage-activations, i.e.
+    Memory: the largest rank peak is min(2M, 2*floor((P+4)/3)) V stage-activations, i.e.
     floor((P+4)/3) 1F1B stages: about a third of 1F1B's P (ZB-V's is P).
     Bubble with f = b = w = 1 and no communication: makespan 6M + 4P - 5 for every M >= 1
     (P >= 2; 6M at P = 1), i.e. each rank idles 4P - 5 of the step (ZB-V: P - 1; 1F1B on P
@@ -69,8 +69,8 @@ def v_half(ranks: int, microbatches: int, stages_per_rank: int | None = None) ->
     gap 1); both turns at the last rank take 1 slot for odd P and 4 for even P (the least
     bubble, found by searching offsets up to 6). Each rank runs its F's and I's in planned
     order and its W's in the gaps (or when the memory cap holds its next F back).
-    Memory: every rank's peak is min(2M, P + 2) V stage-activations, i.e. (P + 2)/2 1F1B
-    stages: about half of 1F1B's P.
+    Memory: the largest rank peak is min(2M, P + 2) V stage-activations, i.e. (P + 2)/2
+    1F1B stages: about half of 1F1B's P (every rank's once M > P).
     Bubble with f = b = w = 1 and no communication: makespan 6M + max(3P - 5, 4P - 3 - 2M)
     for P >= 3 (3P - 5 idle per rank once M >= (P + 2)/2: between V-Min's 4P - 5 and ZB-V's
     P - 1); 6M + max(2, 5 - 2M) at P = 2 and 6M at P = 1.
