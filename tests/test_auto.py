@@ -77,27 +77,12 @@ def test_auto_is_never_slower_than_a_fixed_family_that_fits(c):
 @pytest.mark.parametrize(
     "placement,p,m,costs,family,makespan",
     [
-        ("loop", 4, 4, CostModel(f=3, b=2, w=2), "zb-h1", 37),
-        (
-            "v",
-            2,
-            3,
-            CostModel(
-                per_stage={
-                    0: {"f": 3, "b": 2, "w": 3},
-                    1: {"f": 3, "b": 2, "w": 2},
-                    2: {"f": 3, "b": 1, "w": 1},
-                    3: {"f": 3, "b": 1, "w": 3},
-                }
-            ),
-            "zbv",
-            45,
-        ),
+        ("loop", 3, 3, CostModel(f=1, b=2, w=2), "zb-h1", 19),  # the best block: 21
+        ("v", 2, 4, CostModel(f=2, b=1, w=2), "zbv", 42),  # the best block: 43
     ],
 )
 def test_a_fixed_family_wins_where_every_block_is_slower(placement, p, m, costs, family, makespan):
-    """Cases where each filled block is slower than a fixed family (48 against ZB-V's 45, 38
-    against ZB-H1's 37): auto takes the family."""
+    """Cases where every filled block is slower than a fixed family: auto takes the family."""
     s = auto_schedule(p, m, costs, 2 * p, placement)
     assert s.meta["source"] == family
     assert simulate(s, costs).makespan == makespan

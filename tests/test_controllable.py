@@ -165,8 +165,9 @@ def test_plan_orders_f_and_i_by_slot():
 
 
 def test_fill_matches_the_simulator_and_respects_its_cap():
-    """fill's own makespan and peaks are the simulator's (no communication cost); a cap above
-    the plan's need is respected and never stalls; one below it is refused."""
+    """fill's own makespan and peaks are the simulator's (no communication cost; with some,
+    the simulator's with receives posted early, and a lower bound of the default lowering's);
+    a cap above the plan's need is respected and never stalls; one below it is refused."""
     p, m = 4, 10
     place = v_placement(p)
     orders = plan(v_block(p, down=1, up=5, turn=1, gap=1, back_up=1, back_turn=1, back_down=5),
@@ -181,6 +182,12 @@ def test_fill_matches_the_simulator_and_respects_its_cap():
         res = simulate(s, CostModel(per_stage=per_stage))
         assert res.makespan == got.makespan and res.peak_activations == got.peaks
         assert max(got.peaks) <= cap
+        hop = [1.0, 3.0] * p
+        slow = fill(place, orders, cap, f, b, w, hop[: 2 * p - 1])
+        costs = CostModel(per_stage=per_stage, comm_bytes=hop[: 2 * p - 1], comm_bandwidth=1)
+        s = Schedule(p, 2 * p, m, place, slow.actions, "filled")
+        assert simulate(s, costs, recv_lookahead=10**6).makespan == slow.makespan
+        assert simulate(s, costs).makespan >= slow.makespan
     with pytest.raises(ScheduleError, match="cap"):
         fill(place, orders, 1, f, b, w)
 

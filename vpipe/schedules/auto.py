@@ -78,7 +78,8 @@ def auto_schedule(
     1F1B, ZB-H1, ZB-H2) as they are; ties go to the lower peak. So with no communication cost
     it is never slower than any of those families whose peak fits the limit. Makespans are
     :func:`~vpipe.schedules.fill.fill`'s, equal to the simulator's with no communication cost
-    (with some, receives posted late in the lowered program can add to the simulated time).
+    (with some, receives posted late in the lowered program can add to the simulated time,
+    see :mod:`vpipe.schedules.fill`).
     A limit below one microbatch's own footprint (2 V stages, 1 loop stage) is refused.
     """
     name = "auto"

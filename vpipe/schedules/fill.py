@@ -3,10 +3,14 @@
 :func:`fill` times the ranks' programs as they would run (each action as soon as its rank is
 free and its input is there), deciding where every W goes: a rank runs its next planned F or
 I once that action's input has arrived (an F only while fewer than ``cap`` stage-activations
-are live on the rank), and otherwise the oldest weight gradient it still owes, so W's fill
-the gaps left by the pipeline instead of delaying the I chain. A stage-activation is live from
-its F until its W. The resulting program order, replayed by the simulator under the same
-costs, gives the same times.
+are live on the rank), and otherwise the oldest weight gradient it still owes if that W ends
+before the input is due (or the cap holds the F back, or the input's time is not known yet),
+so W's fill the gaps left by the pipeline instead of delaying the I chain. A stage-activation
+is live from its F until its W. A message arrives ``hop`` after its producer ends, as in the
+simulator when the receive is posted early enough: the program order replayed by
+:func:`vpipe.sim.simulate` under the same costs gives the same times with no communication
+cost or a large ``recv_lookahead``; with the default lookahead of 1, a receive posted late can
+make the simulated step longer.
 
 With ``cap >= fi_peak(orders)`` (:func:`vpipe.schedules.blocks.fi_peak`) this never stalls:
 a rank whose next F is held back by the cap and that owes no W holds fewer live activations
@@ -96,9 +100,8 @@ def fill(
             if kind is Kind.F and nxt.stage == 0 or kind is Kind.W:
                 ready.setdefault(key, 0.0)  # a W's I ran before it on this rank
         at = ready.get(key) if key is not None else None
-        if nxt is not None and at is not None and at <= t and (
-            nxt.kind is not Kind.F or live[r] < cap
-        ):
+        held = nxt is not None and nxt.kind is Kind.F and live[r] >= cap
+        if at is not None and at <= t and not held:
             pos[r] += 1
             s, m = nxt.stage, nxt.microbatch
             if nxt.kind is Kind.F:
@@ -122,7 +125,7 @@ def fill(
                 if s > 0:
                     arrive((Kind.I, s - 1, m), hand(s, s - 1, end))
             action = nxt
-        elif owed[r]:
+        elif owed[r] and (held or at is None or at >= t + w[owed[r][0].stage]):
             action = owed[r].popleft()
             end = t + w[action.stage]
             live[r] -= 1
