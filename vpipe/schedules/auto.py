@@ -116,7 +116,8 @@ def auto_schedule(
     )
 
 
-Candidate = tuple[object, list[list[Action]], "int | None"]
+Candidate = tuple[object, list[list[Action]], int | None]  # (block or family, orders, cap)
+Times = tuple[list[float], list[float], list[float], list[float]]  # f, b, w, hop
 
 
 def _plans(blocks: list[Block], place: dict[int, int], m: int, cap: int) -> list[Candidate]:
@@ -130,7 +131,7 @@ def _plans(blocks: list[Block], place: dict[int, int], m: int, cap: int) -> list
 
 
 def _fastest(
-    candidates: list[Candidate], place: dict[int, int], cap: int, times: tuple
+    candidates: list[Candidate], place: dict[int, int], cap: int, times: Times
 ) -> tuple[Filled, object, int | None] | None:
     """The candidate with the least (makespan, peak), first listed on ties, among those whose
     peak fits ``cap`` (a complete program, whose cap is None, is timed as it is); None when
