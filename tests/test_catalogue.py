@@ -86,14 +86,20 @@ def test_builtin_lists_derive_from_the_catalogue():
         "interleaved-1f1b",
         "looped-bfs",
         "zb-h1",
+        "zb-h2",
         "zbv",
+        "v-half",
+        "v-min",
         "dualpipev",
+        "auto",
     )
     assert list(GENERATORS) == list(schedule_names()) == list(catalogue.names())
     assert DEFAULT_SCHEDULES == ("1f1b", "interleaved-1f1b", "zb-h1", "zbv", "dualpipev")
     assert QUICK_SCHEDULES == ("interleaved-1f1b", "zbv")
     assert BASELINE == catalogue.baseline() == "interleaved-1f1b"
-    assert list(TORCH_SCHEDULES) == list(catalogue.names())  # torch has every built-in
+    with_torch = catalogue.names(lambda f: f.torch_class is not None)
+    assert list(TORCH_SCHEDULES) == list(with_torch)
+    assert set(catalogue.names()) - set(with_torch) == {"zb-h2", "v-half", "v-min", "auto"}
 
 
 @pytest.mark.parametrize("family", catalogue.families(), ids=lambda f: f.name)
@@ -157,6 +163,13 @@ def test_sweep_runs_a_family_without_torch_class_on_vpipe_only(toy):
     assert [c.key for c in only_torch.configs()] == ["zbv-m2-torch", "zbv-m4-torch"]
     with pytest.raises(BenchError, match=f"torch.distributed.pipelining has no class for {TOY};"):
         replace(spec, schedules=(TOY,), impls=("torch",)).validate()
+
+
+def test_builtins_without_torch_class_sweep_on_vpipe_only():
+    names = ("v-half", "v-min", "zb-h2", "auto")
+    spec = SweepSpec(schedules=names, microbatches=(4,), impls=("vpipe", "torch"))
+    spec.validate()
+    assert [c.key for c in spec.configs()] == [f"{n}-m4-vpipe" for n in names]
 
 
 def test_unknown_sweep_schedule_lists_registered_families(toy):

@@ -19,8 +19,22 @@ from vpipe.schedules import make_schedule, schedule_names
 from vpipe.schedules.interleaved import rounds
 from vpipe.sim import CostModel, simulate
 
-NAMES = ["gpipe", "1f1b", "interleaved-1f1b", "looped-bfs", "zb-h1", "zbv", "dualpipev"]
+NAMES = [
+    "gpipe",
+    "1f1b",
+    "interleaved-1f1b",
+    "looped-bfs",
+    "zb-h1",
+    "zb-h2",
+    "zbv",
+    "v-half",
+    "v-min",
+    "dualpipev",
+    "auto",
+]
 LOOP_V = ("interleaved-1f1b", "looped-bfs", "zb-h1")  # families with a stages-per-rank choice
+V_FAMILIES = ("zbv", "v-half", "v-min", "dualpipev", "auto")
+SPLIT = ("zb-h1", "zb-h2", "zbv", "v-half", "v-min", "auto")  # I/W split, never a full B
 RANKS = list(range(1, 9))
 
 
@@ -158,14 +172,14 @@ def test_every_schedule_is_valid_and_lowers(name):
                 s = make_schedule(name, p, m, v)
                 where = f"{name} P={p} M={m} v={v}"
                 assert (s.name, s.n_ranks, s.n_microbatches) == (name, p, m), where
-                if name in ("zbv", "dualpipev"):
+                if name in V_FAMILIES:
                     assert s.placement == v_placement(p) and s.loss_rank == 0, where
                 else:
                     spr = v or (2 if name in ("interleaved-1f1b", "looped-bfs") else 1)
                     assert (s.n_stages, s.style) == (p * spr, "loop"), where
                 _check_structure(s)
                 kinds = {part.kind for _, _, a in s.iter_actions() for part in a.compute_parts()}
-                if name in ("zb-h1", "zbv"):
+                if name in SPLIT:
                     assert Kind.B not in kinds, where
                 elif name != "dualpipev":
                     assert kinds == {Kind.F, Kind.B}, where

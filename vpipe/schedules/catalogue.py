@@ -16,6 +16,8 @@ from typing import Generic, TypeVar
 
 from vpipe.errors import ScheduleError
 from vpipe.ir import Schedule
+from vpipe.schedules.auto import auto
+from vpipe.schedules.controllable import v_half, v_min, zb_h2
 from vpipe.schedules.interleaved import interleaved_1f1b, looped_bfs, zb_h1
 from vpipe.schedules.simple import gpipe, one_f_one_b
 from vpipe.schedules.v import dualpipev, zbv
@@ -246,6 +248,14 @@ for _family in (
         default_sweep=True,
     ),
     Family(
+        "zb-h2",
+        zb_h2,
+        "zero bubble H2: 2P-1 microbatches in flight, W's fill the drain; 1 stage/rank; any P, M",
+        placement="loop",
+        stages_per_rank=1,
+        order=55,
+    ),
+    Family(
         "zbv",
         zbv,
         "zero bubble V: V placement, 2 stages/rank, I/W split; any P, M",
@@ -256,6 +266,23 @@ for _family in (
         order=60,
         default_sweep=True,
         quick_sweep=True,
+        aliases=("v-zb",),
+    ),
+    Family(
+        "v-half",
+        v_half,
+        "controllable memory V-Half: half of 1F1B's activation memory, I/W split; 2 stages/rank",
+        placement="v",
+        stages_per_rank=2,
+        order=62,
+    ),
+    Family(
+        "v-min",
+        v_min,
+        "controllable memory V-Min: a third of 1F1B's activation memory, I/W split; 2 stages/rank",
+        placement="v",
+        stages_per_rank=2,
+        order=64,
     ),
     Family(
         "dualpipev",
@@ -267,6 +294,15 @@ for _family in (
         torch_multi=True,
         order=70,
         default_sweep=True,
+    ),
+    Family(
+        "auto",
+        auto,
+        "fastest V building block under a cost model and memory limit (here unit costs, limit "
+        "2x 1F1B's); 2 stages/rank",
+        placement="v",
+        stages_per_rank=2,
+        order=90,
     ),
 ):
     register(_family)
