@@ -81,7 +81,8 @@ def test_nothing_fits_is_refused_naming_the_smallest_peak(capsys):
     argv = ["plan", "-p", "4", "--batch", "32", "--memory", "1KiB", "--cost", SPEC]
     assert main(argv) == 2
     err = capsys.readouterr().err.strip()
-    assert "nothing fits --memory 1.00 KiB per rank: the smallest peak is 976.56 KiB" in err and "\n" not in err
+    assert "nothing fits --memory 1.00 KiB per rank: the smallest peak is 488.28 KiB" in err
+    assert "(v-min, 2 stages per rank, M=32)" in err and "\n" not in err  # V-Min: least memory
 
 
 def test_plan_json_and_plot(tmp_path, capsys):

@@ -65,7 +65,7 @@ def _runs() -> pd.DataFrame:
              "looped-bfs": (450, 540), "zb-h1": (400, 620), "zbv": (300, 600),
              "dualpipev": (500, 650)}  # fmt: skip
     rows = []
-    for m, sched, impl in itertools.product((4, 8), SCHEDULES, ("vpipe", "torch")):
+    for m, sched, impl in itertools.product((4, 8), list(vpipe), ("vpipe", "torch")):
         mem, thru = vpipe[sched]
         if impl == "torch" and sched != "zbv":
             thru *= 0.9
