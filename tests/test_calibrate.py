@@ -121,3 +121,30 @@ def test_leave_one_out_is_exact_on_traces_with_known_costs():
     cases[3].timed_s *= 1.1
     bad = leave_one_out(cases, n_units=4).set_index("calibrated on")
     assert bad["zbv"].round(4).eq(round(1 / 1.1 - 1, 4)).all()
+
+
+def test_overlap_factor_from_measured_compound_spans():
+    """A compound's span (its parts' rows carry it) over the sum of its parts' separate costs:
+    the simulator then charges overlap parts that fraction."""
+    comp = "(0F1;1B0)OVERLAP_F_B"
+    ev = events_frame(
+        [
+            row(0, "F", "0F0", 0, 10),
+            row(0, "F", "1F1", 10, 20, stage=1, mb=1),
+            row(0, "B", "1B1", 20, 40, stage=1, mb=1),
+            row(0, "F", comp, 40, 64, mb=1),  # 24 us for F 10 + B 20
+            row(0, "B", comp, 40, 64, stage=1, mb=0),
+            row(0, "B", "0B0", 64, 84),
+            row(0, "B", "0B1", 84, 104, mb=1),
+        ]
+    )
+    cal = calibrate(ev)
+    assert cal.overlap == pytest.approx(24 / 30)
+    assert cal.cost_model(make_schedule("dualpipev", 1, 2)).overlap == pytest.approx(0.8)
+    assert calibrate(ev[~ev["name"].astype(str).str.startswith("(")]).overlap == 1.0
+    s = make_schedule("dualpipev", 2, 8)
+    plain, faster = (simulate(s, CostModel(overlap=x)) for x in (1.0, 0.8))
+    assert faster.makespan < plain.makespan and sum(faster.busy) < sum(plain.busy)
+    assert simulate(make_schedule("zbv", 2, 8), CostModel(overlap=0.5)).makespan == (
+        simulate(make_schedule("zbv", 2, 8), CostModel()).makespan
+    )  # no overlap actions: nothing changes

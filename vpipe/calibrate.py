@@ -60,6 +60,7 @@ class Calibration:
     comm_latency: float
     w_share: float | None  # the assumed W share of B, or None when I and W were measured
     run_id: str = ""
+    overlap: float = 1.0  # an overlap action's span over the sum of its parts' separate costs
 
     @property
     def n_stages(self) -> int:
@@ -80,7 +81,11 @@ class Calibration:
             b = total - w
         per_stage = {s: {"f": f[s], "b": b[s], "w": w[s]} for s in range(n_stages)}
         return CostModel(
-            comm_latency=self.comm_latency, per_stage=per_stage, post=self.post, gap=self.gap
+            comm_latency=self.comm_latency,
+            per_stage=per_stage,
+            post=self.post,
+            gap=self.gap,
+            overlap=self.overlap,
         )
 
     def share_of_w(self) -> float:
@@ -99,6 +104,7 @@ class Calibration:
             "post_us": round(self.post, 1),
             "gap_us": round(self.gap, 1),
             "comm_latency_us": round(self.comm_latency, 1),
+            "overlap": round(self.overlap, 3),
             "w_share": self.w_share,
         }
 
@@ -165,7 +171,35 @@ def calibrate(events: pd.DataFrame, *, w_share: float = 0.5, stat: str = "median
         comm_latency_us(ev),
         None if measured_iw else w_share,
         str(ev["run_id"].iloc[0]) if len(ev) else "",
+        _overlap_factor(ev, dur_us, kind, f, b, w),
     )
+
+
+def _overlap_factor(
+    ev: pd.DataFrame,
+    dur_us: pd.Series,
+    kind: pd.Series,
+    f: np.ndarray,
+    b: np.ndarray,
+    w: np.ndarray,
+) -> float:
+    """Median over a run's overlap actions of the compound's span (less the waits inside it)
+    over the sum of its parts' separate median costs; 1 when the run has none."""
+    compound = ev["name"].astype(str).str.startswith("(") & kind.isin(COMPUTE_KINDS)
+    if not compound.any():
+        return 1.0
+    cost = {"F": f, "B": b + w, "I": b, "W": w}
+    parts = ev[compound].assign(
+        own=[
+            float(cost[k][s])
+            for k, s in zip(kind[compound], ev.loc[compound, "stage"], strict=True)
+        ],
+        span=dur_us[compound],
+    )
+    keys = ["run_id", "step", "rank", "name"]
+    per = parts.groupby(keys, observed=True).agg(span=("span", "max"), own=("own", "sum"))
+    per = per[per["own"] > 0]
+    return float((per["span"] / per["own"]).median()) if len(per) else 1.0
 
 
 def _gap_per_action_us(ev: pd.DataFrame) -> float:
@@ -266,8 +300,8 @@ def fidelity_table(
         if measured is not None and not measured.empty and calibration_events is not None:
             # profiled steps against profiled steps, pairwise
             row["paired_error"], row["pairs"] = _paired_error(
-                    calibration_events, schedule, m, n_units, calibrate_kw
-                )
+                calibration_events, schedule, m, n_units, calibrate_kw
+            )
         rows.append(row)
     return pd.DataFrame(rows)
 

@@ -70,6 +70,9 @@ class CostModel:
     where its program has them: before a compute action, for that action and the SENDs and
     RECVs since the previous one; after its last compute action, for the SENDs and RECVs that
     follow it. They occupy the rank but are not busy time (as in a measured step).
+
+    ``overlap`` scales the parts of an overlap action (``(0F3;3B1)OVERLAP_F_B``): what running
+    them together costs relative to running them apart (1: no gain; calibration measures it).
     """
 
     f: float = 1.0
@@ -82,9 +85,10 @@ class CostModel:
     comm_bytes: PerStage = 0.0
     post: float = 0.0
     gap: float = 0.0
+    overlap: float = 1.0
 
     def __post_init__(self) -> None:
-        for name in ("f", "b", "w", "comm_latency", "post", "gap"):
+        for name in ("f", "b", "w", "comm_latency", "post", "gap", "overlap"):
             _non_negative(name, getattr(self, name))
         bw = self.comm_bandwidth
         if not isinstance(bw, (int, float)) or math.isnan(bw) or bw <= 0:
@@ -113,14 +117,15 @@ class CostModel:
         "activation_bytes": "activation_bytes",
         "post": "post",
         "gap": "gap",
+        "overlap": "overlap",
     }
 
     @classmethod
     def parse(cls, text: str) -> CostModel:
         """Parse ``"f=1,b=1,w=1,comm=0"``. Keys: f, b, w, comm (latency), bw (bandwidth,
         bytes per time unit), bytes (per boundary), act_bytes (per stage), post (per SEND or
-        RECV posted), gap (per action), plus the field names. Unspecified keys keep their
-        defaults."""
+        RECV posted), gap (per action), overlap (an overlap action's parts cost this times
+        their separate costs), plus the field names. Unspecified keys keep their defaults."""
         values = parse_numbers(text, cls._ALIASES, "cost", CostModelError)
         kwargs = {cls._ALIASES[k]: v for k, v in values.items()}
         return cls(**kwargs)
@@ -376,6 +381,9 @@ def simulate(
     S = schedule.n_stages
     f, b, w = costs.stage_times(S)
     part_dur = np.concatenate([f, b + w, b, w])[fl.p_kind * S + fl.p_stage]
+    if costs.overlap != 1.0 and len(fl.p_op) > len(fl.o_rank):  # parts of overlap actions
+        in_compound = np.bincount(fl.p_op, minlength=len(fl.o_rank))[fl.p_op] > 1
+        part_dur = np.where(in_compound, part_dur * costs.overlap, part_dur)
     op_lead, tail = _overheads(fl, plan, costs)
     part_lead = np.zeros(len(fl.p_op))
     part_lead[np.searchsorted(fl.p_op, np.arange(len(fl.o_rank)))] = op_lead
