@@ -26,17 +26,15 @@ and in bytes when ``activation_bytes`` is given.
 
 from __future__ import annotations
 
-import math
-from collections.abc import Iterable, Mapping, Sequence
-from dataclasses import dataclass, field, fields
+from dataclasses import dataclass, field
 from functools import cached_property
 from pathlib import Path
 from typing import Any
 
 import numpy as np
 
-from vpipe.engine import LinkModel, Program, Timing, compile_program, replay
-from vpipe.errors import VpipeError
+from vpipe.cost_model import CostModel, CostModelError, parse_numbers
+from vpipe.engine import Program, Timing, compile_program, replay
 from vpipe.flat import PART_BITS, Flat, comm_messages, decode_messages, flatten
 from vpipe.ir import Schedule
 from vpipe.passes import CommPlan, plan_comm, slot_keys
@@ -45,168 +43,6 @@ from vpipe.validation import check_static
 __all__ = ["CostModel", "CostModelError", "SimResult", "parse_numbers", "simulate"]
 
 _KIND_NAMES = ("F", "B", "I", "W", "SEND_F", "RECV_F", "SEND_B", "RECV_B")
-
-
-class CostModelError(VpipeError, ValueError):
-    """A cost model (or its text form) is invalid."""
-
-
-PerStage = float | Sequence[float] | Mapping[int, float]
-
-
-@dataclass(frozen=True)
-class CostModel:
-    """Times per compute kind, optionally per stage, and communication costs.
-
-    ``f``: forward; ``b``: input gradient (I); ``w``: weight gradient (W); a full backward B
-    costs ``b + w`` and an overlap action the sum of its parts. ``per_stage`` overrides them
-    per stage: ``{stage: {"f": 2.0, "w": 0.5}}``. A message over the boundary between stages
-    s and s+1 (either direction) costs ``comm_latency + comm_bytes[s] / comm_bandwidth``.
-    ``comm_bytes`` and ``activation_bytes`` (per stage, for peak memory) are a number for
-    all stages/boundaries, a sequence, or a mapping.
-
-    ``post`` and ``gap`` are what the runtime pays besides computing and waiting: ``post`` per
-    SEND or RECV it posts, ``gap`` per action (its own work between actions). A rank pays them
-    where its program has them: before a compute action, for that action and the SENDs and
-    RECVs since the previous one; after its last compute action, for the SENDs and RECVs that
-    follow it. They occupy the rank but are not busy time (as in a measured step).
-
-    ``overlap`` scales the parts of an overlap action (``(0F3;3B1)OVERLAP_F_B``): what running
-    them together costs relative to running them apart (1: no gain; calibration measures it).
-    """
-
-    f: float = 1.0
-    b: float = 1.0
-    w: float = 1.0
-    comm_latency: float = 0.0
-    comm_bandwidth: float = math.inf
-    per_stage: Mapping[int, Mapping[str, float]] | None = None
-    activation_bytes: PerStage | None = None
-    comm_bytes: PerStage = 0.0
-    post: float = 0.0
-    gap: float = 0.0
-    overlap: float = 1.0
-
-    def __post_init__(self) -> None:
-        for name in ("f", "b", "w", "comm_latency", "post", "gap", "overlap"):
-            _non_negative(name, getattr(self, name))
-        bw = self.comm_bandwidth
-        if not isinstance(bw, (int, float)) or math.isnan(bw) or bw <= 0:
-            raise CostModelError(f"comm_bandwidth must be a positive number, got {bw!r}")
-        for stage, over in (self.per_stage or {}).items():
-            for key, value in over.items():
-                if key not in ("f", "b", "w"):
-                    raise CostModelError(
-                        f"per_stage[{stage}] has unknown key {key!r}: use 'f', 'b' or 'w'"
-                    )
-                _non_negative(f"per_stage[{stage}][{key!r}]", value)
-
-    _ALIASES = {
-        "f": "f",
-        "b": "b",
-        "w": "w",
-        "comm": "comm_latency",
-        "latency": "comm_latency",
-        "comm_latency": "comm_latency",
-        "bw": "comm_bandwidth",
-        "bandwidth": "comm_bandwidth",
-        "comm_bandwidth": "comm_bandwidth",
-        "bytes": "comm_bytes",
-        "comm_bytes": "comm_bytes",
-        "act_bytes": "activation_bytes",
-        "activation_bytes": "activation_bytes",
-        "post": "post",
-        "gap": "gap",
-        "overlap": "overlap",
-    }
-
-    @classmethod
-    def parse(cls, text: str) -> CostModel:
-        """Parse ``"f=1,b=1,w=1,comm=0"``. Keys: f, b, w, comm (latency), bw (bandwidth,
-        bytes per time unit), bytes (per boundary), act_bytes (per stage), post (per SEND or
-        RECV posted), gap (per action), overlap (an overlap action's parts cost this times
-        their separate costs), plus the field names. Unspecified keys keep their defaults."""
-        values = parse_numbers(text, cls._ALIASES, "cost", CostModelError)
-        kwargs = {cls._ALIASES[k]: v for k, v in values.items()}
-        return cls(**kwargs)
-
-    def stage_times(self, n_stages: int) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
-        """Arrays (f, b, w) per stage."""
-        out = [np.full(n_stages, float(getattr(self, k))) for k in ("f", "b", "w")]
-        for stage, over in (self.per_stage or {}).items():
-            if not 0 <= stage < n_stages:
-                raise CostModelError(f"per_stage names stage {stage}, outside 0..{n_stages - 1}")
-            for j, k in enumerate(("f", "b", "w")):
-                if k in over:
-                    out[j][stage] = float(over[k])
-        return out[0], out[1], out[2]
-
-    def links(self, n_stages: int) -> LinkModel:
-        """The link model of a schedule with ``n_stages`` stages."""
-        nbytes = _per_stage("comm_bytes", self.comm_bytes, max(n_stages - 1, 0))
-        return LinkModel(self.comm_latency, self.comm_bandwidth, nbytes)
-
-    def boundary_costs(self, n_stages: int) -> np.ndarray:
-        """Time of one message over each boundary s (between stages s and s+1)."""
-        return self.links(n_stages).boundary_costs()
-
-    def stage_activation_bytes(self, n_stages: int) -> np.ndarray | None:
-        if self.activation_bytes is None:
-            return None
-        return _per_stage("activation_bytes", self.activation_bytes, n_stages)
-
-    def to_dict(self) -> dict[str, Any]:
-        out = {}
-        for fd in fields(self):
-            v = getattr(self, fd.name)
-            out[fd.name] = dict(v) if isinstance(v, Mapping) else v
-        return out
-
-
-def parse_numbers(
-    text: str, keys: Iterable[str], what: str, error: type[Exception]
-) -> dict[str, float]:
-    """``"a=1,b=2.5"`` as ``{"a": 1.0, "b": 2.5}``, every key one of ``keys``; a bad item is
-    ``error`` naming it (``what`` says whose item it is)."""
-    known = sorted(keys)
-    values: dict[str, float] = {}
-    for item in filter(None, (p.strip() for p in str(text).split(","))):
-        key, sep, value = item.partition("=")
-        key = key.strip()
-        if not sep or key not in known:
-            raise error(
-                f"bad {what} item {item!r}: expected KEY=NUMBER, KEY one of {', '.join(known)}"
-            )
-        try:
-            values[key] = float(value)
-        except ValueError:
-            raise error(f"bad {what} value in {item!r}: not a number") from None
-    return values
-
-
-def _non_negative(name: str, value: Any) -> None:
-    if not isinstance(value, (int, float)) or math.isnan(value) or value < 0 or value == math.inf:
-        raise CostModelError(f"{name} must be a finite number >= 0, got {value!r}")
-
-
-def _per_stage(name: str, value: PerStage, n: int) -> np.ndarray:
-    if isinstance(value, Mapping):
-        out = np.zeros(n)
-        for k, v in value.items():
-            if not 0 <= k < n:
-                raise CostModelError(f"{name} names index {k}, outside 0..{n - 1}")
-            _non_negative(f"{name}[{k}]", v)
-            out[k] = v
-        return out
-    if isinstance(value, (int, float)):
-        _non_negative(name, value)
-        return np.full(n, float(value))
-    values = list(value)
-    if len(values) != n:
-        raise CostModelError(f"{name} has {len(values)} entries, expected {n}")
-    for k, v in enumerate(values):
-        _non_negative(f"{name}[{k}]", v)
-    return np.array(values, float)
 
 
 @dataclass
