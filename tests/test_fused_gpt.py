@@ -132,3 +132,12 @@ def test_dualpipev_with_the_fused_gpt_matches_the_reference():
     n_ranks = 2
     n_stages = make_schedule("dualpipev", n_ranks, N_MB).n_stages
     spawn(fused_gpt_job, n_ranks, *_reference(n_stages), timeout_s=120)
+
+
+def test_bench_script_prints_each_launch_and_the_ratio():
+    from bench.fused_overlap import compare
+
+    sizes = {"vocab": 32, "d_model": 16, "n_heads": 2, "n_layers": 2, "seq_len": 8}
+    lines = compare(1, sizes, batch=8, microbatches=4)
+    assert [line.split()[:2] for line in lines[1:3]] == [["1", "0"], ["2", "1"]]
+    assert lines[-1].startswith("all steps: fused_fb=0 ") and " ratio " in lines[-1]
