@@ -26,7 +26,14 @@ from torch import nn
 
 from vpipe.errors import VpipeError
 
-__all__ = ["BenchModel", "ModelError", "build_model", "model_names", "resolve_sizes"]
+__all__ = [
+    "BenchModel",
+    "FusedStage",
+    "ModelError",
+    "build_model",
+    "model_names",
+    "resolve_sizes",
+]
 
 
 class ModelError(VpipeError, ValueError):
@@ -39,6 +46,10 @@ DEFAULT_SIZES: dict[str, dict[str, int]] = {
     "gpt": {"vocab": 512, "d_model": 128, "n_heads": 4, "n_layers": 4, "seq_len": 64},
     "tuple": {"d_model": 64, "d_hidden": 128, "n_blocks": 4, "n_buckets": 4},
 }
+
+# Sizes a model accepts but leaves out of its defaults (absent: off), with their allowed values.
+# gpt's fused_fb=1 builds FusedStage stages (see there).
+OPTIONAL_SIZES: dict[str, dict[str, tuple[int, ...]]] = {"gpt": {"fused_fb": (0, 1)}}
 
 _DESCRIPTIONS = {
     "mlp": "residual MLP blocks (LayerNorm, Linear, GELU, Linear); MSE loss",
@@ -126,11 +137,17 @@ def resolve_sizes(name: str, n_stages: int, sizes: Mapping[str, int] | None = No
             "package.module:function"
         )
     sizes = dict(sizes or {})
-    unknown = sorted(set(sizes) - set(DEFAULT_SIZES[name]))
+    optional = OPTIONAL_SIZES.get(name, {})
+    unknown = sorted(set(sizes) - set(DEFAULT_SIZES[name]) - set(optional))
     if unknown:
-        raise ModelError(
-            f"model {name!r} has no size {unknown[0]!r}: sizes are {', '.join(DEFAULT_SIZES[name])}"
-        )
+        known = [*DEFAULT_SIZES[name], *optional]
+        raise ModelError(f"model {name!r} has no size {unknown[0]!r}: sizes are {', '.join(known)}")
+    for key, allowed in optional.items():
+        if key in sizes and int(sizes[key]) not in allowed:
+            raise ModelError(
+                f"model {name!r}: {key} must be one of {', '.join(map(str, allowed))}, "
+                f"got {sizes[key]}"
+            )
     full = dict(DEFAULT_SIZES[name])
     if "n_blocks" in full:
         full["n_blocks"] = max(full["n_blocks"], n_stages)
@@ -138,7 +155,7 @@ def resolve_sizes(name: str, n_stages: int, sizes: Mapping[str, int] | None = No
         full["n_layers"] = max(full["n_layers"], n_stages - 2)
     full.update({k: int(v) for k, v in sizes.items()})
     for key, value in full.items():
-        if value < 1:
+        if value < 1 and key not in optional:
             raise ModelError(f"model {name!r}: size {key} must be >= 1, got {value}")
     return full
 
@@ -171,6 +188,26 @@ class Stage(nn.Module):
         return x
 
 
+class FusedStage(Stage):
+    """A stage with a fused forward-backward for overlap actions (dualpipev's ``OVERLAP_F_B``):
+    while the forward part's input is still being received it runs the backward part first (its
+    input gradients and, for a full B, its weight gradients, none of which need that receive),
+    else the forward first. Same parameters and outputs as ``Stage``."""
+
+    def __init__(self, pieces: Sequence[nn.Module]) -> None:
+        super().__init__(pieces)
+        self.fused_calls = self.backward_first = 0  # how often the hook ran, and chose B first
+
+    def overlapped_forward_backward(self, forward: Any, backward: Any) -> None:
+        """Run both ``vpipe.runtime.overlap.Part`` s, backward first while the forward's input
+        has not arrived."""
+        self.fused_calls += 1
+        first, second = (forward, backward) if forward.ready() else (backward, forward)
+        self.backward_first += first is backward
+        first.run()
+        second.run()
+
+
 class Sequential(nn.Module):
     """The unsplit reference model: the stages one after another."""
 
@@ -185,9 +222,11 @@ class Sequential(nn.Module):
         return x
 
 
-def split_pieces(pieces: Sequence[nn.Module], n_stages: int, what: str) -> list[nn.Module]:
-    """Group pieces into n_stages contiguous stages whose sizes differ by at most one (earlier
-    stages take the extra piece)."""
+def split_pieces(
+    pieces: Sequence[nn.Module], n_stages: int, what: str, stage: type[Stage] = Stage
+) -> list[nn.Module]:
+    """Group pieces into n_stages contiguous ``stage`` modules whose sizes differ by at most one
+    (earlier stages take the extra piece)."""
     n = len(pieces)
     if n < n_stages:
         raise ModelError(
@@ -198,7 +237,7 @@ def split_pieces(pieces: Sequence[nn.Module], n_stages: int, what: str) -> list[
     out, start = [], 0
     for i in range(n_stages):
         size = base + (1 if i < extra else 0)
-        out.append(Stage(pieces[start : start + size]))
+        out.append(stage(pieces[start : start + size]))
         start += size
     return out
 
@@ -316,7 +355,8 @@ def _build_gpt(n_stages: int, seed: int, sizes: dict[str, int]) -> BenchModel:
         tokens = torch.randint(vocab, (batch, seq + 1), generator=g)
         return tokens[:, :-1].contiguous(), tokens[:, 1:].contiguous()
 
-    stages = split_pieces(pieces, n_stages, "GPT pieces (embedding, n_layers blocks, head)")
+    stage = FusedStage if sizes.get("fused_fb") else Stage
+    stages = split_pieces(pieces, n_stages, "GPT pieces (embedding, n_layers blocks, head)", stage)
     return BenchModel("gpt", stages, lm_loss, sizes, seed, make_batch, tokens_per_sample=seq)
 
 

@@ -52,6 +52,17 @@ class Posted:
         self.action = action
 
 
+def _arrived(slot: dict, m: int) -> Callable[[], bool]:
+    """A probe of microbatch m's entry in ``slot``: False while it is a posted receive with a
+    work not yet completed (a missing entry is "ready": fetching it fails at once)."""
+
+    def arrived() -> bool:
+        v = slot.get(m)
+        return type(v) is not Posted or all(w.is_completed() for w in v.works)
+
+    return arrived
+
+
 class _WaitFailed(Exception):
     def __init__(self, action: Action, error: BaseException) -> None:
         super().__init__(action, error)
@@ -252,10 +263,10 @@ class Executor:
 
         else:
             deliver = None  # SEND_F ships the stashed outputs
-        fetch = (
-            partial(getitem, self._inputs, m) if st.is_first else self._taker(st.fwd_in, m, "input")
-        )
-        return Phases(fetch, forward, deliver)
+        if st.is_first:
+            return Phases(partial(getitem, self._inputs, m), forward, deliver)
+        fetch = self._taker(st.fwd_in, m, "input")
+        return Phases(fetch, forward, deliver, _arrived(st.fwd_in, m))
 
     def _backward_phases(self, a: Action) -> Phases:
         st, m = self.stages[a.stage], a.microbatch
@@ -268,7 +279,7 @@ class Executor:
                 deliver(got)
             add_live(st, -1)
 
-        return Phases(self._grads_from(a), backward, self._grads_to(a))
+        return Phases(self._grads_from(a), backward, self._grads_to(a), self._grads_ready(a))
 
     def _backward_input_phases(self, a: Action) -> Phases:
         st, m = self.stages[a.stage], a.microbatch
@@ -279,7 +290,7 @@ class Executor:
             if deliver is not None:
                 deliver(got)
 
-        return Phases(self._grads_from(a), backward_input, self._grads_to(a))
+        return Phases(self._grads_from(a), backward_input, self._grads_to(a), self._grads_ready(a))
 
     def _backward_weight_phases(self, a: Action) -> Phases:
         st, m = self.stages[a.stage], a.microbatch
@@ -297,6 +308,11 @@ class Executor:
         """B/I's fetch: the output gradient (none on the loss stage)."""
         st = self.stages[a.stage]
         return None if st.is_last else self._taker(st.grad_out, a.microbatch, "output gradient")
+
+    def _grads_ready(self, a: Action) -> Callable[[], bool] | None:
+        """B/I's readiness probe: whether its output gradient is here (none needed: None)."""
+        st = self.stages[a.stage]
+        return None if st.is_last else _arrived(st.grad_out, a.microbatch)
 
     def _grads_to(self, a: Action) -> Callable[[tuple], None] | None:
         """B/I's deliver: the input gradient into stage s-1 here, else SEND_B's slot; from stage

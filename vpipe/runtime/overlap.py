@@ -16,7 +16,9 @@ stage module has a method ``overlapped_forward_backward``, the executor calls
 ``module.overlapped_forward_backward(forward, backward)`` with the two ``Part`` objects instead
 of running them in order. The method chooses the order and interleaving of the parts' steps
 (``fetch()``, ``compute()``, ``deliver()``: once each and in that order per part, or ``run()``
-for all three) and must finish both parts before it returns. A failure inside a part's step is
+for all three) and must finish both parts before it returns. ``ready()`` says, without
+blocking, whether a part's ``fetch()`` would return at once (its input handed over locally or
+its posted receive complete), so the method can run the other part while a receive is in flight. A failure inside a part's step is
 reported naming that part in the compound; one in the method's own code names the method.
 """
 
@@ -46,6 +48,7 @@ class Phases(NamedTuple):
     fetch: Callable[[], Any] | None
     compute: Callable[[Callable[[], Any] | None, Callable[[Any], None] | None], None]
     deliver: Callable[[Any], None] | None
+    ready: Callable[[], bool] | None = None  # whether fetch would not block; None: it never does
 
     def chained(self) -> Callable[[], None]:
         """The action as one call."""
@@ -81,6 +84,12 @@ class Part:
         """Whether all three steps ran."""
         return self._next == len(_STEPS)
 
+    def ready(self) -> bool:
+        """Whether ``fetch()`` would not block: its input is handed over or its receive has
+        completed (True once fetched). Never waits."""
+        probe = self._phases.ready
+        return self._next > 0 or probe is None or probe()
+
     def fetch(self) -> Any:
         """Obtain the input, waiting for its receive if it was posted."""
         return self._advance(0)
@@ -111,7 +120,7 @@ class Part:
                     "once each, in that order"
                 ),
             )
-        fetch, compute, deliver = self._phases
+        fetch, compute, deliver, _ = self._phases
         try:
             if step == 0:
                 self._value = fetch() if fetch is not None else None
