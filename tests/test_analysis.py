@@ -9,6 +9,7 @@ from vpipe.analysis import (
     headline_peak_bytes,
     pareto_front,
     rank_metrics,
+    step_breakdown,
     step_metrics,
     summarize,
 )
@@ -90,3 +91,23 @@ def test_pareto_front_keeps_ties_and_drops_dominated_rows():
     assert list(front["name"]) == ["a", "b", "f", "e"]
     assert list(front.index) == [0, 1, 5, 6]  # the input's rows, sorted by memory
     assert pareto_front(df.iloc[:0], "mem", "thru").empty
+
+
+def test_step_breakdown_adds_up_to_the_window():
+    """compute, wait, post and other split each rank's step window, overlaps counted once."""
+    rows = [
+        ev(0, "other", 0, 100, name="STEP"), ev(0, "F", 0, 30), ev(0, "SEND_F", 32, 34),
+        ev(0, "WAIT", 40, 80), ev(0, "B", 80, 96), ev(0, "RECV_B", 85, 90),
+        ev(1, "other", 0, 100, name="STEP"), ev(1, "F", 10, 50, stage=1),
+    ]  # fmt: skip
+    b = step_breakdown(events_frame(rows)).set_index("rank")
+    ns = 1e-9
+    assert b.loc[0, "compute"] == pytest.approx(46 * ns)  # F 30 + B 16
+    assert b.loc[0, "wait"] == pytest.approx(40 * ns)
+    assert b.loc[0, "post"] == pytest.approx(2 * ns)  # the RECV inside B counts as compute
+    assert b.loc[0, "other"] == pytest.approx(12 * ns)
+    assert b.loc[1, "compute"] == pytest.approx(40 * ns) and b.loc[1, "other"] == pytest.approx(
+        60 * ns
+    )
+    parts = b[["compute", "wait", "post", "other"]].sum(axis=1)
+    assert (parts - b["window"]).abs().max() < 1e-15

@@ -231,3 +231,30 @@ def pareto_front(df: pd.DataFrame, x: str, y: str) -> pd.DataFrame:
     # beats[i, j]: row j is at least as good as row i on both columns and better on one
     beats = (xs.T <= xs) & (ys.T >= ys) & ((xs.T < xs) | (ys.T > ys))
     return d[~beats.any(axis=1)].sort_values([x, y], ascending=[True, False], kind="stable")
+
+
+def step_breakdown(events: pd.DataFrame) -> pd.DataFrame:
+    """Where each rank's step goes, per (run_id, step, rank), in seconds: ``compute`` (F, B, I,
+    W spans), ``wait`` (WAIT spans: blocked on a receive), ``post`` (SEND/RECV spans: posting
+    communication) and ``other`` (the rest of the step window: the runtime's own work between
+    actions, and for torch its unlabelled waits). Overlapping spans count once, in that order
+    of precedence, so the four add up to the window."""
+    r = rank_metrics(events).set_index(KEYS)
+    ev = events[events["step"] >= 0]
+    kind = ev["kind"].astype(str)
+    groups = {
+        "compute": kind.isin(COMPUTE_KINDS),
+        "wait": kind == "WAIT",
+        "post": kind.isin(COMM_KINDS),
+    }
+    out = pd.DataFrame(index=r.index)
+    covered = pd.Series(0.0, index=r.index)
+    mask = pd.Series(False, index=ev.index)
+    for name, sel in groups.items():
+        mask = mask | sel
+        union = _union_ns(ev[mask], KEYS).reindex(r.index).fillna(0) / 1e9
+        out[name] = union - covered
+        covered = union
+    out["other"] = (r["window_s"] - covered).clip(lower=0)
+    out["window"] = r["window_s"]
+    return out.reset_index()

@@ -1,0 +1,92 @@
+"""Where a pipeline step's time goes, vpipe against torch.distributed.pipelining, in an
+overhead-bound and a compute-bound configuration (issue "Runtime overhead toward zero").
+
+For each regime one launch sweeps zbv, interleaved-1f1b and dualpipev with both implementations,
+interleaved in rounds, then profiles 3 steps per config. Per implementation and schedule it
+prints, averaged over profiled steps and ranks:
+
+- the step split into compute, waiting for data, posting communication and everything else
+  (:func:`vpipe.analysis.step_breakdown`; torch's traces have no wait spans, so its waits show
+  up under "other");
+- the measured bubble ratio minus the schedule's own simulated bubble (the simulator with the
+  run's calibrated compute and message costs but no per-action runtime overhead): the share of
+  the step the runtime adds;
+- vpipe/torch step time: the median of pairwise ratios over the interleaved timed steps, with
+  its bootstrap 95% interval.
+
+Run: ``python -m bench.overhead [--rounds 5 --steps 4]`` (rounds x steps pairs per schedule).
+"""
+
+from __future__ import annotations
+
+import argparse
+from dataclasses import replace
+
+import pandas as pd
+
+from vpipe.analysis import step_breakdown
+from vpipe.bench import SweepSpec, run_sweep
+from vpipe.bench_results import collect
+from vpipe.calibrate import calibrate, predict
+from vpipe.schedules import make_schedule
+from vpipe.stats import paired_ratio
+
+SCHEDULES = ("interleaved-1f1b", "zbv", "dualpipev")
+REGIMES = {
+    "overhead-bound (MLP 256/1024, 4-row microbatches)": dict(
+        sizes={"d_model": 256, "d_hidden": 1024}, batch=32
+    ),
+    "compute-bound (MLP 512/2048, 64-row microbatches)": dict(sizes={}, batch=512),
+}
+
+
+def regime_table(spec: SweepSpec) -> pd.DataFrame:
+    """One row per (impl, schedule) of one sweep: breakdown, bubble gap, vpipe/torch ratio."""
+    res = collect(spec, run_sweep(spec), "overhead", 0.0, simulate=False)
+    rows = []
+    for r in res.measured.itertuples():
+        ev = res.events[r.run_id]
+        b = step_breakdown(ev)
+        share = b[["compute", "wait", "post", "other"]].sum() / b["window"].sum()
+        schedule = make_schedule(r.schedule, spec.ranks, int(r.microbatches))
+        own = predict(replace(calibrate(ev), post=0.0, gap=0.0), schedule).bubble_ratio
+        row = {
+            "impl": r.impl,
+            "schedule": r.schedule,
+            "step ms": round(r.step_time_s * 1e3, 2),
+            **{f"{k} %": round(v * 100, 1) for k, v in share.items()},
+            "bubble": round(float(r.bubble_ratio), 3),
+            "own bubble": round(own, 3),
+            "bubble - own": round(float(r.bubble_ratio) - own, 3),
+        }
+        if r.impl == "vpipe":
+            s = res.steps[res.steps["schedule"] == r.schedule]
+            v = s[s["impl"] == "vpipe"].set_index(["round", "step"])["step_time_s"]
+            t = s[s["impl"] == "torch"].set_index(["round", "step"])["step_time_s"]
+            pairs = pd.concat([v, t], axis=1, keys=["v", "t"]).dropna()
+            ratio = paired_ratio(pairs["v"], pairs["t"])
+            row["vpipe/torch"] = f"{ratio.value:.3f} ({ratio.interval_text(3)}, n={ratio.n})"
+        rows.append(row)
+    return pd.DataFrame(rows).sort_values(["impl", "schedule"])
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(
+        prog="python -m bench.overhead", description=__doc__.split("\n\n")[0]
+    )
+    p.add_argument("--rounds", type=int, default=5)
+    p.add_argument("--steps", type=int, default=4)
+    args = p.parse_args(argv)
+    for title, cfg in REGIMES.items():
+        spec = SweepSpec(
+            schedules=SCHEDULES, microbatches=(8,), impls=("vpipe", "torch"), rounds=args.rounds,
+            steps=args.steps, warmup=2, profile_steps=3, progress=False, **cfg,
+        )  # fmt: skip
+        spec.validate()
+        print(f"\n{title}: P=2, M=8, batch {spec.batch}, {args.rounds * args.steps} pairs")
+        print(regime_table(spec).to_string(index=False))
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
