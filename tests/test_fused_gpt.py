@@ -7,6 +7,7 @@ from __future__ import annotations
 import pytest
 import torch
 
+from vpipe.harness import reference_step
 from vpipe.ir import Kind
 from vpipe.models import FusedStage, ModelError, Stage, build_model, resolve_sizes
 from vpipe.passes import lower
@@ -80,14 +81,9 @@ def _model(n_stages: int):
 def _reference(n_stages: int) -> tuple[list[torch.Tensor], list[list[torch.Tensor]]]:
     """Per-microbatch losses and every stage's parameter gradients, unpipelined."""
     bm = _model(n_stages)
-    x, y = bm.make_batch(2 * N_MB)
-    losses = []
-    for a, b in zip(x.chunk(N_MB), y.chunk(N_MB), strict=True):
-        for m in bm.stages:
-            a = m(a)
-        losses.append(bm.loss_fn(a, b))
-    (sum(losses) / N_MB).backward()
-    return [v.detach() for v in losses], [[p.grad for p in m.parameters()] for m in bm.stages]
+    ref = bm.reference_model()
+    losses = reference_step(ref, bm.loss_fn, *bm.make_batch(2 * N_MB), N_MB)
+    return losses, [[p.grad for p in m.parameters()] for m in ref.stages]
 
 
 def _overlaps(program, stage: int) -> int:

@@ -9,6 +9,7 @@ import torch
 from torch import nn
 
 from vpipe.errors import PipelineError
+from vpipe.harness import reference_step
 from vpipe.ir import Kind
 from vpipe.models import build_model
 from vpipe.passes import lower
@@ -65,15 +66,9 @@ def _batch(bm) -> tuple[torch.Tensor, torch.Tensor]:
 def _reference(n_stages: int) -> tuple[list[torch.Tensor], list[list[torch.Tensor]]]:
     """Per-microbatch losses and every stage's parameter gradients, unpipelined."""
     bm = _model(n_stages)
-    x, y = _batch(bm)
-    losses = []
-    for a, b in zip(x.chunk(N_MB), y.chunk(N_MB), strict=True):
-        for m in bm.stages:
-            a = m(a)
-        losses.append(bm.loss_fn(a, b))
-    (sum(losses) / N_MB).backward()
-    grads = [[p.grad for p in m.parameters()] for m in bm.stages]
-    return [v.detach() for v in losses], grads
+    ref = bm.reference_model()
+    losses = reference_step(ref, bm.loss_fn, *_batch(bm), N_MB)
+    return losses, [[p.grad for p in m.parameters()] for m in ref.stages]
 
 
 def _expected_calls(program, stage: int) -> list[tuple[str, str]]:

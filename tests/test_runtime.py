@@ -15,6 +15,7 @@ import pytest
 import torch
 
 from vpipe.errors import PipelineError, ScheduleError
+from vpipe.harness import reference_step
 from vpipe.ir import Schedule, actions_from_strings, schedule_from_rows
 from vpipe.models import build_model
 from vpipe.passes import lower
@@ -58,25 +59,15 @@ def reference_steps(
     out = []
     for batch, seed in plan:
         x, y = _batch(bm, batch, seed)
-        chunks = zip(x.chunk(n_mb), y.chunk(n_mb), strict=True)
-        losses = [bm.loss_fn(_run_all(bm, a), b) for a, b in chunks]
-        (sum(losses) / n_mb).backward()
-        grads = {}
-        for s, m in enumerate(bm.stages):
-            for name, p in m.named_parameters():
-                grads[s, name] = p.grad
-                p.grad = None
-        losses = [v.detach() for v in losses]
+        ref = bm.reference_model()
+        losses = reference_step(ref, bm.loss_fn, x, y, n_mb)
+        grads = {
+            (s, name): p.grad for s, m in enumerate(ref.stages) for name, p in m.named_parameters()
+        }
         out.append((batch, seed, 1, losses, grads))
         if len(out) == 1 and repeat:
             out.append((batch, seed, 2, losses, grads))
     return out
-
-
-def _run_all(bm, a):
-    for m in bm.stages:
-        a = m(*a) if isinstance(a, tuple) else m(a)
-    return a
 
 
 def check_config(schedule: Schedule, model: str, rank: int, steps: list) -> dict:

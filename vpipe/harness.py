@@ -63,7 +63,9 @@ class RankSpec:
         """Reject a spec no rank could run (before any process starts)."""
         s = self.schedule
         if self.impl not in IMPLS:
-            raise VpipeError(f"unknown implementation {self.impl!r}: choose from {', '.join(IMPLS)}")
+            raise VpipeError(
+                f"unknown implementation {self.impl!r}: choose from {', '.join(IMPLS)}"
+            )
         if self.device not in DEVICES:
             raise VpipeError(f"unknown device {self.device!r}: choose cpu or cuda")
         if self.batch < 1 or self.batch % s.n_microbatches:
@@ -239,6 +241,18 @@ def _make_pipeline(spec: RankSpec, modules: dict[int, Any], loss_fn: Any, device
 # The reference gradient check
 
 
+def reference_step(module: Any, loss_fn: Any, x: Any, y: Any, n_microbatches: int) -> list[Any]:
+    """The unpipelined step a pipeline must equal: each microbatch's loss through ``module``,
+    then the backward of their mean (so ``.grad`` holds the full batch's gradient). Returns
+    the per-microbatch losses, detached."""
+    import torch
+
+    chunks = zip(x.chunk(n_microbatches), y.chunk(n_microbatches), strict=True)
+    losses = [loss_fn(module(xm), ym) for xm, ym in chunks]
+    (torch.stack(losses).sum() / n_microbatches).backward()
+    return [v.detach() for v in losses]
+
+
 def check_against_reference(
     reference: Any,
     model: Any,
@@ -257,9 +271,7 @@ def check_against_reference(
     """
     import torch
 
-    chunks = zip(x.chunk(n_microbatches), y.chunk(n_microbatches), strict=True)
-    ref_losses = [model.loss_fn(reference(xm), ym) for xm, ym in chunks]
-    (torch.stack(ref_losses).sum() / n_microbatches).backward()
+    ref_losses = reference_step(reference, model.loss_fn, x, y, n_microbatches)
     out = []
     if losses is not None:
         if len(losses) != n_microbatches:
