@@ -4,7 +4,8 @@
 the forward part's input is still being received (``vpipe/models.py``, ``FusedStage``). One
 sweep fixes one model, so this script runs ``vpipe bench``'s sweep (dualpipev, vpipe, no
 profiling) with ``fused_fb=0`` and ``fused_fb=1`` back to back, alternating A B A B, and prints
-each launch's median step time and the medians over all steps of each variant.
+each launch's median step time, the medians over all steps of each variant and their ratio
+with a bootstrap interval (:func:`vpipe.stats.ratio_of_medians`).
 
 Run: ``python -m bench.fused_overlap --pairs 2``.
 """
@@ -14,6 +15,8 @@ from __future__ import annotations
 import argparse
 import statistics
 from collections.abc import Sequence
+
+from vpipe.stats import ratio_of_medians
 
 SIZES = {"vocab": 512, "d_model": 128, "n_heads": 4, "n_layers": 4, "seq_len": 64}
 
@@ -49,7 +52,11 @@ def compare(pairs: int, sizes: dict[str, int], batch: int, microbatches: int) ->
             every[fused] += got
             lines.append(f"{2 * i + fused + 1:>6}  {fused:>8}  {statistics.median(got):>9.1f}")
     off, on = (statistics.median(every[f]) for f in (0, 1))
-    lines.append(f"all steps: fused_fb=0 {off:.1f} ms, fused_fb=1 {on:.1f} ms, ratio {on / off:.3f}")
+    r = ratio_of_medians(every[1], every[0])
+    lines.append(
+        f"all steps: fused_fb=0 {off:.1f} ms, fused_fb=1 {on:.1f} ms, ratio {r.value:.3f} "
+        f"(95% CI {r.interval_text(3) or 'n/a'}: {r.verdict('fused slower', 'fused faster')})"
+    )
     return lines
 
 

@@ -28,8 +28,8 @@ from vpipe.analysis import step_breakdown
 from vpipe.bench import SweepSpec, run_sweep
 from vpipe.bench_results import collect
 from vpipe.calibrate import calibrate, predict
+from vpipe.report import config_times, paired_configs
 from vpipe.schedules import make_schedule
-from vpipe.stats import paired_ratio
 
 SCHEDULES = ("interleaved-1f1b", "zbv", "dualpipev")
 REGIMES = {
@@ -60,11 +60,11 @@ def regime_table(spec: SweepSpec) -> pd.DataFrame:
             "bubble - own": round(float(r.bubble_ratio) - own, 3),
         }
         if r.impl == "vpipe":
-            s = res.steps[res.steps["schedule"] == r.schedule]
-            v = s[s["impl"] == "vpipe"].set_index(["round", "step"])["step_time_s"]
-            t = s[s["impl"] == "torch"].set_index(["round", "step"])["step_time_s"]
-            pairs = pd.concat([v, t], axis=1, keys=["v", "t"]).dropna()
-            ratio = paired_ratio(pairs["v"], pairs["t"])
+            m = int(r.microbatches)
+            ratio = paired_configs(
+                config_times(res.steps, r.schedule, m, "vpipe"),
+                config_times(res.steps, r.schedule, m, "torch"),
+            )
             row["vpipe/torch"] = f"{ratio.value:.3f} ({ratio.interval_text(3)}, n={ratio.n})"
         rows.append(row)
     return pd.DataFrame(rows).sort_values(["impl", "schedule"])

@@ -212,7 +212,7 @@ def config_times(steps: pd.DataFrame, schedule: str, m: int, impl: str) -> pd.Se
     return d[d["impl"] == impl].set_index(["round", "step"])["step_time_s"]
 
 
-def _paired(num: pd.Series, den: pd.Series) -> Ratio:
+def paired_configs(num: pd.Series, den: pd.Series) -> Ratio:
     """:func:`vpipe.stats.paired_ratio` of two configs' steps paired by (round, step)."""
     both = pd.concat([num.rename("a"), den.rename("b")], axis=1, join="inner")
     return paired_ratio(both["a"], both["b"])
@@ -244,7 +244,7 @@ def impl_table(steps: pd.DataFrame) -> pd.DataFrame:
     interval and verdict (:mod:`vpipe.stats`)."""
     rows = []
     for (sched, m), d in steps.groupby(["schedule", "microbatches"], observed=True):
-        r = _paired(config_times(d, sched, m, "torch"), config_times(d, sched, m, "vpipe"))
+        r = paired_configs(config_times(d, sched, m, "torch"), config_times(d, sched, m, "vpipe"))
         if r.n == 0:
             continue
         cells = ratio_cells("torch/vpipe step time", r, "vpipe faster", "torch faster")
@@ -275,7 +275,7 @@ def v_vs_baseline(
         for s in schedules:
             if s in d.index:
                 r = d.loc[s]
-                thru = _paired(base_steps, config_times(steps, s, m, impl))
+                thru = paired_configs(base_steps, config_times(steps, s, m, impl))
                 rows.append(
                     {
                         "impl": impl,
