@@ -115,3 +115,19 @@ def test_plan_from_a_measured_run(profiled, tmp_path):
     peak = measured[measured["what"] == "saved_activations"].groupby("rank")["bytes"].max()
     assert max(own["peak_activation_bytes"]) == pytest.approx(peak.max(), rel=1e-6)
     assert result["recommended"]["fits"]
+
+
+def test_analyze_fidelity_reads_a_bench_store(profiled, tmp_path, capsys):
+    """`vpipe analyze STORE --fidelity` prints the bench report's leave-one-out table from
+    the stored runs: one row and one column per profiled schedule."""
+    from vpipe.cli import main
+
+    _, res = profiled
+    write_outputs(res, tmp_path)
+    assert main(["analyze", str(tmp_path), "--fidelity"]) == 0
+    out = capsys.readouterr().out
+    assert f"{BENCH_ID} vpipe M=4: largest |error|" in out
+    header = next(line for line in out.splitlines() if "calibrated on" in line and "1f1b" in line)
+    assert header.split()[2:] == SCHEDULES
+    assert sum(line.split()[0] in SCHEDULES for line in out.splitlines()) == len(SCHEDULES)
+    assert main(["analyze", str(tmp_path / "nope"), "--fidelity"]) == 2

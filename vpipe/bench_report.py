@@ -112,35 +112,19 @@ def report_sections(res: BenchResults) -> list[Section]:
 def fidelity_sections(res: BenchResults) -> list[Section]:
     """Leave-one-out fidelity per implementation and M: calibrate on each profiled config in
     turn, predict every config, and compare with the timed medians."""
-    from vpipe.calibrate import Case, leave_one_out, model_units
-    from vpipe.schedules import make_schedule
+    from vpipe.calibrate import leave_one_out_tables
 
-    runs = res.measured
+    meta = {"model": res.spec.model, "sizes": res.meta.get("model_sizes")}
     out = []
-    for (impl, m), group in runs.groupby(["impl", "microbatches"], sort=True):
-        cases = [
-            Case(r.schedule, make_schedule(r.schedule, res.spec.ranks, int(m)), ev, r.step_time_s)
-            for r in group.itertuples()
-            if (ev := res.events.get(r.run_id)) is not None and has_actions(ev)
-        ]
-        if len(cases) < 2:
-            continue
-        units = model_units(
-            {"model": res.spec.model, "sizes": res.meta.get("model_sizes"),
-             "stages": max(c.schedule.n_stages for c in cases)}
-        )  # fmt: skip
-        table = leave_one_out(cases, units)
-        worst = float(table.drop(columns="calibrated on").abs().max().max())
-        shown = table.assign(**{c.label: table[c.label].map(lambda e: f"{e * 100:+.1f}%")
-                                for c in cases})  # fmt: skip
+    for impl, m, table in leave_one_out_tables(res.measured, res.events.get, res.spec.ranks, meta):
         out.append(
             table_section(
-                f"Simulator fidelity ({impl}, M={int(m)})",
-                shown,
+                f"Simulator fidelity ({impl}, M={m})",
+                fidelity_shown(table),
                 "error of the predicted step time against the timed median of each config "
                 "(columns), calibrated on the profiled steps of one config (rows: per-action "
                 f"medians over {res.spec.profile_steps} profiled steps); the diagonal is in "
-                f"sample. Largest |error|: {worst * 100:.1f}% (goal: within 5%)."
+                f"sample. Largest |error|: {fidelity_worst(table) * 100:.1f}% (goal: within 5%)."
                 + (
                     ""
                     if impl == "vpipe"
@@ -150,6 +134,18 @@ def fidelity_sections(res: BenchResults) -> list[Section]:
             )
         )
     return out
+
+
+def fidelity_worst(table: pd.DataFrame) -> float:
+    """The largest |error| of a leave-one-out table."""
+    return float(table.drop(columns="calibrated on").abs().max().max())
+
+
+def fidelity_shown(table: pd.DataFrame) -> pd.DataFrame:
+    """A leave-one-out table with its errors as signed percentages."""
+    return table.assign(
+        **{c: table[c].map(lambda e: f"{e * 100:+.1f}%") for c in table.columns[1:]}
+    )
 
 
 def plan_sections(res: BenchResults, top: int = 10) -> list[Section]:

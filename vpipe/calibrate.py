@@ -332,14 +332,38 @@ class Case:
 def leave_one_out(cases: list[Case], n_units: int | None = None) -> pd.DataFrame:
     """Calibrate on each case in turn and predict every case (itself included: the in-sample
     error); one row per calibration case, one column per predicted case, holding the relative
-    error predicted / timed median - 1. Each calibration uses the per-action medians over all
-    of that case's profiled steps."""
+    error predicted / timed median - 1 (:func:`fidelity_table`'s ``error``). Each calibration
+    uses the per-action medians over all of that case's profiled steps."""
+    targets = [(c.label, c.schedule, None, c.timed_s) for c in cases]
     rows = []
     for source in cases:
-        cal = calibrate(source.events)
-        row: dict[str, Any] = {"calibrated on": source.label}
-        for target in cases:
-            predicted_s = predict(cal, target.schedule, n_units).makespan * US / 1e9
-            row[target.label] = predicted_s / target.timed_s - 1
-        rows.append(row)
+        t = fidelity_table(calibrate(source.events), targets, n_units)
+        rows.append(
+            {"calibrated on": source.label, **dict(zip(t["schedule"], t["error"], strict=True))}
+        )
     return pd.DataFrame(rows)
+
+
+def leave_one_out_tables(
+    runs: pd.DataFrame, events_of: Any, ranks: int, meta: dict[str, Any]
+) -> list[tuple[str, int, pd.DataFrame]]:
+    """:func:`leave_one_out` per implementation and microbatch count of a sweep's measured
+    ``runs`` (two profiled configs at least): ``(impl, M, table)``. ``events_of(run_id)`` gives
+    a run's events (or None); ``meta`` names the model and its sizes, for the pieces. Cases
+    follow the catalogue's display order."""
+    from vpipe.schedules import catalogue, make_schedule
+
+    order = {name: i for i, name in enumerate(catalogue.names())}
+    out = []
+    for (impl, m), group in runs.groupby(["impl", "microbatches"], sort=True):
+        cases = []
+        for r in sorted(group.itertuples(), key=lambda r: order.get(r.schedule, len(order))):
+            ev = events_of(r.run_id)
+            if ev is not None and ev["kind"].astype(str).isin(COMPUTE_KINDS).any():
+                schedule = make_schedule(r.schedule, ranks, int(m))
+                cases.append(Case(r.schedule, schedule, ev, float(r.step_time_s)))
+        if len(cases) >= 2:
+            stages = max(c.schedule.n_stages for c in cases)
+            units = model_units({**meta, "stages": stages})
+            out.append((str(impl), int(m), leave_one_out(cases, units)))
+    return out

@@ -65,6 +65,12 @@ def register(subparsers: argparse._SubParsersAction) -> None:
         help="per stage and kind statistic of span durations to calibrate with (default median)",
     )
     a.add_argument("--json", action="store_true", help="print the figures as one JSON object")
+    a.add_argument(
+        "--fidelity",
+        action="store_true",
+        help="for every sweep in the store: calibrate on each profiled config, predict every "
+        "config, errors against the timed medians (the bench report's fidelity tables)",
+    )
     a.set_defaults(func=analyze_command)
 
 
@@ -114,6 +120,9 @@ def memory_path(events_path: Path) -> Path:
 
 
 def analyze_command(args: argparse.Namespace) -> int:
+    if args.fidelity:
+        print(fidelity_text(args.source))
+        return 0
     found = analyze(
         args.source,
         run=args.run,
@@ -254,6 +263,34 @@ def analysis_json(found: dict[str, Any]) -> str:
         return None if isinstance(v, float) and v != v else v  # NaN -> null
 
     return json.dumps(plain(found))
+
+
+def fidelity_text(source: str) -> str:
+    """Leave-one-out fidelity of every sweep in a store, as the bench report has it."""
+    from vpipe.bench_report import fidelity_shown, fidelity_worst
+    from vpipe.calibrate import leave_one_out_tables
+    from vpipe.trace.store import Store
+
+    if not (Path(source) / "runs").is_dir():
+        raise TraceError(f"{source}: --fidelity needs a results store (a vpipe bench output)")
+    store = Store(source)
+    runs = store.runs()
+    runs = runs[runs["source"].fillna("measured") == "measured"]
+    lines = []
+    for bench_id, sweep in runs.groupby(runs["bench_id"].fillna(""), sort=True):
+        meta = store.run_meta(str(sweep["run_id"].iloc[0]))
+        events_of = lambda run_id: store.events([run_id])  # noqa: E731
+        for impl, m, table in leave_one_out_tables(sweep, events_of, int(meta["ranks"]), meta):
+            lines += [
+                f"{bench_id or 'runs'} {impl} M={m}: largest |error| "
+                f"{fidelity_worst(table) * 100:.1f}% (rows: calibrated on; columns: predicted; "
+                "errors vs timed medians)",
+                fidelity_shown(table).to_string(index=False),
+                "",
+            ]
+    if not lines:
+        raise TraceError(f"{source}: no sweep with two profiled configs of one impl and M")
+    return "\n".join(lines).rstrip()
 
 
 def metric_lines(values: dict[str, Any]) -> list[str]:
