@@ -145,8 +145,11 @@ class SweepSpec:
         for m in self.microbatches:
             if m < 1 or self.batch % m:
                 raise BenchError(f"batch {self.batch} is not divisible into {m} microbatches")
+        built: set[int] = set()  # every config with this stage count splits the same model
         for rank_spec in self.rank_specs().values():
-            rank_spec.check()  # ScheduleError / ModelError name the problem
+            n_stages = rank_spec.schedule.n_stages
+            rank_spec.check(build=n_stages not in built)  # ScheduleError / ModelError name it
+            built.add(n_stages)
 
     def rank_specs(self) -> dict[Config, RankSpec]:
         """Each config's rank harness spec, in sweep order, its schedule built here, in the

@@ -59,8 +59,10 @@ class RankSpec:
     def process_backend(self) -> str:
         return self.backend or default_backend(self.device)
 
-    def check(self) -> None:
-        """Reject a spec no rank could run (before any process starts)."""
+    def check(self, *, build: bool = True) -> None:
+        """Reject a spec no rank could run (before any process starts). ``build`` also builds
+        the model once (a user's model or sizes can fail only then); a sweep builds each split
+        once, not once per config."""
         s = self.schedule
         if self.impl not in IMPLS:
             raise VpipeError(
@@ -74,9 +76,10 @@ class RankSpec:
             )
         if self.impl == "torch" and not self.torch_program:
             check_torch_placement(s)
-        from vpipe.models import build_model
+        if build:
+            from vpipe.models import build_model
 
-        build_model(self.model, s.n_stages, self.seed, **self.sizes)  # ModelError names it
+            build_model(self.model, s.n_stages, self.seed, **self.sizes)  # ModelError names it
 
 
 def check_torch_placement(schedule: Schedule) -> None:
