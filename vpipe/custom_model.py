@@ -46,11 +46,6 @@ class ModelParts:
     tokens_per_sample: int | None = None
 
 
-def is_custom(name: str) -> bool:
-    """Whether a model name is a ``module:function`` reference."""
-    return ":" in name
-
-
 def load_function(name: str) -> Callable[..., ModelParts]:
     """The model function ``name`` (``package.module:function``) refers to."""
     module_name, _, attr = name.partition(":")
