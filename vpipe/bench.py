@@ -327,7 +327,7 @@ def run_sweep(spec: SweepSpec, run_id: str | None = None) -> list[dict[str, Any]
             gathered: list[Any] = [None] * world if rank == 0 else None
             dist.gather_object(mine, gathered, dst=0)
         finally:
-            dist.destroy_process_group()
+            launch.leave_job()
         return list(gathered) if rank == 0 else []
     return launch.spawn(
         rank_worker, spec.ranks, spec, run_id, rank_specs, backend=spec.backend, timeout_s=1800

@@ -92,7 +92,6 @@ def run_command(args: argparse.Namespace) -> int:
                 f"torchrun started {world} processes but the schedule has {n_ranks} ranks"
             )
         rank, _, _ = launch.init_from_env(cfg.rank.device, args.backend)
-        import torch.distributed as dist
 
         try:
             result = run_rank(rank, n_ranks, cfg)
@@ -101,7 +100,7 @@ def run_command(args: argparse.Namespace) -> int:
         except Exception as e:  # one line naming the rank, as a local run reports it
             raise PipelineError(f"rank {rank}: {one_line(e)}") from None
         finally:
-            dist.destroy_process_group()
+            launch.leave_job()
         return 0 if result["ok"] else 1
     if cfg.rank.device == "cuda":
         check_gpus(n_ranks, cfg.rank.process_backend)

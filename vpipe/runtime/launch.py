@@ -21,7 +21,7 @@ from typing import Any
 
 from vpipe.errors import PipelineError, one_line
 
-__all__ = ["in_torchrun", "init_from_env", "spawn"]
+__all__ = ["in_torchrun", "init_from_env", "leave_job", "spawn"]
 
 _TORCHRUN_VARS = ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT")
 
@@ -188,6 +188,19 @@ def _stop(procs: list) -> None:
             p.join(1.0)
 
 
+def leave_job() -> None:
+    """Destroy the default process group after collecting garbage first. Runtimes and harnesses
+    hold the group in reference cycles; left to interpreter shutdown, gloo's worker threads are
+    torn down after Python is gone and the process aborts ("terminate called without an active
+    exception") although every step succeeded."""
+    import gc
+
+    import torch.distributed as dist
+
+    gc.collect()
+    dist.destroy_process_group()
+
+
 def _worker(
     payload: bytes,
     rank: int,
@@ -228,4 +241,4 @@ def _worker(
     except Exception as e:
         results_q.put((rank, False, f"result not picklable: {one_line(e)}"))
         raise SystemExit(1) from None
-    dist.destroy_process_group()
+    leave_job()
