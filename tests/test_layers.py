@@ -17,7 +17,14 @@ ROOT = Path(vpipe.__file__).parent
 LAYERS: list[tuple[str, ...]] = [
     ("vpipe.errors", "vpipe.ir", "vpipe.events", "vpipe.outputs"),
     ("vpipe.schedules", "vpipe.flat"),
-    ("vpipe.passes", "vpipe.engine", "vpipe.lowering", "vpipe.validation", "vpipe.cost_model"),
+    (
+        "vpipe.passes",
+        "vpipe.engine",
+        "vpipe.lowering",
+        "vpipe.validation",
+        "vpipe.cost_model",
+        "vpipe.bundling",
+    ),
     ("vpipe.schedules.load",),
     (
         "vpipe.sim",

@@ -84,6 +84,9 @@ class SweepSpec:
     trace_dir: str | None = None
     progress: bool = True
     verbose: bool = False  # the profiler's trace-point lines on stderr
+    # vpipe's runtime knobs (vpipe.runtime.Pipeline): receive lookahead, message bundling
+    recv_lookahead: int = 1
+    bundle_messages: bool = True
 
     def __post_init__(self) -> None:
         self.schedules = tuple(catalogue.canonical(s) for s in self.schedules)
@@ -115,6 +118,7 @@ class SweepSpec:
             ("steps", self.steps, 1),
             ("rounds", self.rounds, 1),
             ("warmup", self.warmup, 0),
+            ("recv-lookahead", self.recv_lookahead, 0),
             ("profile-steps", self.profile_steps, 1),
         ):
             if value < low:
@@ -175,6 +179,8 @@ class SweepSpec:
                 seed=self.seed,
                 device=self.device,
                 backend=self.backend,
+                bundle_messages=self.bundle_messages,
+                recv_lookahead=self.recv_lookahead,
             )
             for c in configs
         }
@@ -308,6 +314,8 @@ def _trace_meta(spec: SweepSpec, cfg: Config, h: Any, bench_id: str) -> dict[str
         "sizes": dict(h.spec.sizes),
         "batch": spec.batch,
         "tokens_per_sample": h.tokens_per_sample,
+        "recv_lookahead": spec.recv_lookahead,
+        "bundle_messages": spec.bundle_messages,
     }
 
 

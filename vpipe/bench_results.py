@@ -231,7 +231,7 @@ def simulate_config(
     from vpipe.schedules import make_schedule
 
     schedule = make_schedule(cfg.schedule, spec.ranks, cfg.microbatches)
-    sim = predict(calibrate(events), schedule)
+    sim = predict(calibrate(events), schedule, recv_lookahead=spec.recv_lookahead)
     ev = sim.to_events(run_id, schedule, time_unit_ns=1000)
     ev = ev.astype({"impl": "object"}).assign(impl=cfg.impl)  # whose costs were simulated
     # the calibrated cost model is in microseconds

@@ -253,11 +253,14 @@ def model_units(meta: dict[str, Any]) -> int | None:
     return model_pieces(model, sizes)
 
 
-def predict(cal: Calibration, schedule: Any, n_units: int | None = None) -> Any:
-    """Simulate ``schedule`` with costs calibrated on another run; returns the SimResult."""
+def predict(
+    cal: Calibration, schedule: Any, n_units: int | None = None, *, recv_lookahead: int = 1
+) -> Any:
+    """Simulate ``schedule`` with costs calibrated on another run, lowered with the runtime's
+    ``recv_lookahead`` (when compute-only); returns the SimResult."""
     from vpipe.sim import simulate
 
-    return simulate(schedule, cal.cost_model(schedule, n_units))
+    return simulate(schedule, cal.cost_model(schedule, n_units), recv_lookahead=recv_lookahead)
 
 
 def fidelity_table(

@@ -31,6 +31,8 @@ def build_parser() -> argparse.ArgumentParser:
         dest="command", metavar="COMMAND", required=True, parser_class=_OneLineParser
     )
     for info in sorted(pkgutil.iter_modules(vpipe.commands.__path__), key=lambda m: m.name):
+        if info.name.startswith("_"):  # helpers shared by commands
+            continue
         importlib.import_module(f"vpipe.commands.{info.name}").register(sub)
     return parser
 

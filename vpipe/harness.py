@@ -54,6 +54,9 @@ class RankSpec:
     device: str = "cpu"
     backend: str | None = None
     torch_program: bool = False  # torch runs ``schedule`` itself (its CSV runtime), not a class
+    # vpipe's runtime knobs (see vpipe.runtime.Pipeline)
+    bundle_messages: bool = True
+    recv_lookahead: int = 1
 
     @property
     def process_backend(self) -> str:
@@ -237,7 +240,14 @@ def _make_pipeline(spec: RankSpec, modules: dict[int, Any], loss_fn: Any, device
         )
     from vpipe.runtime import Pipeline
 
-    return Pipeline(s, modules=modules, loss_fn=loss_fn, device=device)
+    return Pipeline(
+        s,
+        modules=modules,
+        loss_fn=loss_fn,
+        device=device,
+        bundle_messages=spec.bundle_messages,
+        recv_lookahead=spec.recv_lookahead,
+    )
 
 
 # ---------------------------------------------------------------------------------------------

@@ -1,3 +1,4 @@
 """CLI subcommands: each module here defines ``register(subparsers)``, adding its commands
 with ``set_defaults(func=handler)`` where ``handler(args) -> int``. Modules must import
-quickly (no torch at import time): heavy imports go inside handlers."""
+quickly (no torch at import time): heavy imports go inside handlers. Modules named ``_*`` are
+helpers the commands share."""

@@ -7,6 +7,8 @@ import argparse
 import os
 import time
 
+from vpipe.commands._runtime_flags import add_runtime_flags
+
 
 def register(subparsers: argparse._SubParsersAction) -> None:
     from vpipe.bench import DEFAULT_SCHEDULES, QUICK_SCHEDULES
@@ -65,6 +67,7 @@ def register(subparsers: argparse._SubParsersAction) -> None:
         help="profiled steps per config, one per interleaved round; calibration takes "
         "per-action medians over them (default 3; --quick: 1)",
     )
+    add_runtime_flags(p)
     p.add_argument(
         "--no-profile",
         action="store_true",
@@ -153,6 +156,8 @@ def run_bench(args: argparse.Namespace) -> int:
         rounds=opts["rounds"],
         profile=not args.no_profile,
         profile_steps=opts["profile_steps"],
+        recv_lookahead=args.recv_lookahead,
+        bundle_messages=args.bundle_messages,
     )
     spec.validate()
     from vpipe.bench_report import write_outputs

@@ -16,6 +16,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from vpipe.bench import parse_sizes
+from vpipe.commands._runtime_flags import add_runtime_flags
 from vpipe.errors import PipelineError, VpipeError, one_line
 from vpipe.harness import RankSpec, build
 from vpipe.ir import Schedule
@@ -62,6 +63,7 @@ def register(subparsers: argparse._SubParsersAction) -> None:
         "--verbose", action="store_true", help="show the profiler's own USDT/STAGE lines on stderr"
     )
     p.add_argument("--seed", type=int, default=0)
+    add_runtime_flags(p)
     p.add_argument("--timeout", type=float, default=600.0, help="local job timeout in seconds")
     p.set_defaults(func=run_command)
 
@@ -145,6 +147,7 @@ def build_config(args: argparse.Namespace) -> RunConfig:
         device=args.device,
         backend=args.backend,
         torch_program=args.impl == "torch" and is_csv_source(args.schedule),
+        bundle_messages=args.bundle_messages,
     )
     spec.check()
     meta = {
@@ -158,6 +161,8 @@ def build_config(args: argparse.Namespace) -> RunConfig:
         "batch": args.batch,
         "device": args.device,
         "seed": args.seed,
+        "recv_lookahead": args.recv_lookahead,
+        "bundle_messages": args.bundle_messages,
     }
     return RunConfig(
         spec, args.steps, args.check, args.tol, args.profile, meta, verbose=args.verbose
@@ -174,7 +179,11 @@ def resolve_schedule(args: argparse.Namespace) -> Schedule:
     schedule = load_schedule(name, args.ranks, args.microbatches, args.stages_per_rank)
     if args.impl == "torch":
         return schedule.compute_only()
-    lowered = schedule if schedule.is_lowered else lower(schedule)
+    if args.recv_lookahead < 0:
+        raise VpipeError(f"--recv-lookahead must be >= 0, got {args.recv_lookahead}")
+    lowered = (
+        schedule if schedule.is_lowered else lower(schedule, recv_lookahead=args.recv_lookahead)
+    )
     validate(lowered)
     return lowered
 

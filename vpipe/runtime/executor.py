@@ -16,6 +16,9 @@ per-microbatch dicts:
   ``Posted`` entry; the consuming compute waits on it just before it runs (span
   ``PP:WAIT:{recv action}``). Adjacent communication actions are posted as one batch. Sends are
   completed by the end of the step.
+- A bundle (:mod:`vpipe.bundling`: messages to one peer posted in one batch on both sides)
+  travels packed in one byte buffer: its last SEND posts the copy of all its tensors, its first
+  RECV posts one receive whose views each RECV's entry holds.
 """
 
 from __future__ import annotations
@@ -34,6 +37,7 @@ from vpipe.ir import Action, Kind
 from vpipe.runtime.comm import P2P
 from vpipe.runtime.meta import TensorMeta
 from vpipe.runtime.overlap import Part, PartFailed, Phases, overlap_runner
+from vpipe.runtime.packing import WaitOnce, pack, packed_buffer
 from vpipe.runtime.stage import Stage
 
 __all__ = ["Executor"]
@@ -46,10 +50,21 @@ class Posted:
 
     __slots__ = ("bufs", "works", "action")
 
-    def __init__(self, bufs: tuple[torch.Tensor, ...], action: Action) -> None:
+    def __init__(
+        self, bufs: tuple[torch.Tensor, ...], action: Action, works: list | None = None
+    ) -> None:
         self.bufs = bufs
-        self.works: list = []
+        self.works: list = [] if works is None else works  # shared by a bundle's receives
         self.action = action
+
+
+class _BundleReceive:
+    """A bundle's queued receive: its works go to the list its RECVs' entries share."""
+
+    __slots__ = ("works",)
+
+    def __init__(self, works: list) -> None:
+        self.works = works
 
 
 def _arrived(slot: dict, m: int) -> Callable[[], bool]:
@@ -80,6 +95,7 @@ class Executor:
         placement: dict[int, int],
         comm: P2P | None,
         device: torch.device,
+        bundles: list[tuple[Action, ...]] = (),
     ) -> None:
         self.rank = rank
         self.stages = stages
@@ -91,11 +107,12 @@ class Executor:
         self._inputs: list[tuple[torch.Tensor, ...]] = []
         self._targets: list[Any] = []
         self._losses: list[torch.Tensor | None] = []
-        self._queued: list[
-            Posted | torch.Tensor
-        ] = []  # per queued op: its receive, or the sent tensor
+        # per queued op: its receive (a bundle's: _BundleReceive), or the sent tensor
+        self._queued: list[Posted | _BundleReceive | torch.Tensor] = []
         self._sends: deque[tuple[list, list[torch.Tensor]]] = deque()  # works, tensors sent
         self.live = self.live_bytes = self.peak_live = self.peak_live_bytes = 0
+        self._bundle_of = {a: b for b in bundles for a in b}  # see vpipe.bundling
+        self._pending: dict[tuple[Action, ...], list[torch.Tensor]] = {}
         self._program = [(a, f"PP:{a}", self._compile(program, i)) for i, a in enumerate(program)]
 
     # -- running -----------------------------------------------------------------------------
@@ -142,6 +159,8 @@ class Executor:
             st.clear()
         self._queued.clear()
         self._sends.clear()
+        for pending in self._pending.values():
+            pending.clear()
         self.live = self.live_bytes = 0
         if self.comm is not None:
             self.comm.discard()
@@ -185,7 +204,9 @@ class Executor:
         sends = self._sends
         posted = posted_works = None  # the receive last given works, and those works
         for owner, w in zip(self._queued, works, strict=True):
-            if type(owner) is Posted:
+            if type(owner) is _BundleReceive:
+                owner.works.extend(map(WaitOnce, w))
+            elif type(owner) is Posted:
                 if owner is not posted or w is not posted_works:
                     owner.works.extend(w)
                     posted, posted_works = owner, w
@@ -344,50 +365,63 @@ class Executor:
         return take
 
     # -- communication -----------------------------------------------------------------------
-    def _compile_recv_f(self, a: Action) -> Callable[[], None]:
+    def _recv_target(self, a: Action) -> tuple[Callable[[], tuple[TensorMeta, ...]], dict, int]:
+        """A RECV's buffer metadata (read when it runs: shapes are inferred at the first
+        step), the slot its Posted entry goes to, and the peer it receives from."""
+        if a.kind is Kind.RECV_F:
+            st = self.stages[a.stage]
+            return (lambda: st.in_meta), st.fwd_in, self.placement[a.stage - 1]
         st = self.stages[a.stage]
-        post = self._receiver(a, st.fwd_in, self.placement[a.stage - 1])
+        return (lambda: st.float_out_meta), st.grad_out, self.placement[a.stage + 1]
 
-        def recv_f() -> None:
-            post(st.in_meta)
+    def _compile_recv(self, a: Action) -> Callable[[], None]:
+        bundle = self._bundle_of.get(a)
+        if bundle is not None:
+            return self._bundle_receiver(bundle) if bundle[0] == a else _nothing
+        metas, slot, peer = self._recv_target(a)
+        post = self._receiver(a, slot, peer)
+        return lambda: post(metas())
 
-        return recv_f
+    def _compile_send(self, a: Action) -> Callable[[], None]:
+        values = self._send_values(a)
+        bundle = self._bundle_of.get(a)
+        if bundle is None:
+            post = self._sender(self._send_peer(a))
+            return lambda: post(values())
+        pending = self._pending.setdefault(bundle, [])
+        if bundle[-1] != a:
+            return lambda: pending.extend(values())
+        post, device = self._sender(self._send_peer(a)), self.device
 
-    def _compile_recv_b(self, a: Action) -> Callable[[], None]:
-        st = self.stages[a.stage]
-        post = self._receiver(a, st.grad_out, self.placement[a.stage + 1])
+        def send_bundle() -> None:
+            pending.extend(values())
+            packed = pack(pending, device)
+            pending.clear()
+            post((packed,))
 
-        def recv_b() -> None:
-            post(st.float_out_meta)
+        return send_bundle
 
-        return recv_b
+    def _send_peer(self, a: Action) -> int:
+        return self.placement[a.stage + (1 if a.kind is Kind.SEND_F else -1)]
 
-    def _compile_send_f(self, a: Action) -> Callable[[], None]:
+    def _send_values(self, a: Action) -> Callable[[], tuple]:
+        """What a SEND ships: F's stashed outputs, or B/I's input gradients (zeros where
+        autograd produced none)."""
         st, m = self.stages[a.stage], a.microbatch
-        post = self._sender(self.placement[a.stage + 1])
-
-        def send_f() -> None:
-            post(st.sent_values(m))
-
-        return send_f
-
-    def _compile_send_b(self, a: Action) -> Callable[[], None]:
-        st, m = self.stages[a.stage], a.microbatch
-        post = self._sender(self.placement[a.stage - 1])
+        if a.kind is Kind.SEND_F:
+            return partial(st.sent_values, m)
         device = self.device
 
-        def send_b() -> None:
+        def input_gradients() -> tuple:
             grads = st.grad_in.pop(m, None)
             if grads is None:
                 raise PipelineError(f"no input gradient of microbatch {m} to send")
-            post(
-                tuple(
-                    g.contiguous() if g is not None else torch.zeros(shape, dtype=dt, device=device)
-                    for g, (shape, dt) in zip(grads, st.float_in_meta, strict=True)
-                )
+            return tuple(
+                g.contiguous() if g is not None else torch.zeros(shape, dtype=dt, device=device)
+                for g, (shape, dt) in zip(grads, st.float_in_meta, strict=True)
             )
 
-        return send_b
+        return input_gradients
 
     def _receiver(
         self, a: Action, slot: dict, peer: int
@@ -405,6 +439,26 @@ class Executor:
 
         return post_recv
 
+    def _bundle_receiver(self, bundle: tuple[Action, ...]) -> Callable[[], None]:
+        """Posts one receive for a bundle's messages into one packed buffer; each RECV's
+        Posted entry holds its views of it and shares the one work."""
+        comm, device, queued = self.comm, self.device, self._queued
+        targets = [(a, *self._recv_target(a)) for a in bundle]
+        peer = targets[0][3]
+
+        def recv_bundle() -> None:
+            metas = [m() for _, m, _, _ in targets]
+            packed, views = packed_buffer([t for ms in metas for t in ms], device)
+            works: list = []
+            k = 0
+            for (a, _, slot, _), ms in zip(targets, metas, strict=True):
+                slot[a.microbatch] = Posted(tuple(views[k : k + len(ms)]), a, works)
+                k += len(ms)
+            comm.queue_recv(packed, peer)
+            queued.append(_BundleReceive(works))
+
+        return recv_bundle
+
     def _sender(self, peer: int) -> Callable[[tuple], None]:
         """Queues tensors to send to ``peer``."""
         comm, queued, prune = self.comm, self._queued, self._prune_sends
@@ -416,6 +470,10 @@ class Executor:
                 queued.append(t)
 
         return post_send
+
+
+def _nothing() -> None:
+    """A bundled RECV after the first: the bundle's receive was posted by the first."""
 
 
 # What each compute kind compiles to, as steps (it may be an overlap's part).
@@ -430,8 +488,8 @@ _PHASES: dict[Kind, Callable[[Executor, Action], Phases]] = {
 _HANDLERS: dict[Kind, Callable[[Executor, Action], Callable[[], None]]] = {
     **dict.fromkeys(_PHASES, Executor._compile_plain),
     Kind.OVERLAP_F_B: Executor._compile_overlap,
-    Kind.RECV_F: Executor._compile_recv_f,
-    Kind.RECV_B: Executor._compile_recv_b,
-    Kind.SEND_F: Executor._compile_send_f,
-    Kind.SEND_B: Executor._compile_send_b,
+    Kind.RECV_F: Executor._compile_recv,
+    Kind.RECV_B: Executor._compile_recv,
+    Kind.SEND_F: Executor._compile_send,
+    Kind.SEND_B: Executor._compile_send,
 }

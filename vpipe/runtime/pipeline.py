@@ -35,7 +35,10 @@ class Pipeline:
     ``modules`` maps stage index to module and must hold exactly the stages that the schedule's
     placement puts on this rank. ``schedule`` may be compute-only (it is lowered here) or
     already lowered; it is validated before anything runs. ``group=None`` uses the default
-    process group, or none at all for a one-rank schedule.
+    process group, or none at all for a one-rank schedule. With ``bundle_messages`` (default)
+    messages that one batch sends to a peer and the peer receives in one batch travel as one
+    (:mod:`vpipe.bundling`); off, every SEND/RECV posts its own operation. ``recv_lookahead``
+    is the lowering's (:func:`vpipe.passes.lower`) for a compute-only schedule.
 
     ``step(inputs, targets)`` splits ``inputs`` (on the rank of stage 0) and ``targets`` (on the
     loss rank) into M microbatches along dim 0, runs the program, and returns the unscaled
@@ -56,14 +59,17 @@ class Pipeline:
         loss_fn: Callable[[Any, torch.Tensor], torch.Tensor],
         group: dist.ProcessGroup | None = None,
         device: torch.device | str | None = None,
+        bundle_messages: bool = True,
+        recv_lookahead: int = 1,
     ) -> None:
+        from vpipe.bundling import comm_bundles
         from vpipe.passes import lower, validate
 
         if schedule.is_lowered:
             validate(schedule)
             program = schedule
         else:
-            program = lower(schedule)  # validates as it lowers
+            program = lower(schedule, recv_lookahead=recv_lookahead)  # validates as it lowers
         self.schedule = program
         self.rank, distributed = _rank_and_group(program, group)
         mine = program.stages_of(self.rank)
@@ -86,6 +92,7 @@ class Pipeline:
             program.placement,
             self.comm,
             self.device,
+            comm_bundles(program)[self.rank] if bundle_messages and distributed else (),
         )
         self._key: tuple[TensorMeta, ...] | None = None
         self._key_work: Any = None
