@@ -14,7 +14,8 @@ prints, averaged over profiled steps and ranks:
 - vpipe/torch step time: the median of pairwise ratios over the interleaved timed steps, with
   its bootstrap 95% interval.
 
-Run: ``python -m bench.overhead [--rounds 5 --steps 4]`` (rounds x steps pairs per schedule).
+Run: ``python -m bench.overhead [--rounds 5 --steps 4] [--recv-lookahead N] [--no-bundle]``
+(rounds x steps pairs per schedule; the runtime knobs as on ``vpipe bench``).
 """
 
 from __future__ import annotations
@@ -28,6 +29,7 @@ from vpipe.analysis import step_breakdown
 from vpipe.bench import SweepSpec, run_sweep
 from vpipe.bench_results import collect
 from vpipe.calibrate import calibrate, predict
+from vpipe.commands._runtime_flags import add_runtime_flags
 from vpipe.report import config_times, paired_configs
 from vpipe.schedules import make_schedule
 
@@ -49,7 +51,9 @@ def regime_table(spec: SweepSpec) -> pd.DataFrame:
         b = step_breakdown(ev)
         share = b[["compute", "wait", "post", "other"]].sum() / b["window"].sum()
         schedule = make_schedule(r.schedule, spec.ranks, int(r.microbatches))
-        own = predict(replace(calibrate(ev), post=0.0, gap=0.0), schedule).bubble_ratio
+        own = predict(
+            replace(calibrate(ev), post=0.0, gap=0.0), schedule, recv_lookahead=spec.recv_lookahead
+        ).bubble_ratio
         row = {
             "impl": r.impl,
             "schedule": r.schedule,
@@ -76,11 +80,13 @@ def main(argv: list[str] | None = None) -> int:
     )
     p.add_argument("--rounds", type=int, default=5)
     p.add_argument("--steps", type=int, default=4)
+    add_runtime_flags(p)
     args = p.parse_args(argv)
     for title, cfg in REGIMES.items():
         spec = SweepSpec(
             schedules=SCHEDULES, microbatches=(8,), impls=("vpipe", "torch"), rounds=args.rounds,
-            steps=args.steps, warmup=2, profile_steps=3, progress=False, **cfg,
+            steps=args.steps, warmup=2, profile_steps=3, progress=False,
+            recv_lookahead=args.recv_lookahead, bundle_messages=args.bundle_messages, **cfg,
         )  # fmt: skip
         spec.validate()
         print(f"\n{title}: P=2, M=8, batch {spec.batch}, {args.rounds * args.steps} pairs")
