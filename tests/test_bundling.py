@@ -60,9 +60,10 @@ def test_dualpipev_bundles_its_overlap_sends_and_one_f_one_b_has_none():
     assert comm_bundles(lower(make_schedule("1f1b", 2, 8))) == [[], []]
 
 
-def test_bundling_needs_a_lowered_schedule():
+def test_bundling_needs_a_lowered_schedule_unless_every_stage_is_local():
     with pytest.raises(ScheduleError, match="lowered"):
         comm_bundles(make_schedule("dualpipev", 2, 4))
+    assert comm_bundles(lower(make_schedule("dualpipev", 1, 4))) == [[]]  # nothing crosses
 
 
 def test_packing_round_trips_mixed_dtypes_and_shapes():

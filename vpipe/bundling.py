@@ -26,8 +26,8 @@ def comm_bundles(schedule: Schedule) -> list[list[tuple[Action, ...]]]:
     fl = flatten(schedule)
     P = schedule.n_ranks
     out: list[list[tuple[Action, ...]]] = [[] for _ in range(P)]
-    if not fl.lowered:
-        if any(schedule.actions):
+    if not fl.lowered:  # nothing to bundle, unless it crosses ranks unlowered
+        if (fl.part_messages[1] >= 0).any():
             raise ScheduleError("comm_bundles needs a lowered schedule (with SEND/RECV actions)")
         return out
     e, is_send, _ = comm_messages(fl)
