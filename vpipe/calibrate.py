@@ -183,8 +183,9 @@ def _overlap_factor(
     b: np.ndarray,
     w: np.ndarray,
 ) -> float:
-    """Median over a run's overlap actions of the compound's span (less the waits inside it)
-    over the sum of its parts' separate median costs; 1 when the run has none."""
+    """Median over a run's overlap actions of the compound's computing time (its span less
+    the waits inside it) over the sum of its parts' separate median costs; 1 when the run has
+    none."""
     compound = ev["name"].astype(str).str.startswith("(") & kind.isin(COMPUTE_KINDS)
     if not compound.any():
         return 1.0
@@ -197,7 +198,11 @@ def _overlap_factor(
         span=dur_us[compound],
     )
     keys = ["run_id", "step", "rank", "name"]
-    per = parts.groupby(keys, observed=True).agg(span=("span", "max"), own=("own", "sum"))
+    # The parts' rows tile the compound less its waits (each part its own interval, or a
+    # shared one): the compound's computing time is the sum over distinct intervals.
+    spans = parts.drop_duplicates([*keys, "start_ns", "end_ns"]).groupby(keys, observed=True)
+    per = parts.groupby(keys, observed=True).agg(own=("own", "sum"))
+    per["span"] = spans["span"].sum()
     per = per[per["own"] > 0]
     return float((per["span"] / per["own"]).median()) if len(per) else 1.0
 

@@ -214,28 +214,72 @@ def _drop_shadowed_parts(df: pd.DataFrame) -> pd.DataFrame:
 
 def _trim_nested_waits(df: pd.DataFrame) -> pd.DataFrame:
     """Start each compute span after the WAIT spans nested in it: the runtime waits for an
-    action's inputs inside the action's span, and waiting is not computing."""
+    action's inputs inside the action's span, and waiting is not computing. An overlap
+    action's parts wait one after another inside its one span, so its rows are split there
+    (:func:`_split_compound`)."""
     compute = df["kind"].isin(COMPUTE_KINDS)
-    waits = df.loc[df["kind"] == "WAIT", ["start_ns", "end_ns"]].sort_values("start_ns")
+    waits = df.loc[df["kind"] == "WAIT"].sort_values("start_ns")
     if waits.empty or not compute.any():
         return df
-    spans = df.loc[compute, ["start_ns", "end_ns"]].drop_duplicates().sort_values("start_ns")
+    compound = compute & df["name"].astype(str).str.startswith("(")
+    plain = compute & ~compound
+    df = df.copy()
+    spans = df.loc[plain, ["start_ns", "end_ns"]].drop_duplicates().sort_values("start_ns")
     ss, se = spans["start_ns"].to_numpy(), spans["end_ns"].to_numpy()
     ws, we = waits["start_ns"].to_numpy(), waits["end_ns"].to_numpy()
     idx = np.searchsorted(ss, ws, side="right") - 1  # the latest span starting before the wait
     ok = idx >= 0
     idx = np.where(ok, idx, 0)
-    ok &= we <= se[idx]
-    if not ok.any():
-        return df
-    new_start = ss.copy()
-    np.maximum.at(new_start, idx[ok], we[ok])
-    keys = pd.MultiIndex.from_arrays([ss, se])
-    pos = keys.get_indexer(pd.MultiIndex.from_arrays([df["start_ns"], df["end_ns"]]))
-    hit = compute.to_numpy() & (pos >= 0)
-    df = df.copy()
-    df.loc[hit, "start_ns"] = new_start[pos[hit]]
+    ok &= we <= se[idx] if len(se) else np.zeros(len(ws), bool)
+    if ok.any():
+        new_start = ss.copy()
+        np.maximum.at(new_start, idx[ok], we[ok])
+        keys = pd.MultiIndex.from_arrays([ss, se])
+        pos = keys.get_indexer(pd.MultiIndex.from_arrays([df["start_ns"], df["end_ns"]]))
+        hit = plain.to_numpy() & (pos >= 0)
+        df.loc[hit, "start_ns"] = new_start[pos[hit]]
+    if compound.any():
+        _split_compounds(df, compound, waits)
     return df
+
+
+def _split_compounds(df: pd.DataFrame, compound: pd.Series, waits: pd.DataFrame) -> None:
+    """Give each part of an overlap span its own interval, in place: a part starts after the
+    WAIT for its input (else where the previous part ended) and ends where a later part's WAIT
+    begins (else at the span's end, shared by the parts after the last such WAIT)."""
+    ws, we = waits["start_ns"].to_numpy(), waits["end_ns"].to_numpy()
+    w_name = waits["name"].astype(str).to_numpy()
+    w_key = [
+        (int(st), int(mb), "F" if "RECV_F" in n else "B")
+        for st, mb, n in zip(waits["stage"], waits["microbatch"], w_name, strict=True)
+    ]
+    rows = df[compound]
+    for (name, s, e), group in rows.groupby(["name", "start_ns", "end_ns"], sort=False):
+        lo, hi = np.searchsorted(ws, s, side="left"), np.searchsorted(ws, e, side="right")
+        wait_of = {w_key[i]: (ws[i], we[i]) for i in range(lo, hi) if we[i] <= e}
+        if not wait_of:
+            continue
+        parts = [(k, int(st), int(mb)) for k, st, mb in _parts_of(str(name))]
+        part_wait = [wait_of.get((st, mb, "F" if k == "F" else "B")) for k, st, mb in parts]
+        cursor, interval = s, {}
+        for i, (k, st, mb) in enumerate(parts):
+            w = part_wait[i]
+            start = max(cursor, w[1]) if w is not None else cursor
+            later = [x[0] for x in part_wait[i + 1 :] if x is not None]
+            end = max(start, min(later)) if later else e
+            interval[(k, st, mb)] = (start, end)
+            cursor = end if later else start
+        for idx, k, st, mb in zip(
+            group.index, group["kind"], group["stage"], group["microbatch"], strict=True
+        ):
+            got = interval.get((str(k), int(st), int(mb)))
+            if got is not None:
+                df.loc[idx, ["start_ns", "end_ns"]] = got
+
+
+def _parts_of(name: str) -> list[tuple[str, int, int]]:
+    """(kind, stage, microbatch) of an overlap action's parts, in order."""
+    return [(p.kind.value, p.stage, p.microbatch) for p in parse_action(name).parts]
 
 
 def _memory_rows(
