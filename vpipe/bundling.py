@@ -17,7 +17,30 @@ import numpy as np
 from vpipe.flat import comm_messages, flatten, message_count
 from vpipe.ir import Action, Schedule, ScheduleError
 
-__all__ = ["comm_bundles"]
+__all__ = ["bundle_leaders", "comm_bundles", "posting_weights"]
+
+
+def bundle_leaders(send_batch: np.ndarray, recv_batch: np.ndarray) -> np.ndarray:
+    """Per message, given the batch of its SEND and of its RECV: whether it is the first of
+    its bundle (the messages sharing both batches), the one whose operation is posted. A
+    message travelling alone leads its own bundle."""
+    key = np.stack([np.asarray(send_batch), np.asarray(recv_batch)], axis=1)
+    lead = np.zeros(len(key), bool)
+    if len(key):
+        lead[np.unique(key, axis=0, return_index=True)[1]] = True
+    return lead
+
+
+def posting_weights(schedule: Schedule) -> list[list[int]]:
+    """Per rank and action of a lowered schedule: 1 for a SEND/RECV that posts an operation,
+    0 for a bundled one whose message travels in another's (and for compute actions)."""
+    weights = [[int(a.is_comm) for a in acts] for acts in schedule.actions]
+    for r, per_rank in enumerate(comm_bundles(schedule)):
+        index = {a: i for i, a in enumerate(schedule.actions[r])}
+        for bundle in per_rank:
+            for a in bundle[1:]:
+                weights[r][index[a]] = 0
+    return weights
 
 
 def comm_bundles(schedule: Schedule) -> list[list[tuple[Action, ...]]]:

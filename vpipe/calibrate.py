@@ -160,7 +160,8 @@ def calibrate(events: pd.DataFrame, *, w_share: float = 0.5, stat: str = "median
             raise TraceError(f"run has neither B nor I and W spans for stage {s}")
     post = gap = 0.0  # without WAIT spans (simulated runs) idle time looks like overhead
     if (kind == "WAIT").any():
-        post = float(dur_us[kind.isin(["SEND_F", "RECV_F", "SEND_B", "RECV_B"])].mean())
+        comm = dur_us[kind.isin(["SEND_F", "RECV_F", "SEND_B", "RECV_B"])]
+        post = float(comm.mean() / _posting_share(ev)) if len(comm) else 0.0
         gap = _gap_per_action_us(ev)
     return Calibration(
         f,
@@ -205,6 +206,40 @@ def _overlap_factor(
     per["span"] = spans["span"].sum()
     per = per[per["own"] > 0]
     return float((per["span"] / per["own"]).median()) if len(per) else 1.0
+
+
+def _posting_share(ev: pd.DataFrame) -> float:
+    """The share of a run's SEND/RECV actions that post an operation (bundled messages post
+    one for several, :mod:`vpipe.bundling`), from the program its first step ran; 1 when that
+    program cannot be read back from the events."""
+    from vpipe.bundling import posting_weights
+    from vpipe.ir import Schedule, ScheduleError, parse_action
+
+    kind = ev["kind"].astype(str)
+    compute = ev[kind.isin(COMPUTE_KINDS)]
+    step = ev.loc[ev["step"] >= 0, "step"].min()
+    rows = ev[(ev["step"] == step) & ~kind.isin(["WAIT", "other"])].sort_values("start_ns")
+    try:
+        ranks = sorted(int(r) for r in rows["rank"].unique())
+        actions = [
+            [parse_action(str(n)) for n in g["name"].drop_duplicates()]
+            for _, g in rows.groupby("rank", sort=True, observed=True)
+        ]
+        placement = dict(
+            zip(compute["stage"].astype(int), compute["rank"].astype(int), strict=True)
+        )
+        schedule = Schedule(
+            len(ranks),
+            max(placement) + 1,
+            int(compute["microbatch"].max()) + 1,
+            placement,
+            actions,
+        )
+        weights = posting_weights(schedule)
+    except (ScheduleError, ValueError, KeyError):
+        return 1.0
+    n_comm = sum(a.is_comm for acts in actions for a in acts)
+    return sum(map(sum, weights)) / n_comm if n_comm else 1.0
 
 
 def _gap_per_action_us(ev: pd.DataFrame) -> float:

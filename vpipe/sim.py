@@ -33,6 +33,7 @@ from typing import Any
 
 import numpy as np
 
+from vpipe.bundling import bundle_leaders, posting_weights
 from vpipe.cost_model import CostModel, CostModelError, parse_numbers
 from vpipe.engine import Program, Timing, compile_program, replay
 from vpipe.flat import PART_BITS, Flat, comm_messages, decode_messages, flatten
@@ -228,8 +229,9 @@ def simulate(
 
 
 def _overheads(fl: Flat, plan: CommPlan | None, costs: CostModel) -> tuple[np.ndarray, np.ndarray]:
-    """Per compute op, the runtime's time before it (``gap``, plus ``post + gap`` for each
-    SEND/RECV since the rank's previous op); per rank, that of the SENDs/RECVs after its
+    """Per compute op, the runtime's time before it (``gap``, plus ``gap`` for each SEND/RECV
+    since the rank's previous op and ``post`` for each operation they post: messages bundled
+    into one, :mod:`vpipe.bundling`, post once); per rank, that of the SENDs/RECVs after its
     last op."""
     n_ops, P = len(fl.o_rank), fl.schedule.n_ranks
     if costs.post == 0 and costs.gap == 0:
@@ -237,15 +239,21 @@ def _overheads(fl: Flat, plan: CommPlan | None, costs: CostModel) -> tuple[np.nd
     if fl.lowered:  # each SEND/RECV precedes the next op of its rank
         c_rank = fl.c_rank
         nxt = np.searchsorted(fl.o_rank << 32 | fl.o_pos, fl.c_rank << 32 | fl.c_pos)
+        weights = posting_weights(fl.schedule)
+        posts = np.array([weights[r][i] for r, i in zip(c_rank, fl.c_pos, strict=True)], float)
     else:  # as lower() would place them: SENDs after their op, RECVs before their slot
         send_rank = fl.o_rank[plan.send_op]
         c_rank = np.concatenate([send_rank, plan.dst])
         nxt = np.concatenate([plan.send_op + 1, fl.o_lo[plan.dst] + plan.slot])
+        batch = c_rank * (n_ops + 1) + nxt  # the batch of each SEND, then each RECV
+        lead = bundle_leaders(batch[: len(plan.e)], batch[len(plan.e) :]).astype(float)
+        posts = np.concatenate([lead, lead])
+    # gap per SEND/RECV action; post per operation posted (a bundle posts one for several)
+    cost = costs.gap + costs.post * posts
     inside = nxt < fl.o_lo[c_rank + 1]  # else after the rank's last op
-    per_comm = costs.post + costs.gap
-    lead = costs.gap + per_comm * np.bincount(nxt[inside], minlength=n_ops)
-    tail = per_comm * np.bincount(c_rank[~inside], minlength=P)
-    return lead.astype(float), tail.astype(float)
+    lead_t = costs.gap + np.bincount(nxt[inside], weights=cost[inside], minlength=n_ops)
+    tail = np.bincount(c_rank[~inside], weights=cost[~inside], minlength=P)
+    return lead_t.astype(float), tail.astype(float)
 
 
 def _summarise(
