@@ -10,7 +10,7 @@ import pytest
 
 from vpipe.bench import parse_sizes
 from vpipe.cli import main
-from vpipe.errors import VpipeError
+from vpipe.errors import PipelineError, VpipeError
 from vpipe.harness import check_against_reference
 from vpipe.models import build_model
 
@@ -147,7 +147,7 @@ def test_cuda_ranks_share_a_gpu_only_with_gloo(monkeypatch):
     import torch
 
     from vpipe.commands.run import check_gpus
-    from vpipe.harness import local_device
+    from vpipe.runtime.launch import local_device
 
     picked = []
     monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
@@ -162,3 +162,19 @@ def test_cuda_ranks_share_a_gpu_only_with_gloo(monkeypatch):
     monkeypatch.setattr(torch.cuda, "device_count", lambda: 0)
     with pytest.raises(VpipeError, match="no CUDA device"):
         check_gpus(1, "gloo")
+
+
+def test_torchrun_rank_without_its_own_gpu_is_refused_for_nccl(monkeypatch):
+    """Under torchrun a local rank past the GPU count gets a one-line error naming the rank
+    and the fix for NCCL, before any process group is made (gloo shares the GPUs instead)."""
+    import torch
+
+    from vpipe.runtime.launch import init_from_env
+
+    env = {"RANK": "1", "WORLD_SIZE": "2", "LOCAL_RANK": "1", "MASTER_ADDR": "127.0.0.1"}
+    for k, v in {**env, "MASTER_PORT": "1"}.items():
+        monkeypatch.setenv(k, v)
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: 1)
+    with pytest.raises(PipelineError, match=r"rank 1: local rank 1 .* 1 CUDA device.*gloo"):
+        init_from_env("cuda")

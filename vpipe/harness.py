@@ -16,7 +16,6 @@ Importing this module does not import torch.
 
 from __future__ import annotations
 
-import os
 import time
 from collections.abc import Iterable, Mapping
 from dataclasses import dataclass, field
@@ -25,6 +24,7 @@ from typing import Any
 
 from vpipe.errors import ScheduleError, VpipeError
 from vpipe.ir import Schedule
+from vpipe.runtime.launch import local_device
 
 IMPLS = ("vpipe", "torch")
 DEVICES = ("cpu", "cuda")
@@ -92,19 +92,6 @@ def check_torch_placement(schedule: Schedule) -> None:
 
     if torch_placement(schedule.name, schedule.n_ranks, schedule.n_stages) != schedule.placement:
         raise ScheduleError(f"torch's {schedule.name} places stages differently from vpipe's")
-
-
-def local_device(kind: str, rank: int) -> Any:
-    """cpu, or this process's GPU: LOCAL_RANK under torchrun, else the rank (local spawn), modulo
-    the GPUs: with fewer GPUs than local ranks (gloo only) ranks share them, all on cuda:0 with
-    one."""
-    import torch
-
-    if kind == "cuda":
-        local = int(os.environ.get("LOCAL_RANK", rank)) % max(1, torch.cuda.device_count())
-        torch.cuda.set_device(local)
-        return torch.device("cuda", local)
-    return torch.device("cpu")
 
 
 class RankHarness:

@@ -114,7 +114,7 @@ def run_command(args: argparse.Namespace) -> int:
 
 def check_gpus(n_ranks: int, backend: str) -> None:
     """Raise unless this machine can place ``n_ranks`` local CUDA ranks: one GPU each for NCCL
-    (it refuses two ranks on one device); with gloo, ranks share GPUs (see local_device)."""
+    (it refuses two ranks on one device); with gloo, ranks share GPUs (see launch.local_device)."""
     import torch
 
     have = torch.cuda.device_count() if torch.cuda.is_available() else 0

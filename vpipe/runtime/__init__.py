@@ -17,6 +17,8 @@ joins torchrun. Inside:
   each autograd node that also feeds a parameter branch; W later runs only those branches.
 - Communication (comm.py): receives are posted where the program puts them and waited right
   before the consuming compute; adjacent communication actions are posted as one batch.
+  Messages that one batch sends to a peer which receives them in one batch travel packed as one
+  (packing.py; which ones: vpipe/bundling.py).
 - Shapes (meta.py): inferred per microbatch input shape by a one-off probe through the stages.
 """
 

@@ -21,7 +21,7 @@ from typing import Any
 
 from vpipe.errors import PipelineError, one_line
 
-__all__ = ["in_torchrun", "init_from_env", "leave_job", "spawn"]
+__all__ = ["in_torchrun", "init_from_env", "leave_job", "local_device", "spawn"]
 
 _TORCHRUN_VARS = ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT")
 
@@ -31,12 +31,26 @@ def in_torchrun() -> bool:
     return all(v in os.environ for v in _TORCHRUN_VARS)
 
 
+def local_device(kind: str, rank: int) -> Any:
+    """cpu, or this process's GPU: LOCAL_RANK under torchrun, else the rank (local spawn), modulo
+    the GPUs: with fewer GPUs than local ranks (gloo only) ranks share them, all on cuda:0 with
+    one."""
+    import torch
+
+    if kind == "cuda":
+        local = int(os.environ.get("LOCAL_RANK", rank)) % max(1, torch.cuda.device_count())
+        torch.cuda.set_device(local)
+        return torch.device("cuda", local)
+    return torch.device("cpu")
+
+
 def init_from_env(
     device: str = "cpu", backend: str | None = None, timeout_s: float = 300.0
 ) -> tuple[int, int, Any]:
-    """Join a torchrun job: init the default process group from the environment (NCCL with one
-    GPU per rank, ``cuda:LOCAL_RANK``, when ``device`` is cuda; gloo otherwise) and set torch's
-    threads to cores // local ranks. Returns (rank, world size, torch.device)."""
+    """Join a torchrun job: init the default process group from the environment (with device
+    cuda: NCCL unless ``backend`` says gloo, on the rank's GPU as :func:`local_device` picks it;
+    NCCL needs one GPU per local rank) and set torch's threads to cores // local ranks. Returns
+    (rank, world size, torch.device)."""
     import torch
     import torch.distributed as dist
 
@@ -49,9 +63,14 @@ def init_from_env(
     if device == "cuda":
         if not torch.cuda.is_available():
             raise PipelineError(f"rank {rank}: --device cuda but CUDA is not available")
-        dev = torch.device("cuda", local_rank)
-        torch.cuda.set_device(dev)
         backend = backend or "nccl"
+        n_gpus = torch.cuda.device_count()
+        if backend != "gloo" and local_rank >= n_gpus:
+            raise PipelineError(
+                f"rank {rank}: local rank {local_rank} but this host has {n_gpus} CUDA "
+                f"device(s): {backend} needs one per local rank (--backend gloo shares them)"
+            )
+        dev = local_device("cuda", rank)
     else:
         dev = torch.device(device)
         backend = backend or "gloo"
