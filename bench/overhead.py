@@ -14,7 +14,7 @@ prints, averaged over profiled steps and ranks:
 - vpipe/torch step time: the median of pairwise ratios over the interleaved timed steps, with
   its bootstrap 95% interval.
 
-Run: ``python -m bench.overhead [--rounds 5 --steps 4] [--recv-lookahead N] [--no-bundle]``
+Run: ``python -m bench.overhead [--rounds 10 --steps 4] [--recv-lookahead N] [--no-bundle]``
 (rounds x steps pairs per schedule; the runtime knobs as on ``vpipe bench``).
 """
 
@@ -78,7 +78,7 @@ def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(
         prog="python -m bench.overhead", description=__doc__.split("\n\n")[0]
     )
-    p.add_argument("--rounds", type=int, default=5)
+    p.add_argument("--rounds", type=int, default=10)
     p.add_argument("--steps", type=int, default=4)
     add_runtime_flags(p)
     args = p.parse_args(argv)
