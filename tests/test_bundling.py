@@ -138,15 +138,17 @@ def test_bundled_run_equals_unbundled_and_the_reference(model):
 def test_simulator_charges_post_once_per_bundle_planned_or_lowered(name):
     """``post`` is charged per posted operation: the vectorised plan of a compute-only schedule
     and the lowered program agree, and dualpipev's bundles make posting cheaper."""
-    from vpipe.bundling import posting_weights
+    from vpipe.bundling import posting_rows
+    from vpipe.flat import flatten
     from vpipe.sim import CostModel, simulate
 
     costs = CostModel(post=0.7, gap=0.1, comm_latency=0.3)
     s = make_schedule(name, 2, 8)
     assert simulate(s, costs).makespan == pytest.approx(simulate(lower(s), costs).makespan)
-    weights = posting_weights(lower(s))
+    posts = posting_rows(flatten(lower(s)))
     n_comm = sum(a.is_comm for acts in lower(s).actions for a in acts)
-    bundled = n_comm - sum(map(sum, weights))
+    assert len(posts) == n_comm
+    bundled = n_comm - posts.sum()
     assert bundled == sum(len(b) - 1 for per_rank in comm_bundles(lower(s)) for b in per_rank)
     assert (bundled > 0) == (name == "dualpipev")
 
@@ -154,8 +156,9 @@ def test_simulator_charges_post_once_per_bundle_planned_or_lowered(name):
 def test_calibration_charges_post_per_posted_operation(tmp_path):
     """A run's SEND/RECV spans add up to its posting time: calibrated per posted operation,
     so a dualpipev run (21 operations for 32 actions per rank) and the simulator agree."""
-    from vpipe.bundling import posting_weights
+    from vpipe.bundling import posting_rows
     from vpipe.calibrate import calibrate
+    from vpipe.flat import flatten
     from vpipe.trace.kineto import convert
     from vpipe.trace.synth import write_synthetic_run
 
@@ -165,6 +168,7 @@ def test_calibration_charges_post_per_posted_operation(tmp_path):
     kind = ev["kind"].astype(str)
     comm = ev[kind.isin(["SEND_F", "RECV_F", "SEND_B", "RECV_B"])]
     spent_us = float((comm["end_ns"] - comm["start_ns"]).sum()) / 1e3
-    posted = sum(map(sum, posting_weights(s)))
+    posted = posting_rows(flatten(s)).sum()
     assert posted < len(comm)
     assert calibrate(ev).post == pytest.approx(spent_us / posted)
+

@@ -212,7 +212,8 @@ def _posting_share(ev: pd.DataFrame) -> float:
     """The share of a run's SEND/RECV actions that post an operation (bundled messages post
     one for several, :mod:`vpipe.bundling`), from the program its first step ran; 1 when that
     program cannot be read back from the events."""
-    from vpipe.bundling import posting_weights
+    from vpipe.bundling import posting_rows
+    from vpipe.flat import flatten
     from vpipe.ir import Schedule, ScheduleError, parse_action
 
     kind = ev["kind"].astype(str)
@@ -220,7 +221,6 @@ def _posting_share(ev: pd.DataFrame) -> float:
     step = ev.loc[ev["step"] >= 0, "step"].min()
     rows = ev[(ev["step"] == step) & ~kind.isin(["WAIT", "other"])].sort_values("start_ns")
     try:
-        ranks = sorted(int(r) for r in rows["rank"].unique())
         actions = [
             [parse_action(str(n)) for n in g["name"].drop_duplicates()]
             for _, g in rows.groupby("rank", sort=True, observed=True)
@@ -228,18 +228,12 @@ def _posting_share(ev: pd.DataFrame) -> float:
         placement = dict(
             zip(compute["stage"].astype(int), compute["rank"].astype(int), strict=True)
         )
-        schedule = Schedule(
-            len(ranks),
-            max(placement) + 1,
-            int(compute["microbatch"].max()) + 1,
-            placement,
-            actions,
-        )
-        weights = posting_weights(schedule)
+        n_microbatches = int(compute["microbatch"].max()) + 1
+        schedule = Schedule(len(actions), max(placement) + 1, n_microbatches, placement, actions)
+        posts = posting_rows(flatten(schedule))
     except (ScheduleError, ValueError, KeyError):
         return 1.0
-    n_comm = sum(a.is_comm for acts in actions for a in acts)
-    return sum(map(sum, weights)) / n_comm if n_comm else 1.0
+    return float(posts.mean()) if len(posts) else 1.0
 
 
 def _gap_per_action_us(ev: pd.DataFrame) -> float:

@@ -33,7 +33,7 @@ from typing import Any
 
 import numpy as np
 
-from vpipe.bundling import bundle_leaders, posting_weights
+from vpipe.bundling import bundle_leaders, next_ops, posting_rows
 from vpipe.cost_model import CostModel, CostModelError, parse_numbers
 from vpipe.engine import Program, Timing, compile_program, replay
 from vpipe.flat import PART_BITS, Flat, comm_messages, decode_messages, flatten
@@ -237,15 +237,14 @@ def _overheads(fl: Flat, plan: CommPlan | None, costs: CostModel) -> tuple[np.nd
     if costs.post == 0 and costs.gap == 0:
         return np.zeros(n_ops), np.zeros(P)
     if fl.lowered:  # each SEND/RECV precedes the next op of its rank
-        c_rank = fl.c_rank
-        nxt = np.searchsorted(fl.o_rank << 32 | fl.o_pos, fl.c_rank << 32 | fl.c_pos)
-        weights = posting_weights(fl.schedule)
-        posts = np.array([weights[r][i] for r, i in zip(c_rank, fl.c_pos, strict=True)], float)
+        c_rank, nxt, posts = fl.c_rank, next_ops(fl), posting_rows(fl)
     else:  # as lower() would place them: SENDs after their op, RECVs before their slot
         send_rank = fl.o_rank[plan.send_op]
         c_rank = np.concatenate([send_rank, plan.dst])
         nxt = np.concatenate([plan.send_op + 1, fl.o_lo[plan.dst] + plan.slot])
-        batch = c_rank * (n_ops + 1) + nxt  # the batch of each SEND, then each RECV
+        # the batch of each SEND, then each RECV; the plan keeps per-peer FIFO order, so every
+        # group is a bundle the runtime forms
+        batch = c_rank * (n_ops + 1) + nxt
         lead = bundle_leaders(batch[: len(plan.e)], batch[len(plan.e) :]).astype(float)
         posts = np.concatenate([lead, lead])
     # gap per SEND/RECV action; post per operation posted (a bundle posts one for several)
