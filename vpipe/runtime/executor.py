@@ -368,19 +368,16 @@ class Executor:
     def _recv_target(self, a: Action) -> tuple[Callable[[], tuple[TensorMeta, ...]], dict, int]:
         """A RECV's buffer metadata (read when it runs: shapes are inferred at the first
         step), the slot its Posted entry goes to, and the peer it receives from."""
-        if a.kind is Kind.RECV_F:
-            st = self.stages[a.stage]
-            return (lambda: st.in_meta), st.fwd_in, self.placement[a.stage - 1]
         st = self.stages[a.stage]
+        if a.kind is Kind.RECV_F:
+            return (lambda: st.in_meta), st.fwd_in, self.placement[a.stage - 1]
         return (lambda: st.float_out_meta), st.grad_out, self.placement[a.stage + 1]
 
     def _compile_recv(self, a: Action) -> Callable[[], None]:
         bundle = self._bundle_of.get(a)
         if bundle is not None:
             return self._bundle_receiver(bundle) if bundle[0] == a else _nothing
-        metas, slot, peer = self._recv_target(a)
-        post = self._receiver(a, slot, peer)
-        return lambda: post(metas())
+        return self._receiver(a, *self._recv_target(a))
 
     def _compile_send(self, a: Action) -> Callable[[], None]:
         values = self._send_values(a)
@@ -424,13 +421,13 @@ class Executor:
         return input_gradients
 
     def _receiver(
-        self, a: Action, slot: dict, peer: int
-    ) -> Callable[[tuple[TensorMeta, ...]], None]:
+        self, a: Action, metas: Callable[[], tuple[TensorMeta, ...]], slot: dict, peer: int
+    ) -> Callable[[], None]:
         """Posts a receive from ``peer`` into fresh buffers and leaves it in ``slot``."""
         comm, device, queued, m = self.comm, self.device, self._queued, a.microbatch
 
-        def post_recv(metas: tuple[TensorMeta, ...]) -> None:
-            bufs = tuple(torch.empty(shape, dtype=dt, device=device) for shape, dt in metas)
+        def post_recv() -> None:
+            bufs = tuple(torch.empty(shape, dtype=dt, device=device) for shape, dt in metas())
             posted = Posted(bufs, a)
             for b in bufs:
                 comm.queue_recv(b, peer)

@@ -18,7 +18,7 @@ def _layout(metas: list[tuple[tuple[int, ...], torch.dtype]]) -> tuple[list[int]
     offsets, end = [], 0
     for shape, dt in metas:
         offsets.append(end)
-        n = math.prod(shape) * torch.empty((), dtype=dt).element_size()
+        n = math.prod(shape) * dt.itemsize
         end += -(-n // _ALIGN) * _ALIGN
     return offsets, end
 
