@@ -254,6 +254,7 @@ def _split_compounds(df: pd.DataFrame, compound: pd.Series, waits: pd.DataFrame)
         for st, mb, n in zip(waits["stage"], waits["microbatch"], w_name, strict=True)
     ]
     rows = df[compound]
+    at, starts, ends = [], [], []
     for (name, s, e), group in rows.groupby(["name", "start_ns", "end_ns"], sort=False):
         lo, hi = np.searchsorted(ws, s, side="left"), np.searchsorted(ws, e, side="right")
         wait_of = {w_key[i]: (ws[i], we[i]) for i in range(lo, hi) if we[i] <= e}
@@ -274,7 +275,11 @@ def _split_compounds(df: pd.DataFrame, compound: pd.Series, waits: pd.DataFrame)
         ):
             got = interval.get((str(k), int(st), int(mb)))
             if got is not None:
-                df.loc[idx, ["start_ns", "end_ns"]] = got
+                at.append(idx)
+                starts.append(got[0])
+                ends.append(got[1])
+    df.loc[at, "start_ns"] = np.asarray(starts, np.int64)
+    df.loc[at, "end_ns"] = np.asarray(ends, np.int64)
 
 
 def _parts_of(name: str) -> list[tuple[str, int, int]]:
