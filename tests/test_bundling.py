@@ -172,3 +172,11 @@ def test_calibration_charges_post_per_posted_operation(tmp_path):
     assert posted < len(comm)
     assert calibrate(ev).post == pytest.approx(spent_us / posted)
 
+
+def test_runtime_knobs_benchmark_pairs_every_variant_with_the_default():
+    from bench.runtime_knobs import VARIANTS, knob_ratios
+
+    median, ratios = knob_ratios("dualpipev", "overhead-bound", 6)
+    assert median > 0 and list(ratios) == [v for v in VARIANTS if v != "default"]
+    for r in ratios.values():
+        assert 1 <= r.n <= 6 and 0 < r.value < 10  # pairs, less any outlier pair
