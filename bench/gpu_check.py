@@ -6,7 +6,7 @@ Two checks, about a minute on one GPU:
   over locally), GPT model, a few steps in this process through :mod:`vpipe.harness`; losses
   and every gradient against the unpipelined CPU reference; step time from CUDA events and the
   CUDA allocator's peak.
-- ``two-ranks-one-gpu``: ``vpipe run zbv -p 2 --device cuda --backend gloo --check --profile``
+- ``two-ranks-one-gpu``: ``vpipe run zbv -p 2 --device cuda --backend gloo --check --profile DIR``
   (two processes sharing cuda:0, gloo through host copies); its Kineto traces converted, each
   rank's compute rows per profiled step against its program's compute actions (a CUDA trace
   repeats every span on the GPU stream: no action may count twice), the bubble ratio, and no

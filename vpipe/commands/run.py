@@ -148,6 +148,7 @@ def build_config(args: argparse.Namespace) -> RunConfig:
         backend=args.backend,
         torch_program=args.impl == "torch" and is_csv_source(args.schedule),
         bundle_messages=args.bundle_messages,
+        recv_lookahead=args.recv_lookahead,  # what lowered the schedule (resolve_schedule)
     )
     spec.check()
     meta = {
