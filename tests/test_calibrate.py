@@ -2,7 +2,7 @@
 
 import pytest
 
-from vpipe.calibrate import calibrate, comm_latency_us, fidelity_table, predict, split_sizes
+from vpipe.calibrate import calibrate, comm_link_us, fidelity_table, predict, split_sizes
 from vpipe.events import events_frame
 from vpipe.schedules import make_schedule
 from vpipe.sim import CostModel, simulate
@@ -72,7 +72,7 @@ def test_comm_latency_and_overhead_from_measured_spans():
             row(1, "SEND_B", "1SEND_B0", 77, 78, stage=1),  # wait ended at 80: 2 us
         ]
     )
-    assert comm_latency_us(ev) == pytest.approx(6.0)  # median of 10 and 2
+    assert comm_link_us(ev) == pytest.approx((6.0, 0.0))  # median of 10 and 2; no RECV spans
     cal = calibrate(ev)
     assert cal.post == pytest.approx(1.5)  # mean of SEND_F 2 us and SEND_B 1 us
     # uncovered time / actions: rank 0: 100 - (30 + 2 + 40 + 16) = 12 over 3 actions = 4;
@@ -93,6 +93,34 @@ def test_comm_latency_and_overhead_from_measured_spans():
     r0_b0 = max(r0_f0_end + pg + g, r1_b0_end + lat)  # SEND_F0 posted, then wait for 1B0's
     want = max(r0_b0 + 16, r1_b0_end + pg)  # rank 1 ends posting 1SEND_B0
     assert simulate(sched, cm).makespan == pytest.approx(want)
+
+
+def test_handshake_from_receives_posted_after_their_send():
+    """Early receive F0: latency 4 us from the send's end. Late receives (posted after the
+    send began): F1 and F3 blocked, 69 and 109 us from their post; F2's wait did not block,
+    so its message took at most 9 us (wait start - post). Their median, 69, less the latency
+    is the handshake; the censored F2 still counts (without it the median would be 89)."""
+    rows = [
+        row(0, "SEND_F", "0SEND_F0", 10, 11),
+        row(1, "RECV_F", "1RECV_F0", 0, 1, stage=1),
+        row(1, "WAIT", "WAIT:1RECV_F0", 2, 15, stage=1),
+    ]
+    for mb, (send, recv, wait) in enumerate(
+        [
+            ((20, 21), (30, 31), (40, 100)),
+            ((50, 51), (60, 61), (70, 71)),
+            ((80, 81), (90, 91), (95, 200)),
+        ],
+        start=1,
+    ):
+        rows += [
+            row(0, "SEND_F", f"0SEND_F{mb}", *send, mb=mb),
+            row(1, "RECV_F", f"1RECV_F{mb}", *recv, stage=1, mb=mb),
+            row(1, "WAIT", f"WAIT:1RECV_F{mb}", *wait, stage=1, mb=mb),
+        ]
+    assert comm_link_us(events_frame(rows)) == pytest.approx((4.0, 65.0))
+    # without the early receive there is nothing to split: one latency, no handshake
+    assert comm_link_us(events_frame(rows[3:])) == pytest.approx((69.0, 0.0))
 
 
 def test_leave_one_out_is_exact_on_traces_with_known_costs():

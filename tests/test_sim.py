@@ -82,6 +82,31 @@ def test_transfer_starts_when_both_sides_posted():
     assert tl.loc["1F1", "start"] == 4.5
 
 
+def test_handshake_charges_only_receives_posted_after_their_send():
+    """gloo's rendezvous: a receive posted after its send costs ``comm_handshake`` more; one
+    posted before costs the latency alone, so the lookahead now matters."""
+    late = [
+        ["0F0", "0SEND_F0", "0F1", "0SEND_F1", "0RECV_B0", "0B0", "0RECV_B1", "0B1"],
+        ["1RECV_F0", "1F0", "1B0", "1SEND_B0", "1RECV_F1", "1F1", "1B1", "1SEND_B1"],
+    ]
+    s = Schedule(2, 2, 2, loop_placement(2, 2), actions_from_strings(late))
+    costs = CostModel(comm_latency=0.5, comm_handshake=2.0)
+    tl = simulate(s, costs).timeline.set_index("name")
+    assert tl.loc["1F0", "start"] == 1.5  # RECV_F0 posted at 0, before the send at 1
+    assert tl.loc["1F1", "start"] == 4.5 + 0.5 + 2.0  # posted at 4.5, sent at 2
+    # B0 and B1 go back to receives posted before their sends: no handshake
+    assert tl.loc["0B0", "start"] == tl.loc["1B0", "end"] + 0.5
+    # lowered with lookahead 1, RECV_F1 is posted after 1F0 (2.5), after the send (2)
+    one = simulate(one_f_one_b(2, 2), costs).timeline.set_index("name")
+    assert one.loc["1F1", "start"] == 2.5 + 0.5 + 2.0
+    # with lookahead 2 it is posted at the start: F1 waits only for rank 1's own B0
+    two = simulate(one_f_one_b(2, 2), costs, recv_lookahead=2).timeline.set_index("name")
+    assert two.loc["1F1", "start"] == 4.5
+    assert CostModel.parse("handshake=2").comm_handshake == 2.0
+    with pytest.raises(CostModelError, match="comm_handshake"):
+        CostModel(comm_handshake=-1)
+
+
 def test_bytes_bandwidth_and_per_stage_costs():
     costs = CostModel(comm_bytes=[100.0], comm_bandwidth=50.0, per_stage={1: {"f": 3.0, "w": 0}})
     r = simulate(one_f_one_b(2, 1), costs)

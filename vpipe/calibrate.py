@@ -18,9 +18,10 @@ communication latency:
   schedule's lowered program has them (:class:`vpipe.sim.CostModel`'s ``post`` and ``gap``),
   as rank time that is neither busy nor waiting. Only runs with WAIT spans (vpipe's runtime)
   have these; in other tables idle time and overhead look alike, and both are 0.
-- **Communication**: for each receive the rank waited on, the time from the end of the
-  matching SEND on the peer to the end of the wait is one message's latency; the median is the
-  cost model's ``comm_latency`` (0 when no wait overlapped a send, e.g. no WAIT spans).
+- **Communication**: for each receive the rank waited on, the time from when the message could
+  move (its SEND on the peer and its RECV both posted) to the end of the wait: the median over
+  receives posted before their send is the cost model's ``comm_latency``, and what receives
+  posted after it take beyond that is ``comm_handshake`` (:func:`comm_link_us`).
 - **Stage granularity**: a 1f1b run at P=2 has 2 stages, zbv and interleaved-1f1b at P=2 have
   4, so per-stage costs do not transfer as they are. The model is split into ``n_units`` equal
   pieces (MLP blocks, GPT layers) as :func:`vpipe.models.build_model` splits them (contiguous,
@@ -35,6 +36,7 @@ Times in the cost model are microseconds (``time_unit_ns=1000``).
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 from typing import Any
 
@@ -61,6 +63,7 @@ class Calibration:
     w_share: float | None  # the assumed W share of B, or None when I and W were measured
     run_id: str = ""
     overlap: float = 1.0  # an overlap action's span over the sum of its parts' separate costs
+    comm_handshake: float = 0.0  # added to a message whose receive is posted after its send
 
     @property
     def n_stages(self) -> int:
@@ -82,6 +85,7 @@ class Calibration:
         per_stage = {s: {"f": f[s], "b": b[s], "w": w[s]} for s in range(n_stages)}
         return CostModel(
             comm_latency=self.comm_latency,
+            comm_handshake=self.comm_handshake,
             per_stage=per_stage,
             post=self.post,
             gap=self.gap,
@@ -104,6 +108,7 @@ class Calibration:
             "post_us": round(self.post, 1),
             "gap_us": round(self.gap, 1),
             "comm_latency_us": round(self.comm_latency, 1),
+            "comm_handshake_us": round(self.comm_handshake, 1),
             "overlap": round(self.overlap, 3),
             "w_share": self.w_share,
         }
@@ -163,16 +168,18 @@ def calibrate(events: pd.DataFrame, *, w_share: float = 0.5, stat: str = "median
         comm = dur_us[kind.isin(["SEND_F", "RECV_F", "SEND_B", "RECV_B"])]
         post = float(comm.mean() / _posting_share(ev)) if len(comm) else 0.0
         gap = _gap_per_action_us(ev)
+    latency, handshake = comm_link_us(ev)
     return Calibration(
         f,
         b,
         w,
         post if np.isfinite(post) else 0.0,
         gap,
-        comm_latency_us(ev),
+        latency,
         None if measured_iw else w_share,
         str(ev["run_id"].iloc[0]) if len(ev) else "",
         _overlap_factor(ev, dur_us, kind, f, b, w),
+        handshake,
     )
 
 
@@ -248,31 +255,79 @@ def _gap_per_action_us(ev: pd.DataFrame) -> float:
     return float(gap.sum() / n.sum() * 1e6) if n.sum() else 0.0
 
 
-def comm_latency_us(events: pd.DataFrame) -> float:
-    """Median time from a SEND's end to the end of the receiver's wait for it, over the waits
-    that were still blocked when the send ended (0 if none)."""
+def comm_link_us(events: pd.DataFrame) -> tuple[float, float]:
+    """The link model's ``(latency, handshake)`` in microseconds, from the receives ranks
+    waited on (0 when no wait was still blocked once its message could move, e.g. no WAIT
+    spans).
+
+    A message can move once the matching SEND on the peer and the rank's own RECV are both
+    posted; from then to the end of a wait still blocked at that point is one message's time.
+    Its median over receives posted before the send began is ``latency``; over receives posted
+    after it, ``latency + handshake`` (gloo's rendezvous: the sender's I/O thread writes the
+    payload only once it hears of the receive). A run without such late receives, or without
+    early ones, gives handshake 0 and the median of what it has as latency.
+    """
     kind = events["kind"].astype(str)
     name = events["name"].astype(str)
     waits = events[kind == "WAIT"].assign(comm=name[kind == "WAIT"].str.extract(r"(RECV_[FB])")[0])
     sends = events[kind.isin(["SEND_F", "SEND_B"])]
     if waits.empty or sends.empty:
-        return 0.0
+        return 0.0, 0.0
     # the send feeding RECV_F at stage s comes from stage s-1; RECV_B at s from stage s+1
     w = waits.assign(
         src_stage=np.where(waits["comm"] == "RECV_F", waits["stage"] - 1, waits["stage"] + 1),
         send_kind=np.where(waits["comm"] == "RECV_F", "SEND_F", "SEND_B"),
     )
-    s = sends.assign(send_kind=sends["kind"].astype(str))
-    keys = ["run_id", "step", "microbatch", "send_kind"]
+    keys = ["run_id", "step", "microbatch"]
+    s = sends[[*keys, "stage", "start_ns", "end_ns"]].assign(send_kind=kind[sends.index])
     m = w.merge(
-        s[[*keys, "stage", "end_ns"]].rename(columns={"stage": "src_stage", "end_ns": "send_end"}),
-        on=[*keys, "src_stage"],
+        s.rename(columns={"stage": "src_stage", "start_ns": "send_start", "end_ns": "send_end"}),
+        on=[*keys, "send_kind", "src_stage"],
         how="inner",
     )
-    m = m[(m["start_ns"] <= m["send_end"]) & (m["end_ns"] >= m["send_end"])]
-    if m.empty:
-        return 0.0
-    return float(((m["end_ns"] - m["send_end"]) / US).median())
+    recvs = events[kind.isin(["RECV_F", "RECV_B"])]
+    r = recvs[[*keys, "stage", "end_ns"]].assign(comm=kind[recvs.index])
+    m = m.merge(r.rename(columns={"end_ns": "recv_end"}), on=[*keys, "stage", "comm"], how="left")
+    late = (m["recv_end"] > m["send_start"]).to_numpy()
+    early = m[~late]
+    blocked = (early["start_ns"] <= early["send_end"]) & (early["end_ns"] >= early["send_end"])
+    took_early = ((early["end_ns"] - early["send_end"])[blocked] / US).to_numpy()
+    m = m[late]
+    ready = np.maximum(m["recv_end"], m["send_end"])
+    waited = (m["end_ns"] - m["start_ns"] > _BLOCKED_NS) & (m["end_ns"] >= ready)
+    took_late = _left_censored_median(
+        ((m["end_ns"] - ready)[waited] / US).to_numpy(),
+        ((m["start_ns"] - ready)[~waited].clip(lower=0) / US).to_numpy(),
+    )
+    if not len(took_early):
+        return (took_late, 0.0) if np.isfinite(took_late) else (0.0, 0.0)
+    latency = float(np.median(took_early))
+    return latency, max(took_late - latency, 0.0) if np.isfinite(took_late) else 0.0
+
+
+# A wait that finds its data there takes about 20 us (the executor's own work); one that
+# took longer was blocked until the data arrived.
+_BLOCKED_NS = 50_000
+
+
+def _left_censored_median(exact: np.ndarray, at_most: np.ndarray) -> float:
+    """Median of a sample of which ``exact`` values are known and the rest are only known to
+    be at most ``at_most`` (a late receive whose wait did not block: its message had arrived
+    by the time the wait began). Kaplan-Meier on the negated values; NaN when empty."""
+    values = np.concatenate([-exact, -at_most])
+    is_exact = np.concatenate([np.ones(len(exact), bool), np.zeros(len(at_most), bool)])
+    if not len(exact):
+        return math.nan
+    order = np.lexsort((~is_exact, values))  # ascending; exact values before bounds at a tie
+    at_risk, survive, last = len(values), 1.0, math.nan
+    for v, ex in zip(values[order], is_exact[order], strict=True):
+        if ex:
+            survive *= 1 - 1 / at_risk
+            last = -float(v)
+            if survive <= 0.5:
+                return last
+        at_risk -= 1
+    return last
 
 
 def model_units(meta: dict[str, Any]) -> int | None:

@@ -30,7 +30,9 @@ class CostModel:
     ``f``: forward; ``b``: input gradient (I); ``w``: weight gradient (W); a full backward B
     costs ``b + w`` and an overlap action the sum of its parts. ``per_stage`` overrides them
     per stage: ``{stage: {"f": 2.0, "w": 0.5}}``. A message over the boundary between stages
-    s and s+1 (either direction) costs ``comm_latency + comm_bytes[s] / comm_bandwidth``.
+    s and s+1 (either direction) costs ``comm_latency + comm_bytes[s] / comm_bandwidth``, and
+    ``comm_handshake`` more when its RECV is posted after its SEND (a rendezvous transport;
+    :class:`vpipe.engine.LinkModel`).
     ``comm_bytes`` and ``activation_bytes`` (per stage, for peak memory) are a number for
     all stages/boundaries, a sequence, or a mapping.
 
@@ -55,9 +57,10 @@ class CostModel:
     post: float = 0.0
     gap: float = 0.0
     overlap: float = 1.0
+    comm_handshake: float = 0.0
 
     def __post_init__(self) -> None:
-        for name in ("f", "b", "w", "comm_latency", "post", "gap", "overlap"):
+        for name in ("f", "b", "w", "comm_latency", "comm_handshake", "post", "gap", "overlap"):
             _non_negative(name, getattr(self, name))
         bw = self.comm_bandwidth
         if not isinstance(bw, (int, float)) or math.isnan(bw) or bw <= 0:
@@ -77,6 +80,8 @@ class CostModel:
         "comm": "comm_latency",
         "latency": "comm_latency",
         "comm_latency": "comm_latency",
+        "handshake": "comm_handshake",
+        "comm_handshake": "comm_handshake",
         "bw": "comm_bandwidth",
         "bandwidth": "comm_bandwidth",
         "comm_bandwidth": "comm_bandwidth",
@@ -91,7 +96,8 @@ class CostModel:
 
     @classmethod
     def parse(cls, text: str) -> CostModel:
-        """Parse ``"f=1,b=1,w=1,comm=0"``. Keys: f, b, w, comm (latency), bw (bandwidth,
+        """Parse ``"f=1,b=1,w=1,comm=0"``. Keys: f, b, w, comm (latency), handshake (added to
+        a message whose receive is posted after its send), bw (bandwidth,
         bytes per time unit), bytes (per boundary), act_bytes (per stage), post (per SEND or
         RECV posted), gap (per action), overlap (an overlap action's parts cost this times
         their separate costs), plus the field names. Unspecified keys keep their defaults."""
@@ -113,7 +119,7 @@ class CostModel:
     def links(self, n_stages: int) -> LinkModel:
         """The link model of a schedule with ``n_stages`` stages."""
         nbytes = _per_stage("comm_bytes", self.comm_bytes, max(n_stages - 1, 0))
-        return LinkModel(self.comm_latency, self.comm_bandwidth, nbytes)
+        return LinkModel(self.comm_latency, self.comm_bandwidth, nbytes, self.comm_handshake)
 
     def boundary_costs(self, n_stages: int) -> np.ndarray:
         """Time of one message over each boundary s (between stages s and s+1)."""

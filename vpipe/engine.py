@@ -23,7 +23,10 @@ The replay, the simulator (:mod:`vpipe.sim`) and the runtime all assume:
   up later sends, so such a runtime needs separate streams for sends and receives; this is
   not modelled here.
 * A message's transfer starts once both its SEND and its RECV are posted and takes the time
-  :class:`LinkModel` gives it.
+  :class:`LinkModel` gives it, plus its ``handshake`` when the RECV is posted after the SEND
+  (a rendezvous transport: gloo's TCP pairs write a payload only once the sender has heard
+  that the receive is posted; a late receive costs a notification and a wake-up of the
+  sender's I/O thread).
 
 So a rank can only be stuck at a compute part whose input's matching SEND is never posted,
 and posting a receive early can never block. A compute-only schedule is replayed as if each
@@ -60,13 +63,15 @@ class LinkModel:
     """How long a message takes once both its SEND and its RECV are posted.
 
     A message over the boundary between stages b and b+1 (either direction) takes
-    ``latency + boundary_bytes[b] / bandwidth``. Links are not shared: every transfer runs on
-    its own, so transfers never queue behind each other.
+    ``latency + boundary_bytes[b] / bandwidth``, and ``handshake`` more when its RECV is
+    posted after its SEND (see the module docstring). Links are not shared: every transfer
+    runs on its own, so transfers never queue behind each other.
     """
 
     latency: float = 0.0
     bandwidth: float = math.inf
     boundary_bytes: np.ndarray | float = 0.0
+    handshake: float = 0.0
 
     def boundary_costs(self) -> np.ndarray:
         """Time of one message over each boundary."""
@@ -141,13 +146,16 @@ class Timing:
     arrive: np.ndarray
 
 
-def message_arrivals(prog: Program, op_end: np.ndarray, cost: np.ndarray) -> np.ndarray:
+def message_arrivals(
+    prog: Program, op_end: np.ndarray, cost: np.ndarray, handshake: float = 0.0
+) -> np.ndarray:
     """Arrival of each message: ``max(end[send_op], end[recv_op]) + cost``, a transfer
-    starting once both ends are posted (a receive posted at time 0 when ``recv_op`` is -1;
-    NaN for unused ids, whose ``send_op`` is -1)."""
+    starting once both ends are posted, plus ``handshake`` when the receive was posted after
+    the send (a receive posted at time 0 when ``recv_op`` is -1; NaN for unused ids, whose
+    ``send_op`` is -1)."""
     sent = np.append(op_end, np.nan)[prog.send_op]
     posted = np.append(op_end, 0.0)[prog.recv_op]
-    return np.maximum(sent, posted) + cost
+    return np.maximum(sent, posted) + cost + np.where(posted > sent, handshake, 0.0)
 
 
 def replay(
@@ -170,8 +178,10 @@ def replay(
     n_parts = len(fl.p_op)
     dur = [0.0] * n_parts if durations is None else np.asarray(durations, float).tolist()
     lead_a = np.zeros(n_parts) if lead is None else np.asarray(lead, float)
-    cost = (links or LinkModel()).message_costs(prog)
-    # Per part: the part whose end posts its input's SEND and (when the transfer takes time;
+    links = links or LinkModel()
+    cost = links.message_costs(prog)
+    handshake = float(links.handshake)
+    # Per part: the part whose end posts its input's SEND and (when the message takes time;
     # otherwise the rank is past it anyway) the one whose end posts its RECV, -1 for none;
     # and the transfer time. Messages are posted at an op's end, i.e. its last part's end.
     first_part, last_part = _op_parts(fl)
@@ -182,7 +192,7 @@ def replay(
         e = wait[has]
         so[has] = last_part[prog.send_op[e]]
         c[has] = cost[e]
-        r_op = np.where(cost[e] > 0, prog.recv_op[e], -1)
+        r_op = np.where((cost[e] > 0) | (handshake > 0), prog.recv_op[e], -1)
         ro[has] = np.where(r_op >= 0, last_part[r_op], -1)
     rank_lo = np.searchsorted(fl.p_rank, np.arange(P + 1))
     lo = rank_lo.tolist()
@@ -217,7 +227,7 @@ def replay(
                     break
                 t += ld
                 if r_part >= 0 and end[r_part] > s:
-                    s = end[r_part]
+                    s = end[r_part] + handshake
                 s += transfer
                 if s > t:
                     t = s
@@ -236,7 +246,7 @@ def replay(
         raise ScheduleError(_deadlock_message(prog, [pending[r][0] for r in stuck], stuck))
     end_a = np.array(end)
     op_end = end_a[last_part]
-    arrive = message_arrivals(prog, op_end, cost)
+    arrive = message_arrivals(prog, op_end, cost, handshake)
     # Start of each part, as the loop had it: its rank's previous end (0 for a rank's first
     # part) plus its lead, or its input's arrival when later. (The arrival counts the RECV's
     # post even where the loop skips it; that post lies before the part on its rank, so it

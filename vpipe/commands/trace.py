@@ -238,7 +238,8 @@ def analysis_text(found: dict[str, Any]) -> str:
         head = (
             f"calibrated on {d['run_id']} ({d['stat']}s): F {d['f_us']} us, I {d['i_us']} us, "
             f"W {d['w_us']} us per stage; posting {d['post_us']} us per send/recv, gap "
-            f"{d['gap_us']} us per action; comm latency {d['comm_latency_us']} us"
+            f"{d['gap_us']} us per action; comm latency {d['comm_latency_us']} us, handshake "
+            f"{d['comm_handshake_us']} us"
             + (f"; I/W split assumed (W = {d['w_share']} of B)" if d["w_share"] is not None else "")
             + (f"; model in {units} pieces" if units else "")
         )
