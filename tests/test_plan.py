@@ -1,6 +1,7 @@
 """`vpipe plan`: budgets and cost specs parse strictly; the recommendation is the fastest
 candidate within the budget, checked by simulating every candidate independently; a budget
-nothing fits is refused, naming the smallest peak."""
+nothing fits is refused, naming the smallest peak; the receive lookahead is chosen by
+simulating each one."""
 
 from __future__ import annotations
 
@@ -9,11 +10,11 @@ import json
 import pytest
 
 from vpipe.cli import main
-from vpipe.plan import Budget, PlanError, SpecCosts, plan
+from vpipe.plan import LOOKAHEADS, Budget, PlanError, SpecCosts, best_lookahead, plan
 from vpipe.schedules import catalogue
 from vpipe.sim import CostModel, simulate
 
-SPEC = "f=1000,b=900,w=700,comm=40,act_bytes=2e6,rows=8,post=20,gap=5"
+SPEC = "f=1000,b=900,w=700,comm=40,handshake=60,act_bytes=2e6,rows=8,post=20,gap=5"
 
 
 @pytest.mark.parametrize(
@@ -46,7 +47,8 @@ def independent_step_s(spec: SpecCosts, name: str, ranks: int, v: int, m: int, b
     s = catalogue.get(name).generator(ranks, m, v)
     share = ranks / s.n_stages * (batch / m) / spec.rows
     cm = CostModel(f=spec.f * share, b=spec.b * share, w=spec.w * share,
-                   comm_latency=spec.comm, activation_bytes=spec.act_bytes * share,
+                   comm_latency=spec.comm, comm_handshake=spec.handshake,
+                   activation_bytes=spec.act_bytes * share,
                    post=spec.post, gap=spec.gap)  # fmt: skip
     r = simulate(s, cm)
     return r.makespan * 1e-6, max(r.peak_activation_bytes)
@@ -75,6 +77,30 @@ def test_recommendation_is_the_fastest_candidate_within_budget():
     assert {"gpipe", "1f1b", "interleaved-1f1b", "zb-h1", "zbv", "dualpipev"} <= {
         c["schedule"] for c in result["candidates"]
     }
+
+
+def test_lookahead_is_chosen_from_the_simulator(capsys):
+    """A handshake on receives posted after their send makes posting right before the consumer
+    (lookahead 0) slow; the planner takes the smallest lookahead within 1% of the fastest. On a
+    free link every lookahead ties and 0, the fewest receive buffers, wins."""
+    s = catalogue.get("interleaved-1f1b").generator(2, 8, 2)
+    k, steps = best_lookahead(
+        s, CostModel(f=100, b=100, w=100, comm_latency=20, comm_handshake=300)
+    )
+    assert steps == {j: simulate(s, CostModel(f=100, b=100, w=100, comm_latency=20,
+                     comm_handshake=300), recv_lookahead=j).makespan for j in LOOKAHEADS}  # fmt: skip
+    fastest = min(steps.values())
+    assert k > 0 and steps[0] > fastest * 1.01 and steps[k] <= fastest * 1.01
+    assert all(steps[j] > fastest * 1.01 for j in steps if j < k)
+    k0, steps0 = best_lookahead(s, CostModel(f=100, b=100, w=100))
+    assert k0 == 0 and len(set(steps0.values())) == 1
+    argv = ["plan", "-p", "2", "--batch", "16", "--memory", "1GiB", "--cost",
+            SPEC + ",handshake=500", "--json"]  # fmt: skip
+    assert main(argv) == 0
+    out = json.loads(capsys.readouterr().out)["recv_lookahead"]
+    assert out["best"] in LOOKAHEADS and set(out["predicted_step_s"]) == {"0", "1", "2", "3"}
+    assert main(argv[:-1]) == 0
+    assert f"run it with --recv-lookahead {out['best']} (" in capsys.readouterr().out
 
 
 def test_nothing_fits_is_refused_naming_the_smallest_peak(capsys):

@@ -7,12 +7,13 @@ spec. Both are turned into a cost model for any schedule and microbatch size:
 - compute scales with the rows of a microbatch (``batch / M``) and with the share of the model
   a stage holds (its pieces: MLP blocks, GPT layers; or 1/P of the model per full stage for an
   explicit spec);
-- posting, gap and message latency are per action and do not scale;
+- posting, gap, message latency and handshake are per action and do not scale;
 - activation bytes per stage scale like compute: a stage's share times the rows.
 
 Every catalogue family x stages per rank x microbatch count that the family can build is
 simulated (:func:`vpipe.sim.simulate`), and the fastest candidate whose peak activation memory
-fits the budget on every rank is recommended. Budgets are bytes (``12GiB``, ``500MB``) or
+fits the budget on every rank is recommended, with the receive lookahead to run it with
+(:func:`best_lookahead`). Budgets are bytes (``12GiB``, ``500MB``) or
 activation units (``6units``: the most microbatch activations of a full stage, 1/P of the
 model, a rank may hold; a V stage's count half).
 """
@@ -31,7 +32,16 @@ from vpipe.errors import ScheduleError, VpipeError
 from vpipe.ir import Schedule
 from vpipe.sim import CostModel, parse_numbers
 
-__all__ = ["Budget", "Candidate", "PlanError", "SpecCosts", "candidates", "plan", "recommend"]
+__all__ = [
+    "Budget",
+    "Candidate",
+    "PlanError",
+    "SpecCosts",
+    "best_lookahead",
+    "candidates",
+    "plan",
+    "recommend",
+]
 
 
 class PlanError(VpipeError, ValueError):
@@ -82,8 +92,9 @@ def _bytes(n: float) -> str:
 class SpecCosts:
     """An explicit cost spec: times in microseconds of one full stage (1/P of the model, one
     stage per rank) for one microbatch of ``rows`` rows: forward ``f``, input gradient ``b``,
-    weight gradient ``w``; per message ``comm``; per SEND/RECV ``post`` and per action ``gap``;
-    ``act_bytes`` saved for backward by one such stage and microbatch."""
+    weight gradient ``w``; per message ``comm``, and ``handshake`` more when its receive is
+    posted after its send; per SEND/RECV ``post`` and per action ``gap``; ``act_bytes`` saved
+    for backward by one such stage and microbatch."""
 
     f: float
     b: float
@@ -93,6 +104,7 @@ class SpecCosts:
     rows: float = 1.0
     post: float = 0.0
     gap: float = 0.0
+    handshake: float = 0.0
 
     @classmethod
     def parse(cls, text: str) -> SpecCosts:
@@ -115,7 +127,8 @@ class SpecCosts:
         share = schedule.n_ranks / schedule.n_stages * rows / self.rows
         return CostModel(
             f=self.f * share, b=self.b * share, w=self.w * share, comm_latency=self.comm,
-            activation_bytes=self.act_bytes * share, post=self.post, gap=self.gap,
+            comm_handshake=self.handshake, activation_bytes=self.act_bytes * share,
+            post=self.post, gap=self.gap,
         )  # fmt: skip
 
 
@@ -269,13 +282,44 @@ def recommend(found: list[Candidate], budget: Budget) -> Candidate:
     return min(fitting, key=lambda c: (c.predicted_step_s, budget.peak(c)))
 
 
+# Lookaheads the planner tries, and how much faster (relative) a larger one must be simulated
+# to be worth its receive buffers: a smaller gain is inside the simulator's error.
+LOOKAHEADS = (0, 1, 2, 3)
+LOOKAHEAD_GAIN = 0.01
+
+
+def best_lookahead(schedule: Schedule, costs: CostModel) -> tuple[int, dict[int, float]]:
+    """The receive lookahead (:func:`vpipe.passes.lower`) to run ``schedule`` with, and the
+    simulated step per lookahead tried: the smallest within ``LOOKAHEAD_GAIN`` of the fastest
+    (a larger one holds more receive buffers). Posting receives earlier matters when the
+    link charges a handshake for receives posted after their send (gloo)."""
+    from vpipe.sim import simulate
+
+    steps = {k: simulate(schedule, costs, recv_lookahead=k).makespan for k in LOOKAHEADS}
+    fastest = min(steps.values())
+    return min(k for k, s in steps.items() if s <= fastest * (1 + LOOKAHEAD_GAIN)), steps
+
+
 def plan(costs: Any, ranks: int, batch: int, budget: Budget, **kw: Any) -> dict[str, Any]:
-    """``{"recommended": ..., "candidates": [...]}`` (fitting candidates first, fastest
-    first), as ``vpipe plan --json`` prints it."""
+    """``{"recommended": ..., "candidates": [...], "recv_lookahead": ...}`` (fitting
+    candidates first, fastest first; the lookahead for the recommended one), as ``vpipe plan
+    --json`` prints it."""
+    from vpipe.schedules import catalogue
+
     found = candidates(costs, ranks, batch, **kw)
     best = recommend(found, budget)
     ranked = sorted(found, key=lambda c: (not c.fits, c.predicted_step_s, budget.peak(c)))
-    return {"recommended": best.to_dict(), "candidates": [c.to_dict() for c in ranked]}
+    schedule = catalogue.get(best.schedule).generator(
+        ranks, best.microbatches, best.stages_per_rank
+    )
+    k, steps = best_lookahead(schedule, costs.cost_model(schedule, batch / best.microbatches))
+    unit = kw.get("time_unit_s", 1e-6)
+    lookahead = {"best": k, "predicted_step_s": {str(n): s * unit for n, s in steps.items()}}
+    return {
+        "recommended": best.to_dict(),
+        "candidates": [c.to_dict() for c in ranked],
+        "recv_lookahead": lookahead,
+    }
 
 
 def pareto_frame(found: list[dict[str, Any]]) -> Any:

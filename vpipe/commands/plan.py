@@ -26,7 +26,7 @@ def register(subparsers: argparse._SubParsersAction) -> None:
         "--cost",
         metavar="SPEC",
         help="per full stage (1/P of the model) and microbatch of `rows` rows, microseconds: "
-        "f=..,b=..,w=..[,comm=..,act_bytes=..,rows=..,post=..,gap=..]",
+        "f=..,b=..,w=..[,comm=..,handshake=..,act_bytes=..,rows=..,post=..,gap=..]",
     )
     p.add_argument("--run", help="the calibration run in --from (vpipe runs STORE lists them)")
     p.add_argument("--microbatches", "-m", help="comma-separated counts (default: divisors of "
@@ -96,6 +96,11 @@ def render(result: dict, budget: object, top: int) -> str:
         f"{rec['microbatches']} microbatches: {rec['predicted_step_s'] * 1e3:.2f} ms per step, "
         f"peak {budget.describe(_peak(budget, rec))} per rank (budget "
         f"{budget.describe(budget.value)})"
+    )
+    la = result["recv_lookahead"]
+    steps = ", ".join(f"{k}: {s * 1e3:.2f}" for k, s in la["predicted_step_s"].items())
+    lines.append(
+        f"run it with --recv-lookahead {la['best']} (simulated ms per step by lookahead: {steps})"
     )
     return "\n".join(lines)
 
