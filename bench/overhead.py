@@ -10,7 +10,8 @@ prints, averaged over profiled steps and ranks:
   up under "other");
 - the measured bubble ratio minus the schedule's own simulated bubble (the simulator with the
   run's calibrated compute and message costs but no per-action runtime overhead): the share of
-  the step the runtime adds;
+  the step the runtime adds. The message costs include gloo's handshake for receives posted
+  after their send (:func:`vpipe.calibrate.comm_link_us`); "- own, no hs" leaves it out too;
 - vpipe/torch step time: the median of pairwise ratios over the interleaved timed steps, with
   its bootstrap 95% interval.
 
@@ -51,9 +52,11 @@ def regime_table(spec: SweepSpec) -> pd.DataFrame:
         b = step_breakdown(ev)
         share = b[["compute", "wait", "post", "other"]].sum() / b["window"].sum()
         schedule = make_schedule(r.schedule, spec.ranks, int(r.microbatches))
-        own = predict(
-            replace(calibrate(ev), post=0.0, gap=0.0), schedule, recv_lookahead=spec.recv_lookahead
-        ).bubble_ratio
+        cal = replace(calibrate(ev), post=0.0, gap=0.0)
+        own, bare = (
+            predict(c, schedule, recv_lookahead=spec.recv_lookahead).bubble_ratio
+            for c in (cal, replace(cal, comm_handshake=0.0))
+        )
         row = {
             "impl": r.impl,
             "schedule": r.schedule,
@@ -62,6 +65,7 @@ def regime_table(spec: SweepSpec) -> pd.DataFrame:
             "bubble": round(float(r.bubble_ratio), 3),
             "own bubble": round(own, 3),
             "bubble - own": round(float(r.bubble_ratio) - own, 3),
+            "- own, no hs": round(float(r.bubble_ratio) - bare, 3),
         }
         if r.impl == "vpipe":
             m = int(r.microbatches)

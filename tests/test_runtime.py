@@ -340,3 +340,41 @@ def test_failing_rank_is_named():
     with pytest.raises(PipelineError, match=r"^rank 1 failed: ValueError: bad thing$"):
         spawn(_raise_on_rank1, 2, timeout_s=60)
     assert spawn(_raise_on_rank1, 1, timeout_s=60) == [0]
+
+
+def _static_shapes_job(rank: int, n_ranks: int) -> tuple[list[float], str]:
+    """Static and per-step shape agreement give the same losses; a static pipeline fed a new
+    batch shape refuses it on stage 0's rank before posting anything, and runs on after."""
+    schedule = lower(make_schedule("interleaved-1f1b", n_ranks, 4))
+    pipes = []
+    for static in (False, True):
+        bm = _build("mlp", schedule.n_stages)
+        mods = {s: bm.stages[s] for s in schedule.stages_of(rank)}
+        pipes.append(Pipeline(schedule, mods, bm.loss_fn, static_shapes=static))
+    first, last = schedule.placement[0] == rank, schedule.loss_rank == rank
+    x, y = _batch(bm, 8, seed=0)
+    losses = []
+    for _ in range(2):
+        for pipe in pipes:
+            out = pipe.step(x if first else None, y if last else None)
+            losses.append([float(v) for v in out] if last else [])
+    assert losses[0] == losses[1] and losses[2] == losses[3]
+    refused = ""
+    if first:
+        x2, _ = _batch(bm, 12, seed=1)
+        with pytest.raises(PipelineError) as info:
+            pipes[1].step(x2, y if last else None)
+        refused = str(info.value)
+    out = pipes[1].step(x if first else None, y if last else None)
+    return (losses[2] if last else []) + ([float(v) for v in out] if last else []), refused
+
+
+def test_static_shapes_agree_once_and_refuse_a_new_shape():
+    (l0, msg0), (l1, msg1) = spawn(_static_shapes_job, 2, timeout_s=120)
+    assert msg1 == ""
+    assert msg0 == (
+        "rank 0: step 2: microbatch inputs [3, 16] float64 differ from the first step's "
+        "[2, 16] float64, and the pipeline has static_shapes=True"
+    )
+    losses = l0 or l1
+    assert len(losses) == 8 and losses[:4] == losses[4:]  # the third step repeats the batch

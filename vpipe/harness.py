@@ -57,6 +57,7 @@ class RankSpec:
     # vpipe's runtime knobs (see vpipe.runtime.Pipeline)
     bundle_messages: bool = True
     recv_lookahead: int = 1
+    static_shapes: bool = True  # every step of a harness feeds the same batch shape
 
     @property
     def process_backend(self) -> str:
@@ -234,6 +235,7 @@ def _make_pipeline(spec: RankSpec, modules: dict[int, Any], loss_fn: Any, device
         device=device,
         bundle_messages=spec.bundle_messages,
         recv_lookahead=spec.recv_lookahead,
+        static_shapes=spec.static_shapes,
     )
 
 

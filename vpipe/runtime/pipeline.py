@@ -40,6 +40,12 @@ class Pipeline:
     (:mod:`vpipe.bundling`); off, every SEND/RECV posts its own operation. ``recv_lookahead``
     is the lowering's (:func:`vpipe.passes.lower`) for a compute-only schedule.
 
+    Ranks other than stage 0's cannot see the batch, so by default stage 0's rank broadcasts
+    the microbatch input shape every step: one more posted operation per rank per step, and
+    on NCCL a host sync. With ``static_shapes`` (what torch.distributed.pipelining assumes)
+    the ranks agree on it at the first step only; a later step whose microbatch inputs differ
+    raises on stage 0's rank (and the job ends, as on any rank's failure).
+
     ``step(inputs, targets)`` splits ``inputs`` (on the rank of stage 0) and ``targets`` (on the
     loss rank) into M microbatches along dim 0, runs the program, and returns the unscaled
     per-microbatch losses in microbatch order on the loss rank (None elsewhere). Backward uses
@@ -61,6 +67,7 @@ class Pipeline:
         device: torch.device | str | None = None,
         bundle_messages: bool = True,
         recv_lookahead: int = 1,
+        static_shapes: bool = False,
     ) -> None:
         from vpipe.bundling import comm_bundles
         from vpipe.passes import lower, validate
@@ -94,6 +101,7 @@ class Pipeline:
             self.device,
             comm_bundles(program)[self.rank] if bundle_messages and distributed else (),
         )
+        self.static_shapes = static_shapes
         self._key: tuple[TensorMeta, ...] | None = None
         self._key_work: Any = None
         self._step = 0
@@ -164,11 +172,20 @@ class Pipeline:
     # -- shapes ------------------------------------------------------------------------------
     def _input_key(self, mb_inputs: list[tuple[torch.Tensor, ...]]) -> tuple[TensorMeta, ...]:
         """Microbatch input metadata, agreed by all ranks: broadcast from stage 0's rank every
-        step (other ranks cannot know the batch shape). The source does not wait for it; the
-        others need it before their first receive anyway."""
+        step, or only at the first with ``static_shapes`` (other ranks cannot know the batch
+        shape). The source does not wait for it; the others need it before their first receive
+        anyway."""
         key = meta_of(mb_inputs[0]) if mb_inputs else None
         if self.comm is None:
             return key
+        if self.static_shapes and self._key is not None:
+            if key is not None and key != self._key:
+                raise PipelineError(
+                    f"rank {self.rank}: step {self._step}: microbatch inputs {_shapes(key)} "
+                    f"differ from the first step's {_shapes(self._key)}, and the pipeline has "
+                    "static_shapes=True"
+                )
+            return self._key
         words = torch.tensor(encode(key) if key is not None else [0] * META_LEN, dtype=torch.int64)
         words = words.to(self.device)
         src = self.schedule.placement[0]
@@ -220,6 +237,10 @@ class Pipeline:
                 buf = torch.empty(META_LEN, dtype=torch.int64, device=self.device)
                 self.comm.recv_now(buf, placement[s])
                 current = decode(buf.tolist())
+
+
+def _shapes(key: tuple[TensorMeta, ...]) -> str:
+    return ", ".join(f"{list(shape)} {str(dtype).removeprefix('torch.')}" for shape, dtype in key)
 
 
 def _rank_and_group(schedule: Schedule, group: dist.ProcessGroup | None) -> tuple[int, bool]:
