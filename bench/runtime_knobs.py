@@ -22,6 +22,7 @@ from typing import Any
 
 VARIANTS: dict[str, dict[str, Any]] = {
     "default": {},
+    "lookahead 0": {"recv_lookahead": 0},
     "lookahead 2": {"recv_lookahead": 2},
     "lookahead 3": {"recv_lookahead": 3},
     "no bundling": {"bundle_messages": False},
