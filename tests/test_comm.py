@@ -39,9 +39,21 @@ class _Group:
         return _Work(lambda: tensors[0].fill_(7.0))
 
 
+def test_channels_are_the_default_on_nccl_only(monkeypatch):
+    import vpipe.runtime.comm as comm
+
+    made = []
+    monkeypatch.setattr(comm, "_channel_routes", lambda group, pairs: made.append(pairs) or {})
+    nccl = P2P(_Group("nccl"), torch.device("cuda", 0), [(0, 1)])
+    assert nccl.channels and not nccl.coalesce and made == [[(0, 1)]]
+    gloo = P2P(_Group("gloo"), torch.device("cpu"), [(0, 1)])
+    assert not gloo.channels and made == [[(0, 1)]]
+    assert not P2P(_Group("nccl"), torch.device("cuda", 0), channels=False).channels
+
+
 def test_gloo_with_gpu_tensors_receives_into_a_host_buffer():
     assert not P2P(_Group("gloo"), torch.device("cpu")).via_host
-    assert not P2P(_Group("nccl"), torch.device("cuda", 0)).via_host
+    assert not P2P(_Group("nccl"), torch.device("cuda", 0), channels=False).via_host
     group = _Group("gloo")
     p2p = P2P(group, torch.device("cuda", 0))
     assert p2p.via_host

@@ -70,13 +70,13 @@ def reference_steps(
     return out
 
 
-def check_config(schedule: Schedule, model: str, rank: int, steps: list) -> dict:
+def check_config(schedule: Schedule, model: str, rank: int, steps: list, **pipe_kw) -> dict:
     """Run ``steps`` (see reference_steps) of ``schedule`` on this rank and raise on any
-    mismatch with the reference. Returns the last step's stats."""
+    mismatch with the reference. Returns the last step's stats. ``pipe_kw`` go to Pipeline."""
     n_mb = schedule.n_microbatches
     bm = _build(model, schedule.n_stages)
     mine = schedule.stages_of(rank)
-    pipe = Pipeline(schedule, {s: bm.stages[s] for s in mine}, bm.loss_fn)
+    pipe = Pipeline(schedule, {s: bm.stages[s] for s in mine}, bm.loss_fn, **pipe_kw)
     for step, (batch, seed, factor, ref_losses, ref_grads) in enumerate(steps):
         x, y = _batch(bm, batch, seed)
         if factor == 1:
@@ -378,3 +378,42 @@ def test_static_shapes_agree_once_and_refuse_a_new_shape():
     )
     losses = l0 or l1
     assert len(losses) == 8 and losses[:4] == losses[4:]  # the third step repeats the batch
+
+
+def _channel_jobs(rank: int, n_ranks: int, jobs: list) -> list:
+    """Every job with comm_channels on (gloo here; the default on NCCL), then the routes of a
+    pipeline built again: per peer, its own group each way, taken from the shared cache."""
+    import vpipe.runtime.comm as comm
+
+    for sched, model, steps in jobs:
+        check_config(sched, model, rank, steps, comm_channels=True)
+    made = len(comm._CHANNELS)
+    sched = jobs[0][0]
+    bm = _build("mlp", sched.n_stages)
+    mods = {s: bm.stages[s] for s in sched.stages_of(rank)}
+    routes = Pipeline(sched, mods, bm.loss_fn, comm_channels=True).comm._routes
+    assert len(comm._CHANNELS) == made  # nothing created twice
+    return made, {key: (id(group), index) for key, (group, index) in routes.items()}
+
+
+@pytest.mark.parametrize("n_ranks", [2, 4])
+def test_channels_give_the_reference_gradients(n_ranks):
+    """One process group per direction between two ranks (what NCCL needs, see comm.py): the
+    losses and gradients still equal the reference, at P=2 for every family, at P=4 for a
+    loop and a V placement; each pair's two directions use different groups."""
+    names = schedule_names() if n_ranks == 2 else ["interleaved-1f1b", "dualpipev"]
+    jobs = [
+        (make_schedule(name, n_ranks, 4), "mlp", reference_steps(
+            make_schedule(name, n_ranks, 4).n_stages, 4, "mlp", False, repeat=False))
+        for name in names
+    ]  # fmt: skip
+    results = spawn(_channel_jobs, n_ranks, jobs, timeout_s=600)
+    # interleaved-1f1b (first at P=4) pairs ranks r and r+1, and P-1 with 0 (its loop wraps)
+    pairs = {2: 1, 4: 4}[n_ranks]
+    for rank, (made, routes) in enumerate(results):
+        assert made == 2 * pairs
+        peers = {peer for _, peer in routes}
+        assert peers == ({1 - rank} if n_ranks == 2 else {(rank - 1) % 4, (rank + 1) % 4})
+        for peer in peers:
+            assert routes[True, peer][0] != routes[False, peer][0]
+            assert routes[True, peer][1] == routes[False, peer][1] == int(peer > rank)

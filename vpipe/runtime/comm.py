@@ -7,10 +7,21 @@ what batching does there anyway, minus its per-op bookkeeping.
 gloo sends and receives host memory only, so with GPU tensors on gloo (ranks sharing one GPU)
 each operation goes through a host copy: a send copies its tensor to the host when queued, a
 receive lands in a host buffer that its work copies into the device tensor on ``wait``.
+
+**Channels.** NCCL runs a process group's point-to-point operations on one stream per rank, in
+posting order (batched ones on the group's communicator). A receive posted early then holds up
+every later send of that rank until its data arrives, and a program that is deadlock-free
+under vpipe's semantics (:mod:`vpipe.engine`: posted operations progress independently) can
+hang: with receives posted one action ahead, that happens for every built-in family. With
+``channels`` (the default on NCCL) each direction between two ranks gets its own process group,
+hence its own stream, and every operation is posted on its own: a channel carries messages one
+way, in the order both ends post them, which is the engine's per-peer FIFO rule, so the
+engine's deadlock check covers it.
 """
 
 from __future__ import annotations
 
+from collections.abc import Iterable
 from typing import Any
 
 import torch
@@ -20,14 +31,28 @@ __all__ = ["P2P"]
 
 
 class P2P:
-    """Asynchronous sends and receives to group ranks of one process group."""
+    """Asynchronous sends and receives to group ranks of one process group.
 
-    def __init__(self, group: dist.ProcessGroup | None, device: torch.device) -> None:
+    ``pairs`` are the pairs of group ranks that exchange messages in the whole program (the
+    same list on every rank); ``channels`` (None: on NCCL) posts each direction of each pair on
+    its own process group (see the module docstring). Creating them is collective over the
+    default group: every rank of it must build its P2P at the same point.
+    """
+
+    def __init__(
+        self,
+        group: dist.ProcessGroup | None,
+        device: torch.device,
+        pairs: Iterable[tuple[int, int]] = (),
+        channels: bool | None = None,
+    ) -> None:
         self.group = group if group is not None else dist.group.WORLD
         backend = self.group._get_backend(device)
-        self.coalesce = bool(getattr(backend, "supports_coalescing", False))
+        self.channels = backend.name() == "nccl" if channels is None else channels
+        self.coalesce = bool(getattr(backend, "supports_coalescing", False)) and not self.channels
         self.via_host = device.type != "cpu" and backend.name() == "gloo"
         self._queue: list[tuple[bool, torch.Tensor, int]] = []
+        self._routes = _channel_routes(self.group, pairs) if self.channels else {}
 
     def queue_send(self, tensor: torch.Tensor, peer: int) -> None:
         self._queue.append((True, tensor.cpu() if self.via_host else tensor, peer))
@@ -46,14 +71,21 @@ class P2P:
             ]
             works = dist.batch_isend_irecv(p2p)
             return [works] * len(ops)
+        if self.channels:
+            routes = self._routes
+            return [
+                [routes[True, p][0].send([t], routes[True, p][1], 0) if s else self._recv(t, p)]
+                for s, t, p in ops
+            ]
         group = self.group
         return [[group.send([t], p, 0) if s else self._recv(t, p)] for s, t, p in ops]
 
-    def _recv(self, tensor: torch.Tensor, peer: int) -> Any:
+    def _recv(self, tensor: torch.Tensor, peer: int, channel: bool = True) -> Any:
+        group, rank = self._routes[False, peer] if channel and self.channels else (self.group, peer)
         if not self.via_host:
-            return self.group.recv([tensor], peer, 0)
+            return group.recv([tensor], rank, 0)
         host = torch.empty_like(tensor, device="cpu")
-        return _CopyOnWait(self.group.recv([host], peer, 0), host, tensor)
+        return _CopyOnWait(group.recv([host], rank, 0), host, tensor)
 
     def discard(self) -> None:
         """Drop queued, unposted operations (after a failed step)."""
@@ -65,7 +97,43 @@ class P2P:
 
     def recv_now(self, tensor: torch.Tensor, peer: int) -> None:
         """Blocking receive (metadata handshake)."""
-        self._recv(tensor, peer).wait()
+        self._recv(tensor, peer, channel=False).wait()
+
+
+# Channel groups by (lower global rank, higher global rank, upward), shared by every P2P of the
+# process: a pipeline built many times (a sweep) creates each channel once.
+_CHANNELS: dict[tuple[int, int, bool], dist.ProcessGroup] = {}
+
+
+def _channel_routes(
+    group: dist.ProcessGroup, pairs: Iterable[tuple[int, int]]
+) -> dict[tuple[bool, int], tuple[dist.ProcessGroup, int]]:
+    """Per (is a send, peer group rank): the channel group to post on and the peer's rank in it.
+    Every rank of the default group learns which channels any rank needs, then all create the
+    missing ones in one order (``new_group`` is collective over the default group)."""
+    to_global = (
+        (lambda r: r) if group is dist.group.WORLD else (lambda r: dist.get_global_rank(group, r))
+    )
+    wanted = sorted({tuple(sorted((to_global(a), to_global(b)))) for a, b in pairs})
+    everyone: list[Any] = [None] * dist.get_world_size()
+    dist.all_gather_object(everyone, wanted)
+    for lo, hi in sorted({tuple(p) for ps in everyone for p in ps}):
+        for upward in (True, False):
+            if (lo, hi, upward) not in _CHANNELS:
+                _CHANNELS[lo, hi, upward] = dist.new_group([lo, hi])
+    me = dist.get_rank(group)
+    g_me = to_global(me)
+    routes = {}
+    for a, b in pairs:
+        if me not in (a, b):
+            continue
+        peer = b if a == me else a
+        g_peer = to_global(peer)
+        lo, hi = min(g_me, g_peer), max(g_me, g_peer)
+        index = 1 if g_peer > g_me else 0  # new_group orders its ranks
+        routes[True, peer] = (_CHANNELS[lo, hi, g_me < g_peer], index)
+        routes[False, peer] = (_CHANNELS[lo, hi, g_peer < g_me], index)
+    return routes
 
 
 class _CopyOnWait:

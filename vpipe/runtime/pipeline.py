@@ -46,6 +46,10 @@ class Pipeline:
     the ranks agree on it at the first step only; a later step whose microbatch inputs differ
     raises on stage 0's rank (and the job ends, as on any rank's failure).
 
+    ``comm_channels`` (None: on NCCL) posts each direction between two ranks on its own process
+    group, so that NCCL's one stream per group cannot serialise an early receive ahead of later
+    sends (:mod:`vpipe.runtime.comm`); their creation is collective over the default group.
+
     ``step(inputs, targets)`` splits ``inputs`` (on the rank of stage 0) and ``targets`` (on the
     loss rank) into M microbatches along dim 0, runs the program, and returns the unscaled
     per-microbatch losses in microbatch order on the loss rank (None elsewhere). Backward uses
@@ -68,6 +72,7 @@ class Pipeline:
         bundle_messages: bool = True,
         recv_lookahead: int = 1,
         static_shapes: bool = False,
+        comm_channels: bool | None = None,
     ) -> None:
         from vpipe.bundling import comm_bundles
         from vpipe.passes import lower, validate
@@ -91,7 +96,9 @@ class Pipeline:
         self.n_microbatches = program.n_microbatches
         for st in self.stages.values():
             st.loss_scale = 1.0 / self.n_microbatches
-        self.comm = P2P(group, self.device) if distributed else None
+        self.comm = (
+            P2P(group, self.device, _rank_pairs(program), comm_channels) if distributed else None
+        )
         self._executor = Executor(
             self.rank,
             program.actions[self.rank],
@@ -237,6 +244,13 @@ class Pipeline:
                 buf = torch.empty(META_LEN, dtype=torch.int64, device=self.device)
                 self.comm.recv_now(buf, placement[s])
                 current = decode(buf.tolist())
+
+
+def _rank_pairs(schedule: Schedule) -> list[tuple[int, int]]:
+    """The pairs of ranks holding adjacent stages: those that exchange messages."""
+    p = schedule.placement
+    pairs = {tuple(sorted((p[s], p[s + 1]))) for s in range(schedule.n_stages - 1)}
+    return sorted(pair for pair in pairs if pair[0] != pair[1])
 
 
 def _shapes(key: tuple[TensorMeta, ...]) -> str:
