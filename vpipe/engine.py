@@ -18,10 +18,10 @@ The replay, the simulator (:mod:`vpipe.sim`) and the runtime all assume:
 * Matching: between two ranks, per direction, the k-th SEND the sender posts matches the k-th
   RECV the receiver posts (per-peer FIFO: point-to-point ops with one tag match in posting
   order).
-* Posted operations progress independently of each other, as gloo's isend/irecv do. On a
-  backend that serialises point-to-point ops on one stream (NCCL) an early receive could hold
-  up later sends, so such a runtime needs separate streams for sends and receives; this is
-  not modelled here.
+* Posted operations progress independently of each other, as gloo's isend/irecv do. NCCL
+  runs a process group's point-to-point ops on one stream, where an early receive would hold
+  up later sends; vpipe's runtime therefore posts on one process group per direction between
+  two ranks there (:mod:`vpipe.runtime.comm`), a FIFO channel as the next rule assumes.
 * A message's transfer starts once both its SEND and its RECV are posted and takes the time
   :class:`LinkModel` gives it, plus its ``handshake`` when the RECV is posted after the SEND
   (a rendezvous transport: gloo's TCP pairs write a payload only once the sender has heard
