@@ -1,11 +1,11 @@
-"""vpipe's runtime knobs A/B: receive lookahead, message bundling and shape agreement against
-the defaults.
+"""vpipe's runtime knobs A/B: receive lookahead, message bundling, shape agreement and
+per-direction channel groups against the defaults.
 
 One launch per schedule builds every variant's rank harness in the same processes (P=2, M=8)
 and times their steps alternately (A B C, then C B A, ...), so machine noise hits all of them;
 each step's time is the slowest rank's. For each variant it prints the median of pairwise
-ratios against the default (lookahead 1, bundling on, shapes agreed at the first step only)
-with its bootstrap 95% interval
+ratios against the default (lookahead 1, bundling on, shapes agreed at the first step only,
+one process group: channels are the default on NCCL only) with its bootstrap 95% interval
 (:func:`vpipe.stats.paired_ratio`). For schedules without bundles (all but dualpipev)
 ``--no-bundle`` runs the very same code, so its ratio shows the noise floor.
 
@@ -27,6 +27,7 @@ VARIANTS: dict[str, dict[str, Any]] = {
     "lookahead 3": {"recv_lookahead": 3},
     "no bundling": {"bundle_messages": False},
     "shapes every step": {"static_shapes": False},
+    "channels": {"comm_channels": True},
 }
 SCHEDULES = ("interleaved-1f1b", "zbv", "dualpipev")
 REGIMES = {

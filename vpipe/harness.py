@@ -58,6 +58,7 @@ class RankSpec:
     bundle_messages: bool = True
     recv_lookahead: int = 1
     static_shapes: bool = True  # every step of a harness feeds the same batch shape
+    comm_channels: bool | None = None  # one process group per direction (None: on NCCL)
 
     @property
     def process_backend(self) -> str:
@@ -236,6 +237,7 @@ def _make_pipeline(spec: RankSpec, modules: dict[int, Any], loss_fn: Any, device
         bundle_messages=spec.bundle_messages,
         recv_lookahead=spec.recv_lookahead,
         static_shapes=spec.static_shapes,
+        comm_channels=spec.comm_channels,
     )
 
 
