@@ -49,17 +49,18 @@ def hangs(schedule: Schedule, channels: bool) -> bool:
     unit_of, recv_unit = {}, {}
     for r, program in enumerate(schedule.actions):
         last_compute, batch, prev_on = None, [], {}
-        units: list[tuple] = []
         for i, a in enumerate(program + [None]):
             if a is not None and a.is_comm:
                 batch.append((i, a))
                 continue
-            groups = defaultdict(list)  # this batch's units
+            groups = defaultdict(list)  # this batch's units, by (stream, first operation)
             for j, c in batch:
-                stream = (_peer(schedule, c), c.kind.value[:4]) if channels else 0
-                groups[(stream, j) if channels else stream].append((j, c))
-            for key, ops in groups.items():
-                unit, stream = ("unit", r, ops[0][0]), key[0] if channels else key
+                if channels:
+                    groups[(_peer(schedule, c), c.kind.value[:4]), j].append((j, c))
+                else:
+                    groups[0, 0].append((j, c))
+            for (stream, _), ops in groups.items():
+                unit = ("unit", r, ops[0][0])
                 edge(("S", unit), ("D", unit))
                 if stream in prev_on:
                     edge(("D", prev_on[stream]), ("S", unit))
@@ -70,12 +71,11 @@ def hangs(schedule: Schedule, channels: bool) -> bool:
                     unit_of[r, j] = unit
                     if c.kind.value.startswith("RECV"):
                         recv_unit[r, c.stage, c.kind.value, c.microbatch] = unit
-                units.append(unit)
             batch = []
             if a is None:
                 break
             node = ("C", r, i)
-            nodes.add(node)
+            nodes.add(("D", node))
             if last_compute is not None:
                 edge(("D", last_compute), ("D", node))
             for part in a.parts or (a,):
@@ -93,7 +93,7 @@ def hangs(schedule: Schedule, channels: bool) -> bool:
         edge(("S", recvs[msg]), ("D", s))
         edge(("S", s), ("D", recvs[msg]))
     indegree = defaultdict(int)
-    for a in list(succ):
+    for a in succ:
         for b in succ[a]:
             indegree[b] += 1
     ready = deque(n for n in nodes if indegree[n] == 0)

@@ -255,6 +255,11 @@ def _gap_per_action_us(ev: pd.DataFrame) -> float:
     return float(gap.sum() / n.sum() * 1e6) if n.sum() else 0.0
 
 
+# A wait that finds its data there takes about 20 us (the executor's own work); one that
+# took longer was blocked until the data arrived.
+_BLOCKED_NS = 50_000
+
+
 def comm_link_us(events: pd.DataFrame) -> tuple[float, float]:
     """The link model's ``(latency, handshake)`` in microseconds, from the receives ranks
     waited on (0 when no wait was still blocked once its message could move, e.g. no WAIT
@@ -299,25 +304,22 @@ def comm_link_us(events: pd.DataFrame) -> tuple[float, float]:
         ((m["end_ns"] - ready)[waited] / US).to_numpy(),
         ((m["start_ns"] - ready)[~waited].clip(lower=0) / US).to_numpy(),
     )
+    if math.isnan(took_late):
+        return (float(np.median(took_early)) if len(took_early) else 0.0), 0.0
     if not len(took_early):
-        return (took_late, 0.0) if np.isfinite(took_late) else (0.0, 0.0)
+        return took_late, 0.0
     latency = float(np.median(took_early))
-    return latency, max(took_late - latency, 0.0) if np.isfinite(took_late) else 0.0
-
-
-# A wait that finds its data there takes about 20 us (the executor's own work); one that
-# took longer was blocked until the data arrived.
-_BLOCKED_NS = 50_000
+    return latency, max(took_late - latency, 0.0)
 
 
 def _left_censored_median(exact: np.ndarray, at_most: np.ndarray) -> float:
     """Median of a sample of which ``exact`` values are known and the rest are only known to
     be at most ``at_most`` (a late receive whose wait did not block: its message had arrived
     by the time the wait began). Kaplan-Meier on the negated values; NaN when empty."""
-    values = np.concatenate([-exact, -at_most])
-    is_exact = np.concatenate([np.ones(len(exact), bool), np.zeros(len(at_most), bool)])
     if not len(exact):
         return math.nan
+    values = np.concatenate([-exact, -at_most])
+    is_exact = np.concatenate([np.ones(len(exact), bool), np.zeros(len(at_most), bool)])
     order = np.lexsort((~is_exact, values))  # ascending; exact values before bounds at a tie
     at_risk, survive, last = len(values), 1.0, math.nan
     for v, ex in zip(values[order], is_exact[order], strict=True):

@@ -300,21 +300,25 @@ def best_lookahead(schedule: Schedule, costs: CostModel) -> tuple[int, dict[int,
     return min(k for k, s in steps.items() if s <= fastest * (1 + LOOKAHEAD_GAIN)), steps
 
 
-def plan(costs: Any, ranks: int, batch: int, budget: Budget, **kw: Any) -> dict[str, Any]:
+def plan(
+    costs: Any, ranks: int, batch: int, budget: Budget, *, time_unit_s: float = 1e-6, **kw: Any
+) -> dict[str, Any]:
     """``{"recommended": ..., "candidates": [...], "recv_lookahead": ...}`` (fitting
     candidates first, fastest first; the lookahead for the recommended one), as ``vpipe plan
     --json`` prints it."""
     from vpipe.schedules import catalogue
 
-    found = candidates(costs, ranks, batch, **kw)
+    found = candidates(costs, ranks, batch, time_unit_s=time_unit_s, **kw)
     best = recommend(found, budget)
     ranked = sorted(found, key=lambda c: (not c.fits, c.predicted_step_s, budget.peak(c)))
     schedule = catalogue.get(best.schedule).generator(
         ranks, best.microbatches, best.stages_per_rank
     )
     k, steps = best_lookahead(schedule, costs.cost_model(schedule, batch / best.microbatches))
-    unit = kw.get("time_unit_s", 1e-6)
-    lookahead = {"best": k, "predicted_step_s": {str(n): s * unit for n, s in steps.items()}}
+    lookahead = {
+        "best": k,
+        "predicted_step_s": {str(n): s * time_unit_s for n, s in steps.items()},
+    }
     return {
         "recommended": best.to_dict(),
         "candidates": [c.to_dict() for c in ranked],

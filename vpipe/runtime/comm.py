@@ -71,17 +71,18 @@ class P2P:
             ]
             works = dist.batch_isend_irecv(p2p)
             return [works] * len(ops)
-        if self.channels:
-            routes = self._routes
-            return [
-                [routes[True, p][0].send([t], routes[True, p][1], 0) if s else self._recv(t, p)]
-                for s, t, p in ops
-            ]
-        group = self.group
-        return [[group.send([t], p, 0) if s else self._recv(t, p)] for s, t, p in ops]
+        return [[self._send(t, p) if s else self._recv(t, p)] for s, t, p in ops]
 
-    def _recv(self, tensor: torch.Tensor, peer: int, channel: bool = True) -> Any:
-        group, rank = self._routes[False, peer] if channel and self.channels else (self.group, peer)
+    def _route(self, send: bool, peer: int) -> tuple[Any, int]:
+        """The process group to post on and the peer's rank in it: its channel, or the group."""
+        return self._routes.get((send, peer)) or (self.group, peer)
+
+    def _send(self, tensor: torch.Tensor, peer: int) -> Any:
+        group, rank = self._route(True, peer)
+        return group.send([tensor], rank, 0)
+
+    def _recv(self, tensor: torch.Tensor, peer: int) -> Any:
+        group, rank = self._route(False, peer)
         if not self.via_host:
             return group.recv([tensor], rank, 0)
         host = torch.empty_like(tensor, device="cpu")
@@ -93,11 +94,11 @@ class P2P:
 
     def send_now(self, tensor: torch.Tensor, peer: int) -> None:
         """Blocking send (metadata handshake)."""
-        self.group.send([tensor.cpu() if self.via_host else tensor], peer, 0).wait()
+        self._send(tensor.cpu() if self.via_host else tensor, peer).wait()
 
     def recv_now(self, tensor: torch.Tensor, peer: int) -> None:
         """Blocking receive (metadata handshake)."""
-        self._recv(tensor, peer, channel=False).wait()
+        self._recv(tensor, peer).wait()
 
 
 # Channel groups by (lower global rank, higher global rank, upward), shared by every P2P of the
