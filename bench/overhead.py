@@ -90,7 +90,8 @@ def main(argv: list[str] | None = None) -> int:
         spec = SweepSpec(
             schedules=SCHEDULES, microbatches=(8,), impls=("vpipe", "torch"), rounds=args.rounds,
             steps=args.steps, warmup=2, profile_steps=3, progress=False,
-            recv_lookahead=args.recv_lookahead, bundle_messages=args.bundle_messages, **cfg,
+            recv_lookahead=args.recv_lookahead, bundle_messages=args.bundle_messages,
+            post_thread=args.post_thread, **cfg,
         )  # fmt: skip
         spec.validate()
         print(f"\n{title}: P=2, M=8, batch {spec.batch}, {args.rounds * args.steps} pairs")

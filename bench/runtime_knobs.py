@@ -28,6 +28,7 @@ VARIANTS: dict[str, dict[str, Any]] = {
     "no bundling": {"bundle_messages": False},
     "shapes every step": {"static_shapes": False},
     "channels": {"comm_channels": True},
+    "no post thread": {"post_thread": False},
 }
 SCHEDULES = ("interleaved-1f1b", "zbv", "dualpipev")
 REGIMES = {

@@ -1,6 +1,9 @@
 """P2P over gloo with GPU tensors goes through host copies (gloo moves host memory only); here
 against a stand-in process group, so it runs without a GPU."""
 
+import threading
+
+import pytest
 import torch
 
 from vpipe.runtime.comm import P2P
@@ -55,7 +58,7 @@ def test_gloo_with_gpu_tensors_receives_into_a_host_buffer():
     assert not P2P(_Group("gloo"), torch.device("cpu")).via_host
     assert not P2P(_Group("nccl"), torch.device("cuda", 0), channels=False).via_host
     group = _Group("gloo")
-    p2p = P2P(group, torch.device("cuda", 0))
+    p2p = P2P(group, torch.device("cuda", 0), post_thread=False)  # posted when flushed
     assert p2p.via_host
     dst = torch.zeros(3)  # stands for the device tensor
     p2p.queue_recv(dst, 1)
@@ -69,3 +72,53 @@ def test_gloo_with_gpu_tensors_receives_into_a_host_buffer():
     blocking = torch.zeros(2)
     p2p.recv_now(blocking, 1)
     assert blocking.tolist() == [7.0, 7.0]
+
+
+class _SlowGroup(_Group):
+    """Records which thread posts; a send to peer 9 fails."""
+
+    def send(self, tensors, peer, tag):
+        if peer == 9:
+            raise RuntimeError("peer 9 is gone")
+        self.posted.append(("send", tensors[0], threading.current_thread().name))
+        return _Work()
+
+    def recv(self, tensors, peer, tag):
+        self.posted.append(("recv", tensors[0], threading.current_thread().name))
+        return _Work(lambda: tensors[0].fill_(7.0))
+
+
+def test_the_poster_thread_is_gloos_default_and_posts_in_flush_order():
+    assert P2P(_Group("gloo"), torch.device("cpu"))._poster is not None
+    assert P2P(_Group("gloo"), torch.device("cpu"), post_thread=False)._poster is None
+    assert P2P(_Group("nccl"), torch.device("cuda", 0), channels=False)._poster is None
+    group = _SlowGroup("gloo")
+    p2p = P2P(group, torch.device("cpu"))
+    bufs = [torch.zeros(2) for _ in range(6)]
+    works = []
+    for k in range(3):  # three batches: a receive and a send each
+        p2p.queue_recv(bufs[2 * k], 1)
+        p2p.queue_send(bufs[2 * k + 1], 1)
+        works += p2p.flush()
+    for (w,) in reversed(works):  # waiting out of order waits for the posting first
+        w.wait()
+        assert w.is_completed()
+    assert [(op, id(t)) for op, t, _ in group.posted] == [
+        (op, id(b)) for b, op in zip(bufs, ["recv", "send"] * 3, strict=True)
+    ]
+    assert {name for _, _, name in group.posted} == {"vpipe-p2p-poster"}
+    assert all(b.tolist() == [7.0, 7.0] for b in bufs[::2])
+
+
+def test_a_posting_error_is_raised_by_the_wait():
+    p2p = P2P(_SlowGroup("gloo"), torch.device("cpu"))
+    p2p.queue_send(torch.ones(1), 9)
+    ((work,),) = p2p.flush()
+    with pytest.raises(RuntimeError, match="peer 9 is gone"):
+        work.wait()
+    assert work.is_completed()
+
+
+def test_the_poster_thread_is_refused_off_gloo():
+    with pytest.raises(ValueError, match="post_thread is for gloo"):
+        P2P(_Group("nccl"), torch.device("cuda", 0), post_thread=True)

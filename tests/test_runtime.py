@@ -417,3 +417,22 @@ def test_channels_give_the_reference_gradients(n_ranks):
         for peer in peers:
             assert routes[True, peer][0] != routes[False, peer][0]
             assert routes[True, peer][1] == routes[False, peer][1] == int(peer > rank)
+
+
+def _inline_posting_jobs(rank: int, n_ranks: int, jobs: list) -> bool:
+    """Every job with gloo operations posted from the compute thread (no poster thread)."""
+    for sched, model, steps in jobs:
+        pipe_stats = check_config(sched, model, rank, steps, post_thread=False)
+        assert pipe_stats["step_time_s"] > 0
+    return True
+
+
+def test_posting_without_the_poster_thread_gives_the_reference_gradients():
+    """The poster thread is gloo's default (every other test here runs with it); posting
+    inline, as before it, still gives the reference losses and gradients for every family."""
+    jobs = [
+        (make_schedule(name, 2, 4), "mlp", reference_steps(
+            make_schedule(name, 2, 4).n_stages, 4, "mlp", False, repeat=False))
+        for name in schedule_names()
+    ]  # fmt: skip
+    assert spawn(_inline_posting_jobs, 2, jobs, timeout_s=600) == [True, True]

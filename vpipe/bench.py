@@ -87,6 +87,7 @@ class SweepSpec:
     # vpipe's runtime knobs (vpipe.runtime.Pipeline): receive lookahead, message bundling
     recv_lookahead: int = 1
     bundle_messages: bool = True
+    post_thread: bool | None = None  # None: on gloo
 
     def __post_init__(self) -> None:
         self.schedules = tuple(catalogue.canonical(s) for s in self.schedules)
@@ -181,6 +182,7 @@ class SweepSpec:
                 backend=self.backend,
                 bundle_messages=self.bundle_messages,
                 recv_lookahead=self.recv_lookahead,
+                post_thread=self.post_thread,
             )
             for c in configs
         }
@@ -316,6 +318,7 @@ def _trace_meta(spec: SweepSpec, cfg: Config, h: Any, bench_id: str) -> dict[str
         "tokens_per_sample": h.tokens_per_sample,
         "recv_lookahead": spec.recv_lookahead,
         "bundle_messages": spec.bundle_messages,
+        "post_thread": cfg.impl == "vpipe" and h.spec.posts_from_thread,
     }
 
 

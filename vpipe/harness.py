@@ -59,10 +59,17 @@ class RankSpec:
     recv_lookahead: int = 1
     static_shapes: bool = True  # every step of a harness feeds the same batch shape
     comm_channels: bool | None = None  # one process group per direction (None: on NCCL)
+    post_thread: bool | None = None  # post communication off the compute thread (None: gloo)
 
     @property
     def process_backend(self) -> str:
         return self.backend or default_backend(self.device)
+
+    @property
+    def posts_from_thread(self) -> bool:
+        """Whether vpipe's runtime posts communication from its poster thread."""
+        gloo = self.process_backend == "gloo"
+        return gloo if self.post_thread is None else self.post_thread
 
     def check(self, *, build: bool = True) -> None:
         """Reject a spec no rank could run (before any process starts). ``build`` also builds
@@ -238,6 +245,7 @@ def _make_pipeline(spec: RankSpec, modules: dict[int, Any], loss_fn: Any, device
         recv_lookahead=spec.recv_lookahead,
         static_shapes=spec.static_shapes,
         comm_channels=spec.comm_channels,
+        post_thread=spec.post_thread,
     )
 
 

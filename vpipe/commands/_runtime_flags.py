@@ -7,7 +7,8 @@ import argparse
 
 
 def add_runtime_flags(p: argparse.ArgumentParser) -> None:
-    """``--recv-lookahead`` and ``--no-bundle`` (see :class:`vpipe.runtime.Pipeline`)."""
+    """``--recv-lookahead``, ``--no-bundle`` and ``--no-post-thread`` (see
+    :class:`vpipe.runtime.Pipeline`)."""
     p.add_argument(
         "--recv-lookahead",
         type=int,
@@ -22,4 +23,13 @@ def add_runtime_flags(p: argparse.ArgumentParser) -> None:
         action="store_false",
         help="post every SEND/RECV on its own instead of packing messages one batch sends "
         "to a peer that receives them in one batch",
+    )
+    p.add_argument(
+        "--no-post-thread",
+        dest="post_thread",
+        action="store_const",
+        const=False,
+        default=None,
+        help="on gloo, post sends and receives from the compute thread instead of the "
+        "process's poster thread",
     )

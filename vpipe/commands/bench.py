@@ -158,6 +158,7 @@ def run_bench(args: argparse.Namespace) -> int:
         profile_steps=opts["profile_steps"],
         recv_lookahead=args.recv_lookahead,
         bundle_messages=args.bundle_messages,
+        post_thread=args.post_thread,
     )
     spec.validate()
     from vpipe.bench_report import write_outputs

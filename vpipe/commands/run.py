@@ -149,6 +149,7 @@ def build_config(args: argparse.Namespace) -> RunConfig:
         torch_program=args.impl == "torch" and is_csv_source(args.schedule),
         bundle_messages=args.bundle_messages,
         recv_lookahead=args.recv_lookahead,  # what lowered the schedule (resolve_schedule)
+        post_thread=args.post_thread,
     )
     spec.check()
     meta = {
@@ -164,6 +165,7 @@ def build_config(args: argparse.Namespace) -> RunConfig:
         "seed": args.seed,
         "recv_lookahead": args.recv_lookahead,
         "bundle_messages": args.bundle_messages,
+        "post_thread": spec.posts_from_thread,
     }
     return RunConfig(
         spec, args.steps, args.check, args.tol, args.profile, meta, verbose=args.verbose

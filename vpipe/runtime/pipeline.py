@@ -49,6 +49,9 @@ class Pipeline:
     ``comm_channels`` (None: on NCCL) posts each direction between two ranks on its own process
     group, so that NCCL's one stream per group cannot serialise an early receive ahead of later
     sends (:mod:`vpipe.runtime.comm`); their creation is collective over the default group.
+    ``post_thread`` (None: on gloo, the only backend that takes it) posts sends and receives
+    from a thread of their own, so that gloo's posting cost (0.2-1 ms on a busy host) leaves
+    the compute thread (:mod:`vpipe.runtime.comm`).
 
     ``step(inputs, targets)`` splits ``inputs`` (on the rank of stage 0) and ``targets`` (on the
     loss rank) into M microbatches along dim 0, runs the program, and returns the unscaled
@@ -73,6 +76,7 @@ class Pipeline:
         recv_lookahead: int = 1,
         static_shapes: bool = False,
         comm_channels: bool | None = None,
+        post_thread: bool | None = None,
     ) -> None:
         from vpipe.bundling import comm_bundles
         from vpipe.passes import lower, validate
@@ -97,7 +101,9 @@ class Pipeline:
         for st in self.stages.values():
             st.loss_scale = 1.0 / self.n_microbatches
         self.comm = (
-            P2P(group, self.device, _rank_pairs(program), comm_channels) if distributed else None
+            P2P(group, self.device, _rank_pairs(program), comm_channels, post_thread)
+            if distributed
+            else None
         )
         self._executor = Executor(
             self.rank,
