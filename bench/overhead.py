@@ -12,6 +12,9 @@ prints, averaged over profiled steps and ranks:
   run's calibrated compute and message costs but no per-action runtime overhead): the share of
   the step the runtime adds. The message costs include gloo's handshake for receives posted
   after their send (:func:`vpipe.calibrate.comm_link_us`); "- own, no hs" leaves it out too;
+  "- own, timed" (vpipe only) replays each profiled step with its own actions' times instead
+  of the per-stage medians (:mod:`vpipe.step_replay`), so that waits caused by an action the
+  host slowed down count as the schedule's, not the runtime's;
 - vpipe/torch step time: the median of pairwise ratios over the interleaved timed steps, with
   its bootstrap 95% interval.
 
@@ -33,6 +36,7 @@ from vpipe.calibrate import calibrate, predict
 from vpipe.commands._runtime_flags import add_runtime_flags
 from vpipe.report import config_times, paired_configs
 from vpipe.schedules import make_schedule
+from vpipe.step_replay import own_bubbles
 
 SCHEDULES = ("interleaved-1f1b", "zbv", "dualpipev")
 REGIMES = {
@@ -57,6 +61,13 @@ def regime_table(spec: SweepSpec) -> pd.DataFrame:
             predict(c, schedule, recv_lookahead=spec.recv_lookahead).bubble_ratio
             for c in (cal, replace(cal, comm_handshake=0.0))
         )
+        # vpipe's traces only: torch's compute spans hold its waits, so its action times
+        # are not what computing took
+        timed = (
+            own_bubbles(ev, calibrate(ev), schedule, recv_lookahead=spec.recv_lookahead)
+            if r.impl == "vpipe"
+            else None
+        )
         row = {
             "impl": r.impl,
             "schedule": r.schedule,
@@ -66,6 +77,7 @@ def regime_table(spec: SweepSpec) -> pd.DataFrame:
             "own bubble": round(own, 3),
             "bubble - own": round(float(r.bubble_ratio) - own, 3),
             "- own, no hs": round(float(r.bubble_ratio) - bare, 3),
+            "- own, timed": None if timed is None else round(float(timed["added"].mean()), 3),
         }
         if r.impl == "vpipe":
             m = int(r.microbatches)

@@ -194,25 +194,33 @@ def _overlap_factor(
     """Median over a run's overlap actions of the compound's computing time (its span less
     the waits inside it) over the sum of its parts' separate median costs; 1 when the run has
     none."""
-    compound = ev["name"].astype(str).str.startswith("(") & kind.isin(COMPUTE_KINDS)
-    if not compound.any():
+    parts = compound_parts(ev.assign(kind=kind, us=dur_us), f, b, w)
+    if parts.empty:
         return 1.0
-    cost = {"F": f, "B": b + w, "I": b, "W": w}
-    parts = ev[compound].assign(
-        own=[
-            float(cost[k][s])
-            for k, s in zip(kind[compound], ev.loc[compound, "stage"], strict=True)
-        ],
-        span=dur_us[compound],
+    per = parts.groupby(COMPOUND_KEYS, observed=True).agg(
+        own=("own", "sum"), computing=("computing", "first")
     )
-    keys = ["run_id", "step", "rank", "name"]
-    # The parts' rows tile the compound less its waits (each part its own interval, or a
-    # shared one): the compound's computing time is the sum over distinct intervals.
-    spans = parts.drop_duplicates([*keys, "start_ns", "end_ns"]).groupby(keys, observed=True)
-    per = parts.groupby(keys, observed=True).agg(own=("own", "sum"))
-    per["span"] = spans["span"].sum()
     per = per[per["own"] > 0]
-    return float((per["span"] / per["own"]).median()) if len(per) else 1.0
+    return float((per["computing"] / per["own"]).median()) if len(per) else 1.0
+
+
+COMPOUND_KEYS = [*KEYS, "name"]
+
+
+def compound_parts(ev: pd.DataFrame, f: np.ndarray, b: np.ndarray, w: np.ndarray) -> pd.DataFrame:
+    """The rows of overlap-action parts in ``ev`` (which has a string ``kind`` and the span in
+    microseconds as ``us``), each with ``own``, its calibrated cost, and ``computing``, its
+    compound's computing time: the parts' rows tile the compound less its waits (each part
+    its own interval, or a shared one), so that is the sum over their distinct intervals."""
+    compound = ev["name"].astype(str).str.startswith("(") & ev["kind"].isin(COMPUTE_KINDS)
+    cost = {"F": f, "B": b + w, "I": b, "W": w}
+    parts = ev[compound]
+    parts = parts.assign(
+        own=[float(cost[k][s]) for k, s in zip(parts["kind"], parts["stage"], strict=True)]
+    )
+    distinct = parts.drop_duplicates([*COMPOUND_KEYS, "start_ns", "end_ns"])
+    computing = distinct.groupby(COMPOUND_KEYS, observed=True)["us"].sum().rename("computing")
+    return parts.join(computing, on=COMPOUND_KEYS)
 
 
 def _posting_share(ev: pd.DataFrame) -> float:

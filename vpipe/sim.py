@@ -26,6 +26,7 @@ and in bytes when ``activation_bytes`` is given.
 
 from __future__ import annotations
 
+from collections.abc import Mapping
 from dataclasses import dataclass, field
 from functools import cached_property
 from pathlib import Path
@@ -36,7 +37,7 @@ import numpy as np
 from vpipe.bundling import bundle_leaders, next_ops, posting_rows
 from vpipe.cost_model import CostModel, CostModelError, parse_numbers
 from vpipe.engine import Program, Timing, compile_program, replay
-from vpipe.flat import PART_BITS, Flat, comm_messages, decode_messages, flatten
+from vpipe.flat import KIND_ORDER, PART_BITS, Flat, comm_messages, decode_messages, flatten
 from vpipe.ir import Schedule
 from vpipe.passes import CommPlan, plan_comm, slot_keys
 from vpipe.validation import check_static
@@ -205,11 +206,18 @@ class SimResult:
 
 
 def simulate(
-    schedule: Schedule, costs: CostModel | None = None, *, recv_lookahead: int = 1
+    schedule: Schedule,
+    costs: CostModel | None = None,
+    *,
+    recv_lookahead: int = 1,
+    action_times: Mapping[tuple[int, str, int], float] | None = None,
 ) -> SimResult:
     """Simulate one step of a schedule. A compute-only schedule is lowered as
     :func:`vpipe.passes.lower` would (``recv_lookahead``) without materialising the actions;
-    a lowered one runs as given. Invalid schedules raise ScheduleError."""
+    a lowered one runs as given. ``action_times`` gives some compute parts their own time,
+    keyed by (stage, kind letter, microbatch), e.g. a measured step's
+    (:mod:`vpipe.step_replay`); the others cost what ``costs`` says, overlap scaling
+    included. Invalid schedules raise ScheduleError."""
     costs = costs or CostModel()
     fl = flatten(schedule)
     check_static(fl)
@@ -221,6 +229,10 @@ def simulate(
     if costs.overlap != 1.0 and len(fl.p_op) > len(fl.o_rank):  # parts of overlap actions
         in_compound = np.bincount(fl.p_op, minlength=len(fl.o_rank))[fl.p_op] > 1
         part_dur = np.where(in_compound, part_dur * costs.overlap, part_dur)
+    if action_times:
+        keys = zip(fl.p_stage.tolist(), fl.p_kind.tolist(), fl.p_mb.tolist(), strict=True)
+        given = [action_times.get((s, KIND_ORDER[k].value, m)) for s, k, m in keys]
+        part_dur = np.array([d if t is None else t for d, t in zip(part_dur, given, strict=True)])
     op_lead, tail = _overheads(fl, plan, costs)
     part_lead = np.zeros(len(fl.p_op))
     part_lead[np.searchsorted(fl.p_op, np.arange(len(fl.o_rank)))] = op_lead
