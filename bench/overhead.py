@@ -14,11 +14,14 @@ prints, averaged over profiled steps and ranks:
   after their send (:func:`vpipe.calibrate.comm_link_us`); "- own, no hs" leaves it out too;
   "- own, timed" (vpipe only) replays each profiled step with its own actions' times instead
   of the per-stage medians (:mod:`vpipe.step_replay`), so that waits caused by an action the
-  host slowed down count as the schedule's, not the runtime's;
+  host slowed down count as the schedule's, not the runtime's; "- sim" is the measured bubble
+  minus the full calibrated simulator's, which charges the runtime's posting and gap costs:
+  the prediction's error, not the runtime's overhead;
 - vpipe/torch step time: the median of pairwise ratios over the interleaved timed steps, with
   its bootstrap 95% interval.
 
-Run: ``python -m bench.overhead [--rounds 10 --steps 4] [--recv-lookahead N] [--no-bundle]``
+Run: ``python -m bench.overhead [--rounds 10 --steps 4] [--recv-lookahead N] [--no-bundle]
+[--no-post-thread]``
 (rounds x steps pairs per schedule; the runtime knobs as on ``vpipe bench``).
 """
 
@@ -56,15 +59,16 @@ def regime_table(spec: SweepSpec) -> pd.DataFrame:
         b = step_breakdown(ev)
         share = b[["compute", "wait", "post", "other"]].sum() / b["window"].sum()
         schedule = make_schedule(r.schedule, spec.ranks, int(r.microbatches))
-        cal = replace(calibrate(ev), post=0.0, gap=0.0)
-        own, bare = (
+        full = calibrate(ev)
+        cal = replace(full, post=0.0, gap=0.0)
+        own, bare, sim = (
             predict(c, schedule, recv_lookahead=spec.recv_lookahead).bubble_ratio
-            for c in (cal, replace(cal, comm_handshake=0.0))
+            for c in (cal, replace(cal, comm_handshake=0.0), full)
         )
         # vpipe's traces only: torch's compute spans hold its waits, so its action times
         # are not what computing took
         timed = (
-            own_bubbles(ev, calibrate(ev), schedule, recv_lookahead=spec.recv_lookahead)
+            own_bubbles(ev, full, schedule, recv_lookahead=spec.recv_lookahead)
             if r.impl == "vpipe"
             else None
         )
@@ -78,6 +82,7 @@ def regime_table(spec: SweepSpec) -> pd.DataFrame:
             "bubble - own": round(float(r.bubble_ratio) - own, 3),
             "- own, no hs": round(float(r.bubble_ratio) - bare, 3),
             "- own, timed": None if timed is None else round(float(timed["added"].mean()), 3),
+            "- sim": round(float(r.bubble_ratio) - sim, 3),
         }
         if r.impl == "vpipe":
             m = int(r.microbatches)
