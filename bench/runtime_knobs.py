@@ -1,11 +1,12 @@
-"""vpipe's runtime knobs A/B: receive lookahead, message bundling, shape agreement and
-per-direction channel groups against the defaults.
+"""vpipe's runtime knobs A/B: receive lookahead, message bundling, shape agreement,
+per-direction channel groups and the poster thread against the defaults.
 
 One launch per schedule builds every variant's rank harness in the same processes (P=2, M=8)
 and times their steps alternately (A B C, then C B A, ...), so machine noise hits all of them;
 each step's time is the slowest rank's. For each variant it prints the median of pairwise
 ratios against the default (lookahead 1, bundling on, shapes agreed at the first step only,
-one process group: channels are the default on NCCL only) with its bootstrap 95% interval
+one process group: channels are the default on NCCL only; gloo operations posted by the
+poster thread) with its bootstrap 95% interval
 (:func:`vpipe.stats.paired_ratio`). For schedules without bundles (all but dualpipev)
 ``--no-bundle`` runs the very same code, so its ratio shows the noise floor.
 

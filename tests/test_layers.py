@@ -38,7 +38,7 @@ LAYERS: list[tuple[str, ...]] = [
     # pure functions of event tables and step times; the store's columns
     ("vpipe.analysis", "vpipe.metrics", "vpipe.stats"),
     ("vpipe.trace",),
-    ("vpipe.calibrate", "vpipe.harness"),
+    ("vpipe.calibrate", "vpipe.step_replay", "vpipe.harness"),
     ("vpipe.plan", "vpipe.plots", "vpipe.report", "vpipe.comparison"),
     ("vpipe.bench", "vpipe.bench_results", "vpipe.bench_report"),
     ("vpipe.commands", "vpipe.cli", "vpipe.__main__", "vpipe"),
