@@ -99,3 +99,20 @@ def test_profiler_chatter_is_hidden_unless_verbose(tmp_path, capfd):
     if "USDT" not in printed[True]:
         pytest.skip("this torch build prints no USDT lines: nothing to hide")
     assert "profiler_start" in printed[True]
+
+
+@pytest.mark.parametrize("ops", [False, True])
+def test_user_spans_only_unless_ops(tmp_path, ops):
+    """By default only record_function spans (and memory events) are recorded, not the aten
+    ops inside them; ``ops`` records those too. torch's enable call is restored afterwards."""
+    import torch.autograd.profiler as autograd_profiler
+
+    enable = autograd_profiler._enable_profiler
+    with StepProfiler(tmp_path, 0, wait=0, warmup=1, active=1, ops=ops, profile_memory=True) as p:
+        _fake_steps(p, 2)
+    assert autograd_profiler._enable_profiler is enable
+    trace = json.loads((tmp_path / "rank0.pt.trace.json").read_text())
+    names = {e.get("name") for e in trace["traceEvents"]}
+    assert {"PP:STEP:1", "PP:0F0", "PP:0B0", "[memory]"} <= names
+    assert any(str(n).startswith("aten::") for n in names) == ops
+    assert trace["vpipe"]["profiler_ops"] == ("all" if ops else "user spans")

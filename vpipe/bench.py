@@ -84,6 +84,7 @@ class SweepSpec:
     trace_dir: str | None = None
     progress: bool = True
     verbose: bool = False  # the profiler's trace-point lines on stderr
+    profile_ops: bool = False  # every aten op in the profiled steps, not only the action spans
     # vpipe's runtime knobs (vpipe.runtime.Pipeline): receive lookahead, message bundling
     recv_lookahead: int = 1
     bundle_messages: bool = True
@@ -275,7 +276,7 @@ def rank_worker(
             for cfg, h in zip(configs, harnesses, strict=True):
                 out = Path(spec.trace_dir) / cfg.key / f"round{r}"
                 meta = _trace_meta(spec, cfg, h, run_id)
-                ev = h.profiled_step(out, meta, verbose=spec.verbose)
+                ev = h.profiled_step(out, meta, verbose=spec.verbose, ops=spec.profile_ops)
                 # one recorded step per round: number it by its round (torch's traces count
                 # their ProfilerStep from 1 again in every round)
                 traced[cfg.key].append(ev.assign(step=ev["step"].where(ev["step"] < 0, r)))

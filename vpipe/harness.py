@@ -157,18 +157,26 @@ class RankHarness:
         return step_seconds(self.step, self.device)
 
     def profiled_step(
-        self, out_dir: str | Path, metadata: Mapping[str, Any], *, verbose: bool = False
+        self,
+        out_dir: str | Path,
+        metadata: Mapping[str, Any],
+        *,
+        verbose: bool = False,
+        ops: bool = False,
     ) -> Any:
         """One step under torch.profiler (after one traced warm-up step), written to
         ``out_dir/rank{R}.pt.trace.json`` and returned as this rank's event table; ``verbose``
-        shows the profiler's own stderr lines."""
+        shows the profiler's own stderr lines; ``ops`` records every aten op besides the action
+        spans (:class:`~vpipe.trace.record.StepProfiler`)."""
         import torch.distributed as dist
 
         from vpipe.trace.kineto import convert
         from vpipe.trace.record import StepProfiler
 
         window = {"wait": 0, "warmup": 1, "active": 1}
-        with StepProfiler(out_dir, self.rank, metadata=metadata, verbose=verbose, **window) as p:
+        with StepProfiler(
+            out_dir, self.rank, metadata=metadata, verbose=verbose, ops=ops, **window
+        ) as p:
             for _ in range(2):
                 dist.barrier()
                 self.step()

@@ -98,6 +98,12 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     p.add_argument(
         "--verbose", action="store_true", help="show the profiler's own USDT/STAGE lines on stderr"
     )
+    p.add_argument(
+        "--profile-ops",
+        action="store_true",
+        help="record every aten op in the profiled steps too (for reading the traces; it slows "
+        "the steps it records), not only vpipe's and torch's action spans",
+    )
     p.set_defaults(func=run_bench)
 
     r = subparsers.add_parser(
@@ -168,6 +174,7 @@ def run_bench(args: argparse.Namespace) -> int:
     out = check_output_dir(args.out, append=args.append, force=args.force)
     spec.trace_dir = args.traces
     spec.verbose = args.verbose
+    spec.profile_ops = args.profile_ops
     bench_id = new_run_id()
     t0 = time.perf_counter()
     results = run_sweep(spec, bench_id)

@@ -62,6 +62,12 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     p.add_argument(
         "--verbose", action="store_true", help="show the profiler's own USDT/STAGE lines on stderr"
     )
+    p.add_argument(
+        "--profile-ops",
+        action="store_true",
+        help="record every aten op in the profiled steps too (for reading the traces; it slows "
+        "the steps it records), not only vpipe's and torch's action spans",
+    )
     p.add_argument("--seed", type=int, default=0)
     add_runtime_flags(p)
     p.add_argument("--timeout", type=float, default=600.0, help="local job timeout in seconds")
@@ -79,6 +85,7 @@ class RunConfig:
     profile: str | None
     meta: dict[str, Any] = field(default_factory=dict)
     verbose: bool = False  # the profiler's trace-point lines on stderr
+    profile_ops: bool = False  # every aten op in the trace, not only the action spans
 
 
 def run_command(args: argparse.Namespace) -> int:
@@ -168,7 +175,14 @@ def build_config(args: argparse.Namespace) -> RunConfig:
         "post_thread": spec.posts_from_thread,
     }
     return RunConfig(
-        spec, args.steps, args.check, args.tol, args.profile, meta, verbose=args.verbose
+        spec,
+        args.steps,
+        args.check,
+        args.tol,
+        args.profile,
+        meta,
+        verbose=args.verbose,
+        profile_ops=args.profile_ops,
     )
 
 
@@ -209,7 +223,9 @@ def run_rank(rank: int, n_ranks: int, cfg: RunConfig) -> dict[str, Any]:
     wait, warmup = int(cfg.steps >= 3), int(cfg.steps >= 2)  # skip shape inference if we can
     active = max(1, min(3, cfg.steps - wait - warmup))
     window = {"wait": wait, "warmup": warmup, "active": active}
-    with StepProfiler(cfg.profile, rank, metadata=cfg.meta, verbose=cfg.verbose, **window) as prof:
+    with StepProfiler(
+        cfg.profile, rank, metadata=cfg.meta, verbose=cfg.verbose, ops=cfg.profile_ops, **window
+    ) as prof:
         for k in range(cfg.steps):
             slowest = torch.tensor([h.timed_step()], dtype=torch.float64)
             dist.all_reduce(slowest, op=dist.ReduceOp.MAX)

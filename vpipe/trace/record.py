@@ -9,7 +9,8 @@ files. Memory figures that the profiler does not record itself (process RSS, the
 allocator's per-step peak, the runtime's live-activation bytes) are sampled after every active
 step and embedded under ``"vpipe_samples"``, with wall-clock times on the trace's own clock.
 The profiler's own trace-point lines on stderr are filtered out unless ``verbose``
-(:mod:`vpipe.trace.quiet`).
+(:mod:`vpipe.trace.quiet`). Only user spans are recorded unless ``ops``
+(:mod:`vpipe.trace.scopes`): every aten op besides is for reading a trace, and slows the step.
 """
 
 from __future__ import annotations
@@ -19,11 +20,12 @@ import os
 import time
 import warnings
 from collections.abc import Mapping
-from contextlib import AbstractContextManager, nullcontext
+from contextlib import AbstractContextManager, ExitStack, nullcontext
 from pathlib import Path
 from typing import Any
 
 from vpipe.trace.quiet import filtered_stderr
+from vpipe.trace.scopes import user_scope_only
 
 META_KEY = "vpipe"
 SAMPLES_KEY = "vpipe_samples"
@@ -52,6 +54,8 @@ class StepProfiler:
     recorded; the trace is written when the active window closes (or at exit, if the run ends
     inside it). With ``out_dir=None`` every method is a no-op, so callers need no branches.
     ``verbose`` lets the profiler's trace-point lines (``USDT: ... profiler_start``) through.
+    ``ops`` records every aten op besides the user spans (for reading the trace: it slows the
+    steps it records); the trace's metadata says which (``profiler_ops``).
     """
 
     def __init__(
@@ -67,6 +71,7 @@ class StepProfiler:
         with_stack: bool = False,
         metadata: Mapping[str, Any] | None = None,
         verbose: bool = False,
+        ops: bool = False,
     ) -> None:
         if min(wait, warmup) < 0 or active < 1:
             raise ValueError(
@@ -93,6 +98,8 @@ class StepProfiler:
         self._steps = 0
         self._prof: Any = None
         self._cuda = False
+        self._ops = ops
+        self._scopes = ExitStack()
 
     @property
     def enabled(self) -> bool:
@@ -108,15 +115,22 @@ class StepProfiler:
         self._cuda = torch.cuda.is_available()
         activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if self._cuda else [])
         wait, warmup, active = self._window
-        self._prof = profile(
-            activities=activities,
-            schedule=schedule(wait=wait, warmup=warmup, active=active, repeat=1),
-            on_trace_ready=self._write,
-            **self._options,
-        )
-        self._prof.preset_metadata_json(META_KEY, json.dumps(self._meta, default=str))
-        with self._quiet():
-            self._prof.start()
+        user_only = not self._ops and self._scopes.enter_context(user_scope_only())
+        self._meta["profiler_ops"] = "user spans" if user_only else "all"
+        try:
+            prof = profile(
+                activities=activities,
+                schedule=schedule(wait=wait, warmup=warmup, active=active, repeat=1),
+                on_trace_ready=self._write,
+                **self._options,
+            )
+            prof.preset_metadata_json(META_KEY, json.dumps(self._meta, default=str))
+            with self._quiet():
+                prof.start()
+        except BaseException:
+            self._scopes.close()
+            raise
+        self._prof = prof
         return self
 
     def step(self, memory: Mapping[str, int] | None = None) -> None:
@@ -162,7 +176,7 @@ class StepProfiler:
         if self._prof is None:
             return
         prof, self._prof = self._prof, None
-        with self._quiet():
+        with self._quiet(), self._scopes:
             prof.stop()
         if not self.written and exc[0] is None:
             wait, warmup, _ = self._window
