@@ -4,7 +4,8 @@ vpipe's analysis reads the ``PP:`` action and wait spans, the step spans and the
 events; both vpipe's runtime and torch.distributed.pipelining emit their spans with
 ``record_function`` (RecordFunction's user scope). Recording every operator besides costs time
 inside the step it measures: on an overhead-bound CPU step (P=2, 4-row microbatches) about
-20,000 events per step against about 1,000, and 2-16% more step time. torch.profiler has no
+2,000 events per rank and step against 100, and a profiled step's median over unprofiled ones
+of 1.17 against 1.08 (``python -m bench.profiler_cost``, medians of 12 A/Bs). torch.profiler has no
 public switch for RecordFunction scopes, but the call that enables the profiler takes them;
 :func:`user_scope_only` passes ``{USER_SCOPE}`` to it while it is active. Where this torch lacks
 that call or argument, it changes nothing and says so (every op is then recorded, as before).
