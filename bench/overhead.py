@@ -36,7 +36,7 @@ from vpipe.analysis import step_breakdown
 from vpipe.bench import SweepSpec, run_sweep
 from vpipe.bench_results import collect
 from vpipe.calibrate import calibrate, predict
-from vpipe.commands._runtime_flags import add_runtime_flags
+from vpipe.commands import add_runtime_flags
 from vpipe.report import config_times, paired_configs
 from vpipe.schedules import make_schedule
 from vpipe.step_replay import own_bubbles
