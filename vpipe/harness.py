@@ -68,8 +68,9 @@ class RankSpec:
     @property
     def posts_from_thread(self) -> bool:
         """Whether vpipe's runtime posts communication from its poster thread."""
-        gloo = self.process_backend == "gloo"
-        return gloo if self.post_thread is None else self.post_thread
+        from vpipe.runtime.comm import uses_post_thread
+
+        return uses_post_thread(self.process_backend, self.post_thread)
 
     def check(self, *, build: bool = True) -> None:
         """Reject a spec no rank could run (before any process starts). ``build`` also builds

@@ -38,7 +38,17 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-__all__ = ["P2P"]
+__all__ = ["P2P", "uses_post_thread"]
+
+
+def uses_post_thread(backend: str, post_thread: bool | None) -> bool:
+    """Whether P2P on ``backend`` posts from the poster thread: as ``post_thread`` says, by
+    default on gloo; ValueError when it asks for the thread on another backend."""
+    if post_thread and backend != "gloo":
+        raise ValueError(
+            f"post_thread is for gloo; the {backend} backend posts asynchronously already"
+        )
+    return backend == "gloo" if post_thread is None else post_thread
 
 
 class P2P:
@@ -62,17 +72,13 @@ class P2P:
         self.group = group if group is not None else dist.group.WORLD
         backend = self.group._get_backend(device)
         gloo = backend.name() == "gloo"
-        if post_thread and not gloo:
-            raise ValueError(
-                f"post_thread is for gloo; the {backend.name()} backend posts asynchronously "
-                "already"
-            )
+        posts_from_thread = uses_post_thread(backend.name(), post_thread)
         self.channels = backend.name() == "nccl" if channels is None else channels
         self.coalesce = bool(getattr(backend, "supports_coalescing", False)) and not self.channels
         self.via_host = device.type != "cpu" and gloo
         self._queue: list[tuple[bool, torch.Tensor, int]] = []
         self._routes = _channel_routes(self.group, pairs) if self.channels else {}
-        self._poster = _poster() if (gloo if post_thread is None else post_thread) else None
+        self._poster = _poster() if posts_from_thread else None
 
     def queue_send(self, tensor: torch.Tensor, peer: int) -> None:
         self._queue.append((True, tensor.cpu() if self.via_host else tensor, peer))
