@@ -4,8 +4,8 @@ One launch per asv run: ``setup_cache`` (asv runs it once and shares its result 
 benchmarks of the class, for every parameter combination) spawns the P ranks once and sweeps
 every (schedule, microbatches) parameter set inside that launch, interleaved in rounds as
 ``vpipe bench`` does. The grid is ``vpipe bench``'s default sweep (the catalogue's), M = 4, 8.
-The ``track_`` methods are generated from the metric registry (:mod:`vpipe.metrics`): one per
-metric with an asv :class:`~vpipe.metrics.Track`, reading that metric from the sweep's runs
+The ``track_`` methods are generated from the metric registry (:mod:`vpipe.metrics.catalogue`): one per
+metric with an asv :class:`~vpipe.metrics.catalogue.Track`, reading that metric from the sweep's runs
 table, with its unit. asv takes lower as better, so a higher-is-better metric is tracked
 through its reciprocal (samples/s as ``track_seconds_per_sample``). ``VPIPE_ASV_SCHEDULES`` /
 ``VPIPE_ASV_MICROBATCHES`` (comma-separated) narrow the parameter grid, e.g. for a quick smoke
@@ -18,8 +18,8 @@ import os
 from collections.abc import Callable
 from typing import Any
 
-from vpipe.bench import DEFAULT_SCHEDULES, parse_list
-from vpipe.metrics import Metric, registry
+from vpipe.metrics.catalogue import Metric, registry
+from vpipe.sweep.driver import DEFAULT_SCHEDULES, parse_list
 
 RANKS = 2
 BATCH = 16
@@ -64,8 +64,8 @@ class PipelineCPU:
     timeout = 600
 
     def setup_cache(self) -> dict:
-        from vpipe.bench import SweepSpec, run_sweep
-        from vpipe.bench_results import collect
+        from vpipe.sweep.driver import SweepSpec, run_sweep
+        from vpipe.sweep.results import collect
 
         spec = SweepSpec(
             ranks=RANKS,

@@ -23,7 +23,7 @@ SIZES = {"vocab": 512, "d_model": 128, "n_heads": 4, "n_layers": 4, "seq_len": 6
 
 def step_times(fused: int, sizes: dict[str, int], batch: int, microbatches: int) -> list[float]:
     """One launch of dualpipev on 2 ranks: its timed step times in ms (max over ranks)."""
-    from vpipe.bench import SweepSpec, run_sweep
+    from vpipe.sweep.driver import SweepSpec, run_sweep
 
     spec = SweepSpec(
         model="gpt",

@@ -3,7 +3,7 @@
 Two checks, about a minute on one GPU:
 
 - ``v-one-rank``: the V placement on one rank (zbv, P=1: stages 0 and 1 both on rank 0, handed
-  over locally), GPT model, a few steps in this process through :mod:`vpipe.harness`; losses
+  over locally), GPT model, a few steps in this process through :mod:`vpipe.sweep.harness`; losses
   and every gradient against the unpipelined CPU reference; step time from CUDA events and the
   CUDA allocator's peak.
 - ``two-ranks-one-gpu``: ``vpipe run zbv -p 2 --device cuda --backend gloo --check --profile DIR``
@@ -59,9 +59,9 @@ def check_v_one_rank(
     """zbv at P=1 (both stages on rank 0) in this process: reference check, step time, peak."""
     import torch.distributed as dist
 
-    from vpipe.harness import RankSpec, build
-    from vpipe.passes import lower
+    from vpipe.ir.lowering import lower
     from vpipe.schedules import make_schedule
+    from vpipe.sweep.harness import RankSpec, build
 
     schedule = lower(make_schedule(SCHEDULE, 1, MICROBATCHES))
     spec = RankSpec(schedule, model="gpt", sizes=dict(sizes), batch=batch, device=device)
@@ -105,8 +105,8 @@ def check_two_ranks_one_gpu(
 ) -> Outcome:
     """``vpipe run`` with two gloo ranks on one device, profiled; the traces converted and
     compared with the programs."""
-    from vpipe.analysis import summarize
     from vpipe.events import COMPUTE_KINDS
+    from vpipe.metrics.catalogue import summarize
     from vpipe.schedules import make_schedule
     from vpipe.trace.kineto import convert
 

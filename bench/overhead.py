@@ -6,14 +6,14 @@ interleaved in rounds, then profiles 3 steps per config. Per implementation and 
 prints, averaged over profiled steps and ranks:
 
 - the step split into compute, waiting for data, posting communication and everything else
-  (:func:`vpipe.analysis.step_breakdown`; torch's traces have no wait spans, so its waits show
+  (:func:`vpipe.metrics.per_run.step_breakdown`; torch's traces have no wait spans, so its waits show
   up under "other");
 - the measured bubble ratio minus the schedule's own simulated bubble (the simulator with the
   run's calibrated compute and message costs but no per-action runtime overhead): the share of
   the step the runtime adds. The message costs include gloo's handshake for receives posted
-  after their send (:func:`vpipe.calibrate.comm_link_us`); "- own, no hs" leaves it out too;
+  after their send (:func:`vpipe.predict.calibrate.comm_link_us`); "- own, no hs" leaves it out too;
   "- own, timed" (vpipe only) replays each profiled step with its own actions' times instead
-  of the per-stage medians (:mod:`vpipe.step_replay`), so that waits caused by an action the
+  of the per-stage medians (:mod:`vpipe.predict.step_replay`), so that waits caused by an action the
   host slowed down count as the schedule's, not the runtime's; "- sim" is the measured bubble
   minus the full calibrated simulator's, which charges the runtime's posting and gap costs:
   the prediction's error, not the runtime's overhead;
@@ -32,14 +32,14 @@ from dataclasses import replace
 
 import pandas as pd
 
-from vpipe.analysis import step_breakdown
-from vpipe.bench import SweepSpec, run_sweep
-from vpipe.bench_results import collect
-from vpipe.calibrate import calibrate, predict
 from vpipe.commands import add_runtime_flags
-from vpipe.report import config_times, paired_configs
+from vpipe.metrics.per_run import step_breakdown
+from vpipe.predict.calibrate import calibrate, predict
+from vpipe.predict.step_replay import own_bubbles
+from vpipe.report.document import config_times, paired_configs
 from vpipe.schedules import make_schedule
-from vpipe.step_replay import own_bubbles
+from vpipe.sweep.driver import SweepSpec, run_sweep
+from vpipe.sweep.results import collect
 
 SCHEDULES = ("interleaved-1f1b", "zbv", "dualpipev")
 REGIMES = {

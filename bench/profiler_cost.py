@@ -23,8 +23,8 @@ STEPS = 12
 def _profiled_over_plain(rank: int, n_ranks: int, schedule: str, regime: str, user: bool) -> float:
     from torch.profiler import ProfilerActivity, profile
 
-    from vpipe.harness import RankSpec, build
     from vpipe.schedules import make_schedule
+    from vpipe.sweep.harness import RankSpec, build
     from vpipe.trace.scopes import user_scope_only
 
     h = build(RankSpec(make_schedule(schedule, n_ranks, 8), **REGIMES[regime]), rank)

@@ -40,7 +40,7 @@ REGIMES = {
 
 def _alternate(rank: int, n_ranks: int, specs: list[Any], steps: int) -> list[list[float]]:
     """This rank's step times per variant, the variants' order reversed every other step."""
-    from vpipe.harness import build
+    from vpipe.sweep.harness import build
 
     harnesses = [build(spec, rank) for spec in specs]
     for h in harnesses:
@@ -56,10 +56,10 @@ def _alternate(rank: int, n_ranks: int, specs: list[Any], steps: int) -> list[li
 
 def knob_ratios(schedule: str, regime: str, steps: int) -> tuple[float, dict[str, Any]]:
     """The default's median step time, and each other variant's paired ratio to it."""
-    from vpipe.harness import RankSpec
     from vpipe.runtime.launch import spawn
     from vpipe.schedules import make_schedule
     from vpipe.stats import paired_ratio
+    from vpipe.sweep.harness import RankSpec
 
     base = RankSpec(make_schedule(schedule, 2, 8), **REGIMES[regime])
     specs = [replace(base, **knobs) for knobs in VARIANTS.values()]

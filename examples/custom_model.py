@@ -17,7 +17,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from vpipe.custom_model import ModelParts
+from vpipe.models.custom import ModelParts
 
 
 class Block(nn.Module):

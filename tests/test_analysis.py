@@ -5,15 +5,15 @@ import math
 import pandas as pd
 import pytest
 
-from vpipe.analysis import (
+from vpipe.events import events_frame, memory_frame
+from vpipe.metrics.catalogue import summarize
+from vpipe.metrics.per_run import (
     headline_peak_bytes,
     pareto_front,
     rank_metrics,
     step_breakdown,
     step_metrics,
-    summarize,
 )
-from vpipe.events import events_frame, memory_frame
 
 
 def ev(rank, kind, start, end, step=0, stage=0, mb=0, name=None, run="r"):

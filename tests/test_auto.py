@@ -16,7 +16,7 @@ from hypothesis import strategies as st
 
 from vpipe.errors import ScheduleError
 from vpipe.ir import loop_placement, v_placement
-from vpipe.passes import lower, validate
+from vpipe.ir.lowering import lower, validate
 from vpipe.schedules import make_schedule
 from vpipe.schedules.auto import auto_schedule
 from vpipe.sim import CostModel, simulate

@@ -6,7 +6,7 @@ import torch
 
 from vpipe.baselines import TORCH_SCHEDULES, torch_placement
 from vpipe.errors import ScheduleError
-from vpipe.harness import check_against_reference
+from vpipe.sweep.harness import check_against_reference
 
 TINY = {
     "mlp": {"d_model": 16, "d_hidden": 32},
@@ -26,8 +26,8 @@ CONFIGS = [
 def _run_both(rank, n_ranks, configs, run_config):
     from vpipe.baselines.torch_pp import TorchPipeline
     from vpipe.commands.run import run_rank
+    from vpipe.ir.lowering import lower
     from vpipe.models import build_model
-    from vpipe.passes import lower
     from vpipe.runtime import Pipeline
     from vpipe.schedules import make_schedule
 

@@ -9,9 +9,9 @@ import re
 import pandas as pd
 import pytest
 
-from vpipe.bench import SweepSpec
 from vpipe.cli import main
-from vpipe.harness import SavedTensorMeter
+from vpipe.sweep.driver import SweepSpec
+from vpipe.sweep.harness import SavedTensorMeter
 
 
 @pytest.mark.parametrize(

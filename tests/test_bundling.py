@@ -6,13 +6,13 @@ from dataclasses import replace
 import pytest
 import torch
 
-from vpipe.bundling import comm_bundles
-from vpipe.harness import RankSpec, build
 from vpipe.ir import Kind, ScheduleError
-from vpipe.passes import lower
+from vpipe.ir.bundling import comm_bundles
+from vpipe.ir.lowering import lower
 from vpipe.runtime.launch import spawn
 from vpipe.runtime.packing import WaitOnce, pack, packed_buffer
 from vpipe.schedules import make_schedule, schedule_names
+from vpipe.sweep.harness import RankSpec, build
 
 _SEND = {Kind.SEND_F, Kind.SEND_B}
 
@@ -138,8 +138,8 @@ def test_bundled_run_equals_unbundled_and_the_reference(model):
 def test_simulator_charges_post_once_per_bundle_planned_or_lowered(name):
     """``post`` is charged per posted operation: the vectorised plan of a compute-only schedule
     and the lowered program agree, and dualpipev's bundles make posting cheaper."""
-    from vpipe.bundling import posting_rows
-    from vpipe.flat import flatten
+    from vpipe.ir.bundling import posting_rows
+    from vpipe.ir.flat import flatten
     from vpipe.sim import CostModel, simulate
 
     costs = CostModel(post=0.7, gap=0.1, comm_latency=0.3)
@@ -156,9 +156,9 @@ def test_simulator_charges_post_once_per_bundle_planned_or_lowered(name):
 def test_calibration_charges_post_per_posted_operation(tmp_path):
     """A run's SEND/RECV spans add up to its posting time: calibrated per posted operation,
     so a dualpipev run (21 operations for 32 actions per rank) and the simulator agree."""
-    from vpipe.bundling import posting_rows
-    from vpipe.calibrate import calibrate
-    from vpipe.flat import flatten
+    from vpipe.ir.bundling import posting_rows
+    from vpipe.ir.flat import flatten
+    from vpipe.predict.calibrate import calibrate
     from vpipe.trace.kineto import convert
     from vpipe.trace.synth import write_synthetic_run
 

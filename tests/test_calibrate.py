@@ -2,8 +2,8 @@
 
 import pytest
 
-from vpipe.calibrate import calibrate, comm_link_us, fidelity_table, predict, split_sizes
 from vpipe.events import events_frame
+from vpipe.predict.calibrate import calibrate, comm_link_us, fidelity_table, predict, split_sizes
 from vpipe.schedules import make_schedule
 from vpipe.sim import CostModel, simulate
 
@@ -127,7 +127,7 @@ def test_leave_one_out_is_exact_on_traces_with_known_costs():
     """Traces simulated with known per-piece costs (a model of 4 equal pieces; stage 0 has no
     input gradient, as on a real first stage): calibrating on any schedule predicts every
     other one exactly, in and out of sample."""
-    from vpipe.calibrate import Case, leave_one_out
+    from vpipe.predict.calibrate import Case, leave_one_out
     from vpipe.sim import CostModel
 
     def true_costs(n_stages: int) -> CostModel:

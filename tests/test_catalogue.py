@@ -11,19 +11,19 @@ import pandas as pd
 import pytest
 
 from vpipe.baselines.torch_pp import TORCH_SCHEDULES, torch_placement
-from vpipe.bench import DEFAULT_SCHEDULES, QUICK_SCHEDULES, BenchError, SweepSpec
-from vpipe.bench_report import report_sections
-from vpipe.bench_results import BenchResults
 from vpipe.cli import main
 from vpipe.errors import ScheduleError
 from vpipe.ir import Schedule, loop_placement
-from vpipe.passes import lower, validate
-from vpipe.plots import BASELINE, schedule_order
-from vpipe.report import v_vs_baseline, vpipe_only_note
+from vpipe.ir.lowering import lower, validate
+from vpipe.report.document import v_vs_baseline, vpipe_only_note
+from vpipe.report.plots import BASELINE, schedule_order
 from vpipe.schedules import GENERATORS, catalogue, make_schedule, schedule_names
 from vpipe.schedules._common import B, F, build, check_counts, resolve_stages_per_rank
 from vpipe.schedules.load import load_schedule
 from vpipe.schedules.v import zbv
+from vpipe.sweep.driver import DEFAULT_SCHEDULES, QUICK_SCHEDULES, BenchError, SweepSpec
+from vpipe.sweep.results import BenchResults
+from vpipe.sweep.write import report_sections
 
 TOY = "toy-naive"
 TOY_V = "toy-v"
@@ -279,9 +279,9 @@ def test_unknown_family_names_the_known_ones():
 def test_real_sweep_runs_a_registered_family(toy, tmp_path):
     """Ranks receive schedules built in the launching process, so a family registered only
     here runs in a real 2-rank sweep, end to end into the store and the report."""
-    from vpipe.bench import run_sweep
-    from vpipe.bench_report import write_outputs
-    from vpipe.bench_results import collect
+    from vpipe.sweep.driver import run_sweep
+    from vpipe.sweep.results import collect
+    from vpipe.sweep.write import write_outputs
     from vpipe.trace.store import Store
 
     spec = SweepSpec(

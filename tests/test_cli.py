@@ -15,7 +15,7 @@ from hypothesis import strategies as st
 from vpipe.cli import main
 from vpipe.commands.schedule import styled_grid
 from vpipe.ir import Schedule
-from vpipe.passes import lower
+from vpipe.ir.lowering import lower
 from vpipe.schedules import make_schedule, schedule_names
 from vpipe.sim import CostModel, simulate
 

@@ -40,7 +40,7 @@ def test_runs_lists_a_store(tmp_path, capsys):
 
 @pytest.fixture
 def captured_spec(monkeypatch):
-    import vpipe.bench
+    import vpipe.sweep.driver
 
     seen = {}
 
@@ -48,7 +48,7 @@ def captured_spec(monkeypatch):
         seen["spec"] = spec
         return []  # as on a non-coordinating torchrun rank: nothing to write
 
-    monkeypatch.setattr(vpipe.bench, "run_sweep", fake_sweep)
+    monkeypatch.setattr(vpipe.sweep.driver, "run_sweep", fake_sweep)
     return seen
 
 
@@ -77,7 +77,7 @@ def test_plots_leave_the_matplotlib_backend_alone():
     code = (
         "import matplotlib; matplotlib.use('svg')\n"
         "import pandas as pd\n"
-        "from vpipe.plots import plot_throughput, to_png\n"
+        "from vpipe.report.plots import plot_throughput, to_png\n"
         "steps = pd.DataFrame({'schedule': ['zbv', 'interleaved-1f1b'], 'impl': ['vpipe'] * 2,"
         " 'microbatches': [4, 4], 'samples_per_s': [10.0, 9.0], 'round': [0, 0], 'step': [0, 0]})\n"
         "png = to_png(plot_throughput(steps))\n"

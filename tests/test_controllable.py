@@ -14,7 +14,7 @@ from hypothesis import strategies as st
 
 from vpipe.errors import ScheduleError
 from vpipe.ir import Kind, Schedule, loop_placement, v_placement
-from vpipe.passes import lower, validate
+from vpipe.ir.lowering import lower, validate
 from vpipe.schedules import make_schedule
 from vpipe.schedules.blocks import fi_peak, loop_block, plan, v_block
 from vpipe.schedules.fill import fill

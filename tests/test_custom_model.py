@@ -20,7 +20,7 @@ USER_MODULE = textwrap.dedent(
     import torch.nn.functional as F
     from torch import nn
 
-    from vpipe.custom_model import ModelParts
+    from vpipe.models.custom import ModelParts
 
 
     def _batch(width):
@@ -91,7 +91,7 @@ def test_named_modules_per_stage(user_module):
     [
         ("vpipe_no_such_module:f", {}, 1, "cannot import 'vpipe_no_such_module'"),
         ("vpipe_user_model:nope", {}, 1, "has no function 'nope'"),
-        ("vpipe_user_model:not_parts", {}, 1, "returned Linear, not vpipe.custom_model.ModelParts"),
+        ("vpipe_user_model:not_parts", {}, 1, "returned Linear, not vpipe.models.custom.ModelParts"),
         ("vpipe_user_model:stack", {"colour": 3}, 1, "calling it with sizes {'colour': 3}"),
         ("vpipe_user_model:named", {}, 2, "stage_fqns names 1 stages, the schedule has 2"),
         ("vpipe_user_model:named", {"stages": -1}, 1, "leave 2 parameters in no stage"),

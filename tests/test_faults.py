@@ -36,8 +36,8 @@ class Fault(nn.Module):
 
 
 def _faulty_job(rank, n_ranks, name, fault_stage, what, at):
+    from vpipe.ir.lowering import lower
     from vpipe.models import build_model
-    from vpipe.passes import lower
     from vpipe.runtime import Pipeline
     from vpipe.schedules import make_schedule
 

@@ -7,15 +7,15 @@ from __future__ import annotations
 import pytest
 import torch
 
-from vpipe.harness import reference_step
 from vpipe.ir import Kind
+from vpipe.ir.lowering import lower
 from vpipe.models import FusedStage, ModelError, Stage, build_model, resolve_sizes
-from vpipe.passes import lower
 from vpipe.runtime import Pipeline
 from vpipe.runtime.executor import Posted, _arrived
 from vpipe.runtime.launch import spawn
 from vpipe.runtime.overlap import Part, Phases
 from vpipe.schedules import make_schedule
+from vpipe.sweep.harness import reference_step
 
 SIZES = {"vocab": 32, "d_model": 16, "n_heads": 2, "seq_len": 8}
 N_MB = 4

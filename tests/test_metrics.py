@@ -10,15 +10,24 @@ from pathlib import Path
 
 import pytest
 
-from vpipe.analysis import quartiles, rank_metrics
-from vpipe.bench import SweepSpec
-from vpipe.bench_report import write_outputs
-from vpipe.bench_results import collect
 from vpipe.commands.trace import analyze_report
-from vpipe.metrics import Inputs, Metric, Show, Track, compute, register, registry, unregister
-from vpipe.report import summary_table
+from vpipe.metrics.catalogue import (
+    Inputs,
+    Metric,
+    Show,
+    Track,
+    compute,
+    register,
+    registry,
+    unregister,
+)
+from vpipe.metrics.per_run import quartiles, rank_metrics
+from vpipe.report.document import summary_table
 from vpipe.schedules import make_schedule
 from vpipe.sim import CostModel, simulate
+from vpipe.sweep.driver import SweepSpec
+from vpipe.sweep.results import collect
+from vpipe.sweep.write import write_outputs
 from vpipe.trace.store import Store, run_columns
 
 ROOT = Path(__file__).resolve().parents[1]

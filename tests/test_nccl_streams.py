@@ -18,7 +18,7 @@ from collections import defaultdict, deque
 import pytest
 
 from vpipe.ir import Schedule
-from vpipe.passes import lower
+from vpipe.ir.lowering import lower
 from vpipe.schedules import make_schedule, schedule_names
 
 _NEEDS = {"F": "RECV_F", "B": "RECV_B", "I": "RECV_B"}

@@ -16,10 +16,10 @@ from vpipe.outputs import OutputError, atomic_write, check_output_dir, check_out
 
 @pytest.fixture
 def no_sweep(monkeypatch):
-    import vpipe.bench
+    import vpipe.sweep.driver
 
     calls = []
-    monkeypatch.setattr(vpipe.bench, "run_sweep", lambda spec, bench_id=None: calls.append(1) or [])
+    monkeypatch.setattr(vpipe.sweep.driver, "run_sweep", lambda spec, bench_id=None: calls.append(1) or [])
     return calls
 
 

@@ -9,14 +9,14 @@ import torch
 from torch import nn
 
 from vpipe.errors import PipelineError
-from vpipe.harness import reference_step
 from vpipe.ir import Kind
+from vpipe.ir.lowering import lower
 from vpipe.models import build_model
-from vpipe.passes import lower
 from vpipe.runtime import Pipeline
 from vpipe.runtime.launch import spawn
 from vpipe.runtime.overlap import Part
 from vpipe.schedules import make_schedule
+from vpipe.sweep.harness import reference_step
 
 SIZES = {"d_model": 8, "d_hidden": 16}
 N_MB = 4

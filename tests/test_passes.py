@@ -1,4 +1,4 @@
-"""Tests of lowering and validation (vpipe.passes), with hand-made and generated schedules."""
+"""Tests of lowering and validation (vpipe.ir.lowering), with hand-made and generated schedules."""
 
 from __future__ import annotations
 
@@ -19,7 +19,7 @@ from vpipe.ir import (
     overlap,
     v_placement,
 )
-from vpipe.passes import lower, validate
+from vpipe.ir.lowering import lower, validate
 from vpipe.schedules import make_schedule, schedule_names
 
 F, B, I, W = Kind.F, Kind.B, Kind.I, Kind.W
@@ -141,7 +141,7 @@ def all_test_schedules() -> list[Schedule]:
 
 
 def oracle_ok(s: Schedule) -> bool:
-    """True when the schedule is valid: written independently of vpipe.passes, slowly."""
+    """True when the schedule is valid: written independently of vpipe.ir.lowering, slowly."""
     S, M, P, place = s.n_stages, s.n_microbatches, s.n_ranks, s.placement
     seen: dict[tuple, tuple[int, int, int]] = {}
     for r, acts in enumerate(s.actions):

@@ -10,7 +10,7 @@ import json
 import pytest
 
 from vpipe.cli import main
-from vpipe.plan import LOOKAHEADS, Budget, PlanError, SpecCosts, best_lookahead, plan
+from vpipe.predict.plan import LOOKAHEADS, Budget, PlanError, SpecCosts, best_lookahead, plan
 from vpipe.schedules import catalogue
 from vpipe.sim import CostModel, simulate
 

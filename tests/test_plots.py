@@ -17,9 +17,9 @@ from matplotlib.patches import Rectangle
 from matplotlib.text import Text
 from matplotlib.transforms import Bbox
 
-from vpipe.analysis import pareto_front
 from vpipe.events import COMM_KINDS, COMPUTE_KINDS, events_frame
-from vpipe.plots import plot_gantt, plot_memory, plot_pareto, plot_throughput
+from vpipe.metrics.per_run import pareto_front
+from vpipe.report.plots import plot_gantt, plot_memory, plot_pareto, plot_throughput
 from vpipe.schedules import catalogue
 
 SCHEDULES = catalogue.names()  # every catalogued schedule: many narrow bars

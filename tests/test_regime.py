@@ -7,13 +7,13 @@ from __future__ import annotations
 import pandas as pd
 import pytest
 
-from vpipe.analysis import regime_figure
-from vpipe.bench import SweepSpec
-from vpipe.bench_report import report_sections
-from vpipe.bench_results import collect
 from vpipe.events import events_frame
-from vpipe.metrics import Inputs, compute
-from vpipe.report import REGIME_THRESHOLD, regime_section, regime_warning
+from vpipe.metrics.catalogue import Inputs, compute
+from vpipe.metrics.per_run import regime_figure
+from vpipe.report.document import REGIME_THRESHOLD, regime_section, regime_warning
+from vpipe.sweep.driver import SweepSpec
+from vpipe.sweep.results import collect
+from vpipe.sweep.write import report_sections
 
 WARNING = (
     "per-action overhead and communication dominate; the schedule ranking will not transfer "

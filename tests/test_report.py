@@ -12,23 +12,23 @@ import pandas as pd
 import pytest
 
 from vpipe.cli import main
-from vpipe.comparison import Sweep, comparison_table
 from vpipe.events import events_frame, memory_frame
-from vpipe.plots import (
-    plot_gantt,
-    plot_memory,
-    plot_memory_timeline,
-    plot_throughput,
-    schedule_order,
-    to_png,
-)
-from vpipe.report import (
+from vpipe.report.comparison import Sweep, comparison_table
+from vpipe.report.document import (
     ReportError,
     Section,
     impl_table,
     render_html,
     summary_table,
     v_vs_baseline,
+)
+from vpipe.report.plots import (
+    plot_gantt,
+    plot_memory,
+    plot_memory_timeline,
+    plot_throughput,
+    schedule_order,
+    to_png,
 )
 from vpipe.trace.store import Store, write_parquet
 

@@ -8,11 +8,11 @@ import sys
 
 import pytest
 
-from vpipe.bench import parse_sizes
 from vpipe.cli import main
 from vpipe.errors import PipelineError, VpipeError
-from vpipe.harness import check_against_reference
 from vpipe.models import build_model
+from vpipe.sweep.driver import parse_sizes
+from vpipe.sweep.harness import check_against_reference
 
 TINY = "d_model=16,d_hidden=32"
 
@@ -26,7 +26,7 @@ def no_spawn(monkeypatch):
 
 def test_run_csv_schedule_gpt_with_check_and_profile(tmp_path):
     """A schedule from a torch-format CSV, local spawn, GPT model, --check and --profile."""
-    from vpipe.passes import lower
+    from vpipe.ir.lowering import lower
     from vpipe.schedules import make_schedule
 
     csv = tmp_path / "gpipe2.csv"

@@ -15,13 +15,13 @@ import pytest
 import torch
 
 from vpipe.errors import PipelineError, ScheduleError
-from vpipe.harness import reference_step
 from vpipe.ir import Schedule, actions_from_strings, schedule_from_rows
+from vpipe.ir.lowering import lower
 from vpipe.models import build_model
-from vpipe.passes import lower
 from vpipe.runtime import Pipeline
 from vpipe.runtime.launch import spawn
 from vpipe.schedules import make_schedule, schedule_names
+from vpipe.sweep.harness import reference_step
 
 SIZES = {
     "mlp": {"d_model": 16, "d_hidden": 32},

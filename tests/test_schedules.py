@@ -2,7 +2,7 @@
 and several M, lowering, rejection messages, and simulated bubbles and memory against the
 closed forms (zero communication cost throughout).
 
-Bubble definitions (vpipe.sim's): a rank's *whole-step* bubble is the makespan minus its busy
+Bubble definitions (vpipe.sim.simulator's): a rank's *whole-step* bubble is the makespan minus its busy
 time; its *skew-excluding* bubble is its idle time between its own first and last action.
 The GPipe, 1F1B, interleaved 1F1B, ZB-H1 and DualPipeV closed forms are whole-step figures;
 ZB-V's "zero bubble" is the skew-excluding one (its whole step keeps a (P-1)f start-up skew).
@@ -14,7 +14,7 @@ import pytest
 
 from vpipe.errors import ScheduleError
 from vpipe.ir import Kind, Schedule, v_placement
-from vpipe.passes import lower, validate
+from vpipe.ir.lowering import lower, validate
 from vpipe.schedules import make_schedule, schedule_names
 from vpipe.schedules.interleaved import rounds
 from vpipe.sim import CostModel, simulate

@@ -1,4 +1,4 @@
-"""Tests of the simulator (vpipe.sim): closed forms, hand-computed timelines, an independent
+"""Tests of the simulator (vpipe.sim.simulator): closed forms, hand-computed timelines, an independent
 check of the event semantics on random schedules, exports and the cost model."""
 
 from __future__ import annotations
@@ -13,7 +13,7 @@ from test_passes import gpipe, greedy, one_f_one_b
 from vpipe.errors import VpipeError
 from vpipe.events import EVENT_COLUMNS
 from vpipe.ir import Action, Kind, Schedule, actions_from_strings, loop_placement, v_placement
-from vpipe.passes import lower
+from vpipe.ir.lowering import lower
 from vpipe.schedules import make_schedule, schedule_names
 from vpipe.sim import CostModel, CostModelError, simulate
 

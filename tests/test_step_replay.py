@@ -1,13 +1,13 @@
-"""A measured step replayed with its own action times (vpipe.step_replay)."""
+"""A measured step replayed with its own action times (vpipe.predict.step_replay)."""
 
 import random
 
 import pytest
 
-from vpipe.calibrate import calibrate, predict
+from vpipe.predict.calibrate import calibrate, predict
+from vpipe.predict.step_replay import action_times, own_bubbles
 from vpipe.schedules import make_schedule
 from vpipe.sim import CostModel, simulate
-from vpipe.step_replay import action_times, own_bubbles
 
 BASE = CostModel(f=10.0, b=8.0, w=6.0)  # a free link: simulated events carry no waits to fit one from
 

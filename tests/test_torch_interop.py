@@ -83,7 +83,7 @@ def read_rows(path: Path) -> list[list[str]]:
 
 @pytest.mark.parametrize("cls_name,v,p,m", TORCH_CASES)
 def test_torch_dump_imports_validates_lowers_simulates(tmp_path, cls_name, v, p, m):
-    from vpipe.passes import lower, validate
+    from vpipe.ir.lowering import lower, validate
     from vpipe.sim import simulate
 
     ts = torch_schedule(cls_name, v, p, m)
@@ -118,7 +118,7 @@ def test_torch_dump_imports_validates_lowers_simulates(tmp_path, cls_name, v, p,
 def test_torch_lowered_dump_validates_in_vpipe(tmp_path, cls_name, v, p, m):
     """torch's own lowered program (compute_comms) passes vpipe's lowered-program checks once
     the FSDP-only UNSHARD/RESHARD/REDUCE_GRAD cells are dropped."""
-    from vpipe.passes import validate
+    from vpipe.ir.lowering import validate
 
     ts = torch_schedule(cls_name, v, p, m)
     path = tmp_path / "comms.csv"
@@ -166,7 +166,7 @@ def runtime_for(s: Schedule, microbatches: int | None = None):
 
 @pytest.mark.parametrize("name,p,m", _vpipe_cases())
 def test_vpipe_export_loads_in_torch(tmp_path, name, p, m):
-    from vpipe.passes import lower
+    from vpipe.ir.lowering import lower
     from vpipe.schedules import make_schedule
 
     s = make_schedule(name, p, m)

@@ -8,10 +8,10 @@ import sys
 
 import pytest
 
-from vpipe.bench import SweepSpec
 from vpipe.cli import main
 from vpipe.errors import ScheduleError
 from vpipe.schedules import catalogue, make_schedule
+from vpipe.sweep.driver import SweepSpec
 
 
 @pytest.mark.parametrize(

@@ -7,10 +7,10 @@ import numpy as np
 import orjson
 import pytest
 
-from vpipe.analysis import step_breakdown
 from vpipe.errors import TraceError
 from vpipe.events import EVENT_COLUMNS, MEMORY_COLUMNS
 from vpipe.ir import actions_from_strings
+from vpipe.metrics.per_run import step_breakdown
 from vpipe.trace import kineto_json
 from vpipe.trace.kineto import convert
 from vpipe.trace.synth import synthetic_trace, write_synthetic_run

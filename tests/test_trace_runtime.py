@@ -5,11 +5,11 @@ up too, and the store holds every run with its metrics."""
 
 import pytest
 
-from vpipe.bench import Config, SweepSpec, run_sweep
-from vpipe.bench_report import write_outputs
-from vpipe.bench_results import collect
-from vpipe.passes import lower
+from vpipe.ir.lowering import lower
 from vpipe.schedules import make_schedule
+from vpipe.sweep.driver import Config, SweepSpec, run_sweep
+from vpipe.sweep.results import collect
+from vpipe.sweep.write import write_outputs
 from vpipe.trace.store import Store
 
 SCHEDULES = ["1f1b", "zbv", "dualpipev"]
@@ -99,7 +99,7 @@ def test_analyze_predicts_from_a_bench_store(profiled, tmp_path):
 def test_plan_from_a_measured_run(profiled, tmp_path):
     """`vpipe plan --from STORE --run RUN`: costs and activation bytes from a real run; its
     own config, re-predicted, matches what the store measured within reason."""
-    from vpipe.plan import Budget, from_run, plan
+    from vpipe.predict.plan import Budget, from_run, plan
 
     _, res = profiled
     write_outputs(res, tmp_path)

@@ -11,7 +11,7 @@ from vpipe.commands._runtime_flags import add_runtime_flags
 
 
 def register(subparsers: argparse._SubParsersAction) -> None:
-    from vpipe.bench import DEFAULT_SCHEDULES, QUICK_SCHEDULES
+    from vpipe.sweep.driver import DEFAULT_SCHEDULES, QUICK_SCHEDULES
 
     p = subparsers.add_parser(
         "bench",
@@ -120,7 +120,7 @@ def register(subparsers: argparse._SubParsersAction) -> None:
 
 
 def run_bench(args: argparse.Namespace) -> int:
-    from vpipe.bench import (
+    from vpipe.sweep.driver import (
         DEFAULT_BATCH,
         DEFAULT_MICROBATCHES,
         DEFAULT_PROFILE_STEPS,
@@ -167,9 +167,9 @@ def run_bench(args: argparse.Namespace) -> int:
         post_thread=args.post_thread,
     )
     spec.validate()
-    from vpipe.bench_report import write_outputs
-    from vpipe.bench_results import collect
     from vpipe.outputs import check_output_dir, clear_dir
+    from vpipe.sweep.results import collect
+    from vpipe.sweep.write import write_outputs
 
     out = check_output_dir(args.out, append=args.append, force=args.force)
     spec.trace_dir = args.traces
@@ -192,7 +192,7 @@ def run_bench(args: argparse.Namespace) -> int:
 
 
 def _ints(text: str) -> list[int]:
-    from vpipe.bench import BenchError, parse_list
+    from vpipe.sweep.driver import BenchError, parse_list
 
     try:
         return [int(x) for x in parse_list(text)]
@@ -201,8 +201,8 @@ def _ints(text: str) -> list[int]:
 
 
 def run_report(args: argparse.Namespace) -> int:
-    from vpipe.comparison import comparison_report
     from vpipe.outputs import atomic_write, check_output_file
+    from vpipe.report.comparison import comparison_report
 
     out = check_output_file(args.output, "-o")
     md = check_output_file(out.with_suffix(".md"), "-o (Markdown)")

@@ -1,5 +1,5 @@
 """``vpipe plan``: the schedule, stages per rank and microbatch count to run for a memory
-budget, from a calibrated run or an explicit cost spec (see :mod:`vpipe.plan`)."""
+budget, from a calibrated run or an explicit cost spec (see :mod:`vpipe.predict.plan`)."""
 
 from __future__ import annotations
 
@@ -39,9 +39,9 @@ def register(subparsers: argparse._SubParsersAction) -> None:
 
 
 def plan_command(args: argparse.Namespace) -> int:
-    from vpipe.bench import parse_list
     from vpipe.outputs import atomic_write, check_output_file
-    from vpipe.plan import Budget, PlanError, SpecCosts, from_run, plan
+    from vpipe.predict.plan import Budget, PlanError, SpecCosts, from_run, plan
+    from vpipe.sweep.driver import parse_list
 
     if args.ranks < 1 or args.batch < 1:
         raise PlanError(f"--ranks and --batch must be >= 1, got {args.ranks} and {args.batch}")
@@ -63,8 +63,8 @@ def plan_command(args: argparse.Namespace) -> int:
     schedules = parse_list(args.schedules) if args.schedules else None
     result = plan(costs, args.ranks, args.batch, budget, microbatches=mbs, schedules=schedules)
     if args.plot:
-        from vpipe.plan import pareto_frame
-        from vpipe.plots import plot_pareto, to_png
+        from vpipe.predict.plan import pareto_frame
+        from vpipe.report.plots import plot_pareto, to_png
 
         png = to_png(plot_pareto(pareto_frame(result["candidates"])))
         atomic_write(args.plot, lambda p: p.write_bytes(png))

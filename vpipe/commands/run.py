@@ -15,12 +15,12 @@ import sys
 from dataclasses import dataclass, field
 from typing import Any
 
-from vpipe.bench import parse_sizes
 from vpipe.commands._runtime_flags import add_runtime_flags
 from vpipe.errors import PipelineError, VpipeError, one_line
-from vpipe.harness import RankSpec, build
 from vpipe.ir import Schedule
 from vpipe.schedules.load import is_csv_source
+from vpipe.sweep.driver import parse_sizes
+from vpipe.sweep.harness import RankSpec, build
 
 
 def register(subparsers: argparse._SubParsersAction) -> None:
@@ -189,7 +189,7 @@ def build_config(args: argparse.Namespace) -> RunConfig:
 def resolve_schedule(args: argparse.Namespace) -> Schedule:
     """A built-in schedule or a CSV file's (as the schedule commands load them), lowered and
     validated; for the torch impl compute-only (torch lowers it itself)."""
-    from vpipe.passes import lower, validate
+    from vpipe.ir.lowering import lower, validate
     from vpipe.schedules.load import load_schedule
 
     name = args.schedule

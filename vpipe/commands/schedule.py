@@ -4,7 +4,7 @@ Every command works on a built-in schedule name or on a CSV file in torch's form
 schedules dumped by torch.distributed.pipelining can be viewed, checked and simulated too.
 User errors surface as one-line :class:`~vpipe.errors.VpipeError` messages (argument errors are
 shortened by the CLI's parser class). Loading lives in :mod:`vpipe.schedules.load`, the
-side-by-side simulation in :mod:`vpipe.sim_compare`; this module parses and prints. No torch
+side-by-side simulation in :mod:`vpipe.sim.compare`; this module parses and prints. No torch
 import here.
 """
 
@@ -24,7 +24,7 @@ from vpipe.ir import Schedule, format_action
 from vpipe.outputs import check_output_file
 from vpipe.schedules import schedule_names
 from vpipe.schedules.load import load_schedule, shorten, validate_file
-from vpipe.sim_compare import COMPARE_NOTE, REFERENCE_SCHEDULE, compare_rows
+from vpipe.sim.compare import COMPARE_NOTE, REFERENCE_SCHEDULE, compare_rows
 
 UNIT_COST = "f=1,b=1,w=1,comm=0"
 
@@ -159,7 +159,7 @@ def _cmd_schedules(args: argparse.Namespace) -> int:
 
 
 def _cmd_show(args: argparse.Namespace) -> int:
-    from vpipe.passes import lower
+    from vpipe.ir.lowering import lower
 
     if args.csv:
         check_output_file(args.csv, "--csv")
@@ -234,21 +234,28 @@ def _timed_cells(schedule: Schedule) -> list[list[str]]:
     """One cell per unit time slot per rank, from a unit-cost simulation: the action's label
     in its first slot, ``-`` in the slots it continues, ``.`` where the rank is idle."""
     from vpipe.sim import simulate
+    from vpipe.sim.simulator import KIND_NAMES
 
-    timeline = simulate(schedule, _cost_model(UNIT_COST)).timeline
-    parts = timeline[timeline["kind"].astype(str).isin(["F", "B", "I", "W"])]
-    slots = int(math.ceil(float(parts["end"].max()))) if len(parts) else 0
+    c = simulate(schedule, _cost_model(UNIT_COST)).columns  # numpy only: no pandas here
+    compute = c["kind"] < 4  # F, B, I, W parts (KIND_NAMES order)
+    ranks, starts, ends = c["rank"][compute], c["start"][compute], c["end"][compute]
+    parts = zip(c["stage"][compute].tolist(), c["kind"][compute].tolist(), c["microbatch"][compute].tolist(), strict=True)
+    keys = [(s, KIND_NAMES[k], m) for s, k, m in parts]
+    slots = int(math.ceil(float(ends.max()))) if len(ends) else 0
     cells = [["."] * slots for _ in range(schedule.n_ranks)]
-    # The timeline lists each rank's compute parts in program order (an overlap action's
-    # parts back to back), so walking the program pairs every action with its times.
-    for rank, rows in parts.groupby("rank", sort=True):
-        timed = iter(zip(rows["name"], rows["start"], rows["end"], strict=True))
-        row = cells[int(rank)]
-        for action in schedule.actions[int(rank)]:
+    # The columns list each rank's compute parts in program order (an overlap action's parts
+    # back to back), so walking the program pairs every action with its times.
+    for rank in range(schedule.n_ranks):
+        mine = ranks == rank
+        mine_keys = [k for k, m in zip(keys, mine.tolist(), strict=True) if m]
+        timed = iter(zip(mine_keys, starts[mine].tolist(), ends[mine].tolist(), strict=True))
+        row = cells[rank]
+        for action in schedule.actions[rank]:
             if not action.is_compute:
                 continue
             spans = [next(timed) for _ in action.compute_parts()]
-            if [n for n, _, _ in spans] != [str(p) for p in action.compute_parts()]:
+            want = [(p.stage, p.kind.value, p.microbatch) for p in action.compute_parts()]
+            if [key for key, _, _ in spans] != want:
                 raise RuntimeError(f"simulator timeline out of program order at {action}")
             first, last = round(spans[0][1]), round(spans[-1][2])
             row[first] = _label(str(action))
@@ -296,7 +303,7 @@ def render_grid(cells: list[list[str]], width: int, *, header: bool, min_col_wid
 
 
 def _cmd_validate(args: argparse.Namespace) -> int:
-    from vpipe.passes import lower, validate
+    from vpipe.ir.lowering import lower, validate
 
     schedule = Schedule.from_csv(args.path)
     comm = next(((r, i, a) for r, i, a in schedule.iter_actions() if a.is_comm), None)

@@ -75,7 +75,7 @@ def register(subparsers: argparse._SubParsersAction) -> None:
 
 
 def trace_command(args: argparse.Namespace) -> int:
-    from vpipe.analysis import summarize
+    from vpipe.metrics.catalogue import summarize
     from vpipe.outputs import check_output_dir, check_output_file
     from vpipe.trace.kineto import convert
     from vpipe.trace.store import Store, meta_columns, write_parquet
@@ -192,7 +192,8 @@ def analyze(
 ) -> dict[str, Any]:
     """Everything `vpipe analyze` reports about a run: its metrics, peaks, per-kind span
     medians and, with ``predict``, the calibration and the predictions."""
-    from vpipe.analysis import kind_durations, peak_memory, summarize
+    from vpipe.metrics.catalogue import summarize
+    from vpipe.metrics.per_run import kind_durations, peak_memory
 
     events, memory, meta = _load(source, run)
     batch = batch or _int(meta.get("batch"))
@@ -268,8 +269,8 @@ def analysis_json(found: dict[str, Any]) -> str:
 
 def fidelity_text(source: str) -> str:
     """Leave-one-out fidelity of every sweep in a store, as the bench report has it."""
-    from vpipe.bench_report import fidelity_shown, fidelity_worst
-    from vpipe.calibrate import leave_one_out_tables
+    from vpipe.predict.calibrate import leave_one_out_tables
+    from vpipe.sweep.write import fidelity_shown, fidelity_worst
     from vpipe.trace.store import Store
 
     if not (Path(source) / "runs").is_dir():
@@ -295,9 +296,9 @@ def fidelity_text(source: str) -> str:
 
 
 def metric_lines(values: dict[str, Any]) -> list[str]:
-    """The printout's lines of the registry's metrics (:mod:`vpipe.metrics`) that apply to a
+    """The printout's lines of the registry's metrics (:mod:`vpipe.metrics.catalogue`) that apply to a
     run (not None), one line per group: ``  step time      12.345 ms median (IQR ...)``."""
-    from vpipe.metrics import registry
+    from vpipe.metrics.catalogue import registry
 
     groups: dict[str, list[str]] = {}
     for m in registry():
@@ -317,7 +318,7 @@ def metric_lines(values: dict[str, Any]) -> list[str]:
 def _fidelity(
     source: str, events: Any, meta: dict, predict: list[str], w_share: float, stat: str
 ) -> dict[str, Any]:
-    from vpipe.calibrate import calibrate, fidelity_table, model_units
+    from vpipe.predict.calibrate import calibrate, fidelity_table, model_units
     from vpipe.schedules import make_schedule
 
     ranks, mbs = _int(meta.get("ranks")), _int(meta.get("microbatches"))

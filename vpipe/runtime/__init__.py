@@ -18,11 +18,14 @@ joins torchrun. Inside:
 - Communication (comm.py): receives are posted where the program puts them and waited right
   before the consuming compute; adjacent communication actions are posted as one batch.
   Messages that one batch sends to a peer which receives them in one batch travel packed as one
-  (packing.py; which ones: vpipe/bundling.py). On gloo a poster thread posts each batch, in
+  (packing.py; which ones: vpipe/ir/bundling.py). On gloo a poster thread posts each batch, in
   order, off the compute thread.
 - Shapes (meta.py): inferred per microbatch input shape by a one-off probe through the stages.
 """
 
-from vpipe.runtime.pipeline import Pipeline
+from vpipe import compat
 
 __all__ = ["Pipeline"]
+
+# Lazy, so that launch's helpers (device names, process start) load without torch.
+__getattr__ = compat.forward_attributes(__name__, ("vpipe.runtime.pipeline",))

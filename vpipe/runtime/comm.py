@@ -11,7 +11,7 @@ receive lands in a host buffer that its work copies into the device tensor on ``
 **Channels.** NCCL runs a process group's point-to-point operations on one stream per rank, in
 posting order (batched ones on the group's communicator). A receive posted early then holds up
 every later send of that rank until its data arrives, and a program that is deadlock-free
-under vpipe's semantics (:mod:`vpipe.engine`: posted operations progress independently) can
+under vpipe's semantics (:mod:`vpipe.ir.engine`: posted operations progress independently) can
 hang: with receives posted one action ahead, that happens for every built-in family. With
 ``channels`` (the default on NCCL) each direction between two ranks gets its own process group,
 hence its own stream, and every operation is posted on its own: a channel carries messages one

@@ -16,7 +16,7 @@ per-microbatch dicts:
   ``Posted`` entry; the consuming compute waits on it just before it runs (span
   ``PP:WAIT:{recv action}``). Adjacent communication actions are posted as one batch. Sends are
   completed by the end of the step.
-- A bundle (:mod:`vpipe.bundling`: messages to one peer posted in one batch on both sides)
+- A bundle (:mod:`vpipe.ir.bundling`: messages to one peer posted in one batch on both sides)
   travels packed in one byte buffer: its last SEND posts the copy of all its tensors, its first
   RECV posts one receive whose views each RECV's entry holds.
 """
@@ -111,7 +111,7 @@ class Executor:
         self._queued: list[Posted | _BundleReceive | torch.Tensor] = []
         self._sends: deque[tuple[list, list[torch.Tensor]]] = deque()  # works, tensors sent
         self.live = self.live_bytes = self.peak_live = self.peak_live_bytes = 0
-        self._bundle_of = {a: b for b in bundles for a in b}  # see vpipe.bundling
+        self._bundle_of = {a: b for b in bundles for a in b}  # see vpipe.ir.bundling
         self._pending: dict[tuple[Action, ...], list[torch.Tensor]] = {}
         self._program = [(a, f"PP:{a}", self._compile(program, i)) for i, a in enumerate(program)]
 

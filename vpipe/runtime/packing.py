@@ -1,6 +1,6 @@
 """Several messages as one: packing tensors into one byte buffer (a bundle's send), views of
 such a buffer (its receive), and a work that several receives wait for (see
-:mod:`vpipe.bundling`)."""
+:mod:`vpipe.ir.bundling`)."""
 
 from __future__ import annotations
 

@@ -37,8 +37,8 @@ class Pipeline:
     already lowered; it is validated before anything runs. ``group=None`` uses the default
     process group, or none at all for a one-rank schedule. With ``bundle_messages`` (default)
     messages that one batch sends to a peer and the peer receives in one batch travel as one
-    (:mod:`vpipe.bundling`); off, every SEND/RECV posts its own operation. ``recv_lookahead``
-    is the lowering's (:func:`vpipe.passes.lower`) for a compute-only schedule.
+    (:mod:`vpipe.ir.bundling`); off, every SEND/RECV posts its own operation. ``recv_lookahead``
+    is the lowering's (:func:`vpipe.ir.lowering.lower`) for a compute-only schedule.
 
     Ranks other than stage 0's cannot see the batch, so by default stage 0's rank broadcasts
     the microbatch input shape every step: one more posted operation per rank per step, and
@@ -78,8 +78,8 @@ class Pipeline:
         comm_channels: bool | None = None,
         post_thread: bool | None = None,
     ) -> None:
-        from vpipe.bundling import comm_bundles
-        from vpipe.passes import lower, validate
+        from vpipe.ir.bundling import comm_bundles
+        from vpipe.ir.lowering import lower, validate
 
         if schedule.is_lowered:
             validate(schedule)

@@ -86,7 +86,7 @@ def make_named(
 
 def validate_file(path: str, schedule: Schedule) -> None:
     """Validate a schedule read from ``path``; the error names the file."""
-    from vpipe.passes import validate
+    from vpipe.ir.lowering import validate
 
     try:
         validate(schedule)

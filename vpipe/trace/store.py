@@ -11,7 +11,7 @@ Layout under a root directory (``results/`` by default)::
   (one launch of one config). Standard columns (:func:`run_columns`): metadata ``run_id``,
   ``created``, ``commit``, ``host``, ``torch``, ``device``, ``backend``, ``ranks``, ``stages``,
   ``microbatches``, ``model``, ``batch``, ``impl``, ``schedule``, ``source``; one column per
-  metric of the registry (:mod:`vpipe.metrics`: ``step_time_s`` median over steps,
+  metric of the registry (:mod:`vpipe.metrics.catalogue`: ``step_time_s`` median over steps,
   ``step_time_q1_s`` / ``step_time_q3_s`` interquartile range, ``samples_per_s``,
   ``bubble_ratio``, ``peak_memory_bytes``, ...); ``status``. Extra columns are kept.
 - **Events and memory** are Hive-partitioned by run and rank, so
@@ -41,9 +41,9 @@ import pandas as pd
 import pyarrow as pa
 import pyarrow.parquet as pq
 
-from vpipe import metrics
 from vpipe.errors import TraceError
 from vpipe.events import EVENT_COLUMNS, MEMORY_COLUMNS, SCHEMA_VERSION, events_frame, memory_frame
+from vpipe.metrics.catalogue import registry
 
 META_KEY = b"vpipe"
 
@@ -70,7 +70,7 @@ def run_columns() -> dict[str, str]:
     """The standard columns and their dtypes: metadata, every registered metric, status."""
     return {
         **META_COLUMNS,
-        **{m.name: m.dtype for m in metrics.registry()},
+        **{m.name: m.dtype for m in registry()},
         "status": "string",
     }
 

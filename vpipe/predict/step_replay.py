@@ -1,6 +1,6 @@
 """A measured step replayed with its own action times: the bubble its schedule alone gives.
 
-The calibrated simulator (:func:`vpipe.calibrate.predict`) runs every action at its stage's
+The calibrated simulator (:func:`vpipe.predict.calibrate.predict`) runs every action at its stage's
 median cost. On a loaded host the actions of one step vary (a preempted W takes twice its
 median), and a slow action makes its peer wait: bubble that the schedule and the machine cause
 together, not the runtime. Replaying each profiled step with the times its own actions took,
@@ -19,9 +19,9 @@ from typing import Any
 
 import pandas as pd
 
-from vpipe.analysis import step_metrics
-from vpipe.calibrate import COMPOUND_KEYS, US, Calibration, compound_parts
 from vpipe.events import COMPUTE_KINDS
+from vpipe.metrics.per_run import step_metrics
+from vpipe.predict.calibrate import COMPOUND_KEYS, US, Calibration, compound_parts
 
 __all__ = ["action_times", "own_bubbles"]
 

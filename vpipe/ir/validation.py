@@ -4,8 +4,8 @@ The static rules (every F, B/I and W once, on its stage's rank, in a legal order
 program, one SEND and one RECV per cross-rank message, each on the right side of its compute
 action, in per-peer FIFO order) are checked vectorised with numpy; a plain-Python pass runs
 only to name the first problem once the vectorised verdict says "invalid". Deadlock freedom
-is decided by replaying the program (:func:`vpipe.engine.replay`) under the execution
-semantics :mod:`vpipe.engine` describes.
+is decided by replaying the program (:func:`vpipe.ir.engine.replay`) under the execution
+semantics :mod:`vpipe.ir.engine` describes.
 """
 
 from __future__ import annotations
@@ -14,8 +14,8 @@ from operator import index
 
 import numpy as np
 
-from vpipe.engine import compile_program, replay
-from vpipe.flat import (
+from vpipe.ir.engine import compile_program, replay
+from vpipe.ir.flat import (
     KIND_CODE,
     PART_BITS,
     Flat,
@@ -26,7 +26,7 @@ from vpipe.flat import (
     send_action,
     where,
 )
-from vpipe.ir import Action, Kind, Schedule, ScheduleError, format_action
+from vpipe.ir.schedule import Action, Kind, Schedule, ScheduleError, format_action
 
 __all__ = ["check_flat", "check_static", "validate"]
 
@@ -246,7 +246,7 @@ def _explain_comm(r: int, i: int, a: Action, S: int, M: int, place: list[int]):
 
 
 def _at(acts: list[list[Action]], key: int, r: int) -> str:
-    """:func:`~vpipe.flat.where` of the action an ordering key (position << PART_BITS | part) names."""
+    """:func:`~vpipe.ir.flat.where` of the action an ordering key (position << PART_BITS | part) names."""
     i = key >> PART_BITS
     return where(r, i, acts[r][i])
 

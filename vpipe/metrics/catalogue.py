@@ -8,7 +8,7 @@ means, and how to compute it from each source a run may have (:class:`Inputs`):
 - ``steps``: the timed steps of a sweep (step times in seconds);
 - ``events``: an event table of profiled steps (measured or simulated alike);
 - ``sim``: a simulation result (:class:`Simulated`);
-- ``memory``: per-rank peak bytes by kind of sample (:func:`vpipe.analysis.peak_memory`);
+- ``memory``: per-rank peak bytes by kind of sample (:func:`vpipe.metrics.per_run.peak_memory`);
 - ``simulated``: the metrics of the run's simulation, to set beside the measured ones;
 - ``row``: the metrics computed before it for the same run (throughput, errors).
 
@@ -27,7 +27,14 @@ from typing import TYPE_CHECKING, Any, Literal
 
 import pandas as pd
 
-from vpipe.analysis import combine_ranks, headline_peak, quartiles, rank_metrics, regime_figure
+from vpipe.metrics.per_run import (
+    combine_ranks,
+    headline_peak,
+    peak_memory,
+    quartiles,
+    rank_metrics,
+    regime_figure,
+)
 
 if TYPE_CHECKING:
     from vpipe.sim import SimResult
@@ -67,12 +74,12 @@ class Inputs:
 
     @cached_property
     def ranks(self) -> pd.DataFrame:
-        """Per (run, step, rank) figures of the events (:func:`vpipe.analysis.rank_metrics`)."""
+        """Per (run, step, rank) figures of the events (:func:`vpipe.metrics.per_run.rank_metrics`)."""
         return rank_metrics(self.events)
 
     @cached_property
     def step_frame(self) -> pd.DataFrame:
-        """Per (run, step) figures of the events (:func:`vpipe.analysis.step_metrics`)."""
+        """Per (run, step) figures of the events (:func:`vpipe.metrics.per_run.step_metrics`)."""
         return combine_ranks(self.ranks)
 
     def step_median(self, column: str) -> float:
@@ -319,3 +326,29 @@ BUILTIN = (
 )  # fmt: skip
 for _metric in BUILTIN:
     register(_metric)
+
+
+def summarize(
+    events: pd.DataFrame,
+    memory: pd.DataFrame | None = None,
+    *,
+    batch: int | None = None,
+    tokens_per_sample: int | None = None,
+    missing: Any = float("nan"),
+) -> dict[str, Any]:
+    """Run-level metrics of one run from its events and memory samples: every metric of the
+    registry (the runs table's names; ``missing`` where one does not
+    apply, such as throughput without a batch), ``steps`` (how many) and ``peak_<kind>_bytes``
+    per kind of memory sample."""
+    peaks = peak_memory(memory) if memory is not None else pd.DataFrame()
+    x = Inputs(
+        events=events,
+        memory=peaks if len(peaks.columns) else None,
+        batch=batch,
+        tokens_per_sample=tokens_per_sample,
+    )
+    out = {k: missing if v is None else v for k, v in compute(x).items()}
+    out["steps"] = int(len(x.step_frame))
+    for what in peaks.columns:
+        out[f"peak_{what}_bytes"] = int(peaks[what].max())
+    return out

@@ -19,7 +19,7 @@ from operator import index, itemgetter
 
 import numpy as np
 
-from vpipe.ir import Action, Kind, Schedule, ScheduleError, format_action
+from vpipe.ir.schedule import Action, Kind, Schedule, ScheduleError, format_action
 
 __all__ = [
     "KIND_CODE",

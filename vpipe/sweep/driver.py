@@ -26,8 +26,8 @@ from pathlib import Path
 from typing import Any
 
 from vpipe.errors import VpipeError
-from vpipe.harness import IMPLS, RankSpec
 from vpipe.schedules import catalogue
+from vpipe.sweep.harness import IMPLS, RankSpec
 
 # Fixed when this module is imported: families registered later join only when named.
 DEFAULT_SCHEDULES = catalogue.names(lambda f: f.default_sweep)
@@ -245,7 +245,7 @@ def rank_worker(
     import torch
     import torch.distributed as dist
 
-    from vpipe.harness import build
+    from vpipe.sweep.harness import build
 
     if world != spec.ranks:
         raise BenchError(f"the job has {world} ranks but the sweep asks for {spec.ranks}")

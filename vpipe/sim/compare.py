@@ -17,7 +17,7 @@ from vpipe.schedules import catalogue
 from vpipe.schedules.load import make_named
 
 if TYPE_CHECKING:
-    from vpipe.sim import CostModel
+    from vpipe.sim.cost_model import CostModel
 
 __all__ = ["COMPARE_NOTE", "REFERENCE_SCHEDULE", "compare_rows", "share_costs"]
 
@@ -49,7 +49,7 @@ def compare_rows(
     """One row per schedule, all for the same model and the same work (see COMPARE_NOTE); a
     schedule that cannot run at this size gets an ``error`` instead of figures. Rows carry
     ``relative_step_time`` against REFERENCE_SCHEDULE when it is among them and runs."""
-    from vpipe.sim import simulate
+    from vpipe.sim.simulator import simulate
 
     rows: list[dict[str, Any]] = []
     for name in names:

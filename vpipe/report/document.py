@@ -1,7 +1,7 @@
 """Self-contained reports of benchmark sweeps: one HTML file (inline CSS, PNGs as data URIs,
 nothing fetched from the network) and a Markdown summary, and their tables: the summary from
 the runs table; A-vs-B ratios (V-schedules vs interleaved-1f1b, vpipe vs torch, one sweep vs
-another: :mod:`vpipe.comparison`) with bootstrap intervals and verdicts from the timed steps
+another: :mod:`vpipe.report.comparison`) with bootstrap intervals and verdicts from the timed steps
 (:mod:`vpipe.stats`); the regime warning.
 """
 
@@ -17,8 +17,8 @@ from typing import Any
 import pandas as pd
 
 from vpipe.errors import VpipeError
-from vpipe.metrics import Metric, registry
-from vpipe.plots import BASELINE, schedule_order
+from vpipe.metrics.catalogue import Metric, registry
+from vpipe.report.plots import BASELINE, schedule_order
 from vpipe.schedules import catalogue
 from vpipe.stats import (
     CONFIDENCE,
@@ -137,7 +137,7 @@ def _ratio(a: Any, b: Any) -> str:
 
 
 def summary_table(runs: pd.DataFrame) -> pd.DataFrame:
-    """Per config: the registry's table metrics (:mod:`vpipe.metrics`: step time with its
+    """Per config: the registry's table metrics (:mod:`vpipe.metrics.catalogue`: step time with its
     IQR, throughput, memory, ...), with ratios to the interleaved-1f1b config of the same
     implementation and microbatch count."""
     rows = []
@@ -305,7 +305,7 @@ OVERHEAD_BOUND = (
 
 def regime_warning(runs: pd.DataFrame) -> str:
     """A warning in words when configs of a sweep are overhead-bound (their ``regime`` figure,
-    :mod:`vpipe.metrics`, is below :data:`REGIME_THRESHOLD`); empty otherwise."""
+    :mod:`vpipe.metrics.catalogue`, is below :data:`REGIME_THRESHOLD`); empty otherwise."""
     figures = _regime_figures(runs)
     low = figures[figures < REGIME_THRESHOLD]
     if low.empty:

@@ -22,7 +22,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from vpipe.models import BenchModel, ModelError, Stage, split_pieces
+from vpipe.models.base import BenchModel, ModelError, Stage, split_pieces
 
 StageNames = Sequence[Sequence[str]] | Callable[[int], Sequence[Sequence[str]]]
 
@@ -74,7 +74,7 @@ def build_custom(name: str, n_stages: int, seed: int, sizes: Mapping[str, int]) 
             raise ModelError(f"--model {name!r}: calling it with sizes {dict(sizes)}: {e}") from None
     if not isinstance(parts, ModelParts):
         raise ModelError(
-            f"--model {name!r} returned {type(parts).__name__}, not vpipe.custom_model.ModelParts"
+            f"--model {name!r} returned {type(parts).__name__}, not vpipe.models.custom.ModelParts"
         )
     if (parts.blocks is None) == (parts.model is None):
         raise ModelError(f"--model {name!r}: give either blocks or model with stage_fqns")

@@ -14,8 +14,8 @@ from __future__ import annotations
 
 import numpy as np
 
-from vpipe.flat import Flat, comm_messages, flatten, message_count
-from vpipe.ir import Action, Schedule, ScheduleError
+from vpipe.ir.flat import Flat, comm_messages, flatten, message_count
+from vpipe.ir.schedule import Action, Schedule, ScheduleError
 
 __all__ = ["bundle_leaders", "comm_bundles", "next_ops", "posting_rows"]
 

@@ -3,7 +3,7 @@ message arrives. Validation's deadlock check, the simulator and calibration all 
 
 Execution semantics of a lowered program
 ----------------------------------------
-The replay, the simulator (:mod:`vpipe.sim`) and the runtime all assume:
+The replay, the simulator (:mod:`vpipe.sim.simulator`) and the runtime all assume:
 
 * Each rank runs its action list in order, one action at a time.
 * ``SEND`` posts an asynchronous send (``isend``) and returns at once; it never blocks. The
@@ -45,7 +45,7 @@ from itertools import chain
 
 import numpy as np
 
-from vpipe.flat import (
+from vpipe.ir.flat import (
     Flat,
     comm_messages,
     decode_messages,
@@ -53,7 +53,7 @@ from vpipe.flat import (
     recv_action,
     where,
 )
-from vpipe.ir import ScheduleError
+from vpipe.ir.schedule import ScheduleError
 
 __all__ = ["LinkModel", "Program", "Timing", "compile_program", "message_arrivals", "replay"]
 
@@ -88,7 +88,7 @@ class LinkModel:
 class Program:
     """Compute parts and messages of a schedule, the input of :func:`replay`.
 
-    Per message id (see :mod:`vpipe.flat`): it is sent when op ``send_op[e]`` ends and its
+    Per message id (see :mod:`vpipe.ir.flat`): it is sent when op ``send_op[e]`` ends and its
     receive is posted when op ``recv_op[e]`` ends (-1: at time 0, or no such message). Each
     compute part waits for message ``wait[part]`` (-1: none). ``lowered``: the messages have
     explicit SEND/RECV points (given, or planned), which is how a deadlock is reported.

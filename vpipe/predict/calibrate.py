@@ -43,9 +43,9 @@ from typing import Any
 import numpy as np
 import pandas as pd
 
-from vpipe.analysis import KEYS, _union_ns, rank_metrics, step_metrics
 from vpipe.errors import TraceError
 from vpipe.events import COMPUTE_KINDS
+from vpipe.metrics.per_run import KEYS, _union_ns, rank_metrics, step_metrics
 
 US = 1e3  # ns per cost-model time unit
 
@@ -225,11 +225,11 @@ def compound_parts(ev: pd.DataFrame, f: np.ndarray, b: np.ndarray, w: np.ndarray
 
 def _posting_share(ev: pd.DataFrame) -> float:
     """The share of a run's SEND/RECV actions that post an operation (bundled messages post
-    one for several, :mod:`vpipe.bundling`), from the program its first step ran; 1 when that
+    one for several, :mod:`vpipe.ir.bundling`), from the program its first step ran; 1 when that
     program cannot be read back from the events."""
-    from vpipe.bundling import posting_rows
-    from vpipe.flat import flatten
     from vpipe.ir import Schedule, ScheduleError, parse_action
+    from vpipe.ir.bundling import posting_rows
+    from vpipe.ir.flat import flatten
 
     kind = ev["kind"].astype(str)
     compute = ev[kind.isin(COMPUTE_KINDS)]

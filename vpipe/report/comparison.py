@@ -14,8 +14,7 @@ from pathlib import Path
 import pandas as pd
 
 from vpipe.errors import VpipeError
-from vpipe.plots import schedule_order
-from vpipe.report import (
+from vpipe.report.document import (
     CONFIG,
     OUTLIERS,
     ReportError,
@@ -28,6 +27,7 @@ from vpipe.report import (
     table_section,
     text_section,
 )
+from vpipe.report.plots import schedule_order
 from vpipe.stats import CONFIDENCE, OUTLIER_FACTOR, RESAMPLES, SEED, Ratio, ratio_of_medians
 
 

@@ -26,8 +26,8 @@ from matplotlib.patches import Patch
 from matplotlib.textpath import TextToPath
 from matplotlib.transforms import Bbox
 
-from vpipe.analysis import pareto_front
 from vpipe.events import COMPUTE_KINDS
+from vpipe.metrics.per_run import pareto_front
 from vpipe.schedules import catalogue
 
 BASELINE = catalogue.baseline()
@@ -234,7 +234,7 @@ def plot_pareto(
     """Throughput against peak memory, one panel per microbatch count, one point per
     (schedule, impl): labelled with the schedule, coloured and shaped by impl.
 
-    The Pareto front (:func:`vpipe.analysis.pareto_front`: the configs no other config beats
+    The Pareto front (:func:`vpipe.metrics.per_run.pareto_front`: the configs no other config beats
     on both) is drawn as a step line, the best throughput within each memory budget, with its
     points ringed in black; the dominated points are faded.
     """

@@ -1,6 +1,6 @@
 """Turn a sweep's per-rank results into tables: the runs table (measured and simulated rows,
-metrics from :mod:`vpipe.metrics`), every timed step, per-rank peak memory, and each config's
-events and memory samples (:class:`BenchResults`). :mod:`vpipe.bench_report` writes them out.
+metrics from :mod:`vpipe.metrics.catalogue`), every timed step, per-rank peak memory, and each config's
+events and memory samples (:class:`BenchResults`). :mod:`vpipe.sweep.write` writes them out.
 
 The output directory of ``vpipe bench`` is a :class:`vpipe.trace.store.Store` (one run per
 config, measured and simulated, each with its events and memory samples) plus
@@ -20,13 +20,13 @@ from typing import Any
 
 import pandas as pd
 
-from vpipe.analysis import SAVED_ACTIVATIONS
-from vpipe.bench import Config, SweepSpec, spec_dict
 from vpipe.events import COMPUTE_KINDS, events_frame, memory_frame
-from vpipe.metrics import Inputs, Simulated, compute
-from vpipe.report import (
+from vpipe.metrics.catalogue import Inputs, Simulated, compute
+from vpipe.metrics.per_run import SAVED_ACTIVATIONS
+from vpipe.report.document import (
     summary_table,
 )
+from vpipe.sweep.driver import Config, SweepSpec, spec_dict
 
 
 @dataclass
@@ -227,7 +227,7 @@ def simulate_config(
 ) -> tuple[dict[str, Any], pd.DataFrame]:
     """Simulate a config's schedule with the cost model calibrated from its own measured
     events (per-stage F/I/W medians, overhead, comm latency): its metrics and events."""
-    from vpipe.calibrate import calibrate, predict
+    from vpipe.predict.calibrate import calibrate, predict
     from vpipe.schedules import make_schedule
 
     schedule = make_schedule(cfg.schedule, spec.ranks, cfg.microbatches)

@@ -1,7 +1,7 @@
 """Write a sweep's outputs: the results store, steps and ranks tables, plots and the report.
 
 :func:`write_outputs` fills ``vpipe bench``'s output directory from the tables that
-:func:`vpipe.bench_results.collect` made; :func:`report_sections` builds the report of one
+:func:`vpipe.sweep.results.collect` made; :func:`report_sections` builds the report of one
 sweep (regime, setup, summary, comparisons with intervals, simulator fidelity, figures,
 timelines, and the plan for the measured host).
 """
@@ -13,9 +13,7 @@ from pathlib import Path
 
 import pandas as pd
 
-from vpipe.bench import Config
-from vpipe.bench_results import BenchResults, has_actions
-from vpipe.report import (
+from vpipe.report.document import (
     STATS_NOTE,
     Section,
     impl_table,
@@ -28,6 +26,8 @@ from vpipe.report import (
     table_section,
     v_vs_baseline,
 )
+from vpipe.sweep.driver import Config
+from vpipe.sweep.results import BenchResults, has_actions
 
 
 def write_outputs(res: BenchResults, out: str | Path) -> dict[str, Path]:
@@ -58,8 +58,8 @@ def write_outputs(res: BenchResults, out: str | Path) -> dict[str, Path]:
 
 def report_sections(res: BenchResults) -> list[Section]:
     """The report of one sweep: setup, summary tables, then figures."""
-    from vpipe.plots import plot_memory, plot_pareto, plot_throughput, to_png
-    from vpipe.report import vpipe_only_note
+    from vpipe.report.document import vpipe_only_note
+    from vpipe.report.plots import plot_memory, plot_pareto, plot_throughput, to_png
 
     runs = res.measured
     regime = regime_section(runs)
@@ -112,7 +112,7 @@ def report_sections(res: BenchResults) -> list[Section]:
 def fidelity_sections(res: BenchResults) -> list[Section]:
     """Leave-one-out fidelity per implementation and M: calibrate on each profiled config in
     turn, predict every config, and compare with the timed medians."""
-    from vpipe.calibrate import leave_one_out_tables
+    from vpipe.predict.calibrate import leave_one_out_tables
 
     meta = {"model": res.spec.model, "sizes": res.meta.get("model_sizes")}
     out = []
@@ -152,7 +152,7 @@ def plan_sections(res: BenchResults, top: int = 10) -> list[Section]:
     """The plan for the measured host: costs calibrated on the sweep's vpipe zbv config (else
     its first profiled vpipe config), every family x stages x M simulated for this sweep's
     ranks and batch, within the most memory any config of the sweep used."""
-    from vpipe.plan import Budget, PlanError, calibrated_costs, plan
+    from vpipe.predict.plan import Budget, PlanError, calibrated_costs, plan
     from vpipe.schedules import make_schedule
 
     runs = res.measured
@@ -204,7 +204,7 @@ def plan_sections(res: BenchResults, top: int = 10) -> list[Section]:
 
 
 def _timeline_sections(res: BenchResults) -> list[Section]:
-    from vpipe.plots import plot_gantt, plot_memory_timeline, schedule_order, to_png
+    from vpipe.report.plots import plot_gantt, plot_memory_timeline, schedule_order, to_png
 
     runs = res.measured
     if not res.events or runs.empty:

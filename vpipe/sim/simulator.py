@@ -1,10 +1,10 @@
 """Event-driven simulator of pipeline schedules under a simple cost model.
 
-The simulator replays the lowered program with :func:`vpipe.engine.replay`, under the
+The simulator replays the lowered program with :func:`vpipe.ir.engine.replay`, under the
 execution semantics described there (SEND/RECV post without blocking; per-rank program order;
 a compute action, or each part of an overlap action, waits for its own input, then runs). A
 message arrives ``comm_latency + bytes / comm_bandwidth`` after both its SEND and its RECV are
-posted (:class:`vpipe.engine.LinkModel`: links are not shared, so transfers never queue behind
+posted (:class:`vpipe.ir.engine.LinkModel`: links are not shared, so transfers never queue behind
 each other); hand-over between stages on one rank is free. Costs are in abstract time units
 (``time_unit_ns`` converts them when exporting).
 
@@ -34,17 +34,17 @@ from typing import Any
 
 import numpy as np
 
-from vpipe.bundling import bundle_leaders, next_ops, posting_rows
-from vpipe.cost_model import CostModel, CostModelError, parse_numbers
-from vpipe.engine import Program, Timing, compile_program, replay
-from vpipe.flat import KIND_ORDER, PART_BITS, Flat, comm_messages, decode_messages, flatten
 from vpipe.ir import Schedule
-from vpipe.passes import CommPlan, plan_comm, slot_keys
-from vpipe.validation import check_static
+from vpipe.ir.bundling import bundle_leaders, next_ops, posting_rows
+from vpipe.ir.engine import Program, Timing, compile_program, replay
+from vpipe.ir.flat import KIND_ORDER, PART_BITS, Flat, comm_messages, decode_messages, flatten
+from vpipe.ir.lowering import CommPlan, plan_comm, slot_keys
+from vpipe.ir.validation import check_static
+from vpipe.sim.cost_model import CostModel, CostModelError, parse_numbers
 
 __all__ = ["CostModel", "CostModelError", "SimResult", "parse_numbers", "simulate"]
 
-_KIND_NAMES = ("F", "B", "I", "W", "SEND_F", "RECV_F", "SEND_B", "RECV_B")
+KIND_NAMES = ("F", "B", "I", "W", "SEND_F", "RECV_F", "SEND_B", "RECV_B")
 
 
 @dataclass
@@ -65,7 +65,9 @@ class SimResult:
     _raw: _Raw | None = field(repr=False, default=None)
 
     @cached_property
-    def _columns(self) -> dict[str, np.ndarray]:
+    def columns(self) -> dict[str, np.ndarray]:
+        """The timeline as numpy columns, without pandas: rank, stage, microbatch, kind (codes
+        into ``KIND_NAMES``), start, end."""
         return _timeline_columns(self._raw)
 
     @cached_property
@@ -76,12 +78,12 @@ class SimResult:
         end; per rank in program order."""
         import pandas as pd
 
-        c = self._columns
+        c = self.columns
         stage, kind, mb = c["stage"], c["kind"], c["microbatch"]
         names = [
             f"{s}{k}{m}"
             for s, k, m in zip(
-                stage.tolist(), np.array(_KIND_NAMES)[kind].tolist(), mb.tolist(), strict=True
+                stage.tolist(), np.array(KIND_NAMES)[kind].tolist(), mb.tolist(), strict=True
             )
         ]
         return pd.DataFrame(
@@ -89,7 +91,7 @@ class SimResult:
                 "rank": c["rank"],
                 "stage": stage,
                 "microbatch": mb,
-                "kind": pd.Categorical.from_codes(kind, categories=list(_KIND_NAMES)),
+                "kind": pd.Categorical.from_codes(kind, categories=list(KIND_NAMES)),
                 "name": names,
                 "start": c["start"],
                 "end": c["end"],
@@ -151,7 +153,7 @@ class SimResult:
 
         from vpipe.outputs import atomic_write
 
-        c = self._columns
+        c = self.columns
         us = time_unit_ns / 1000.0
         events: list[dict[str, Any]] = []
         for r in range(self.schedule.n_ranks):
@@ -164,7 +166,7 @@ class SimResult:
             events.append(
                 {"ph": "M", "name": "thread_name", "pid": r, "tid": 0, "args": {"name": "compute"}}
             )
-        kinds = np.array(_KIND_NAMES)[c["kind"]].tolist()
+        kinds = np.array(KIND_NAMES)[c["kind"]].tolist()
         rows = zip(
             c["rank"].tolist(),
             c["stage"].tolist(),
@@ -197,7 +199,7 @@ class SimResult:
         trace = {
             "traceEvents": events,
             "displayTimeUnit": "ns",
-            "otherData": {"schedule": self.schedule.name, "source": "vpipe.sim", **self.to_dict()},
+            "otherData": {"schedule": self.schedule.name, "source": "vpipe.sim.simulator", **self.to_dict()},
         }
         if path is not None:
             data = orjson.dumps(trace)
@@ -213,10 +215,10 @@ def simulate(
     action_times: Mapping[tuple[int, str, int], float] | None = None,
 ) -> SimResult:
     """Simulate one step of a schedule. A compute-only schedule is lowered as
-    :func:`vpipe.passes.lower` would (``recv_lookahead``) without materialising the actions;
+    :func:`vpipe.ir.lowering.lower` would (``recv_lookahead``) without materialising the actions;
     a lowered one runs as given. ``action_times`` gives some compute parts their own time,
     keyed by (stage, kind letter, microbatch), e.g. a measured step's
-    (:mod:`vpipe.step_replay`); the others cost what ``costs`` says, overlap scaling
+    (:mod:`vpipe.predict.step_replay`); the others cost what ``costs`` says, overlap scaling
     included. Invalid schedules raise ScheduleError."""
     costs = costs or CostModel()
     fl = flatten(schedule)
@@ -243,7 +245,7 @@ def simulate(
 def _overheads(fl: Flat, plan: CommPlan | None, costs: CostModel) -> tuple[np.ndarray, np.ndarray]:
     """Per compute op, the runtime's time before it (``gap``, plus ``gap`` for each SEND/RECV
     since the rank's previous op and ``post`` for each operation they post: messages bundled
-    into one, :mod:`vpipe.bundling`, post once); per rank, that of the SENDs/RECVs after its
+    into one, :mod:`vpipe.ir.bundling`, post once); per rank, that of the SENDs/RECVs after its
     last op."""
     n_ops, P = len(fl.o_rank), fl.schedule.n_ranks
     if costs.post == 0 and costs.gap == 0:

@@ -10,8 +10,8 @@ from typing import Any
 
 import numpy as np
 
-from vpipe.engine import LinkModel
 from vpipe.errors import VpipeError
+from vpipe.ir.engine import LinkModel
 
 __all__ = ["CostModel", "CostModelError", "PerStage", "parse_numbers"]
 
@@ -32,7 +32,7 @@ class CostModel:
     per stage: ``{stage: {"f": 2.0, "w": 0.5}}``. A message over the boundary between stages
     s and s+1 (either direction) costs ``comm_latency + comm_bytes[s] / comm_bandwidth``, and
     ``comm_handshake`` more when its RECV is posted after its SEND (a rendezvous transport;
-    :class:`vpipe.engine.LinkModel`).
+    :class:`vpipe.ir.engine.LinkModel`).
     ``comm_bytes`` and ``activation_bytes`` (per stage, for peak memory) are a number for
     all stages/boundaries, a sequence, or a mapping.
 

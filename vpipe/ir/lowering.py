@@ -4,9 +4,9 @@ Lowering places each SEND right after its producer (after the whole compound for
 action) and each RECV ``recv_lookahead`` compute actions before its consumer (default 1: the
 transfer overlaps the preceding compute action while few receive buffers are outstanding),
 moved earlier where needed so that every peer's receives are posted in the order its sends
-are. The result is deadlock-free under the execution semantics of :mod:`vpipe.engine`.
+are. The result is deadlock-free under the execution semantics of :mod:`vpipe.ir.engine`.
 
-:func:`validate` (from :mod:`vpipe.validation`) is re-exported here: ``from vpipe.passes import
+:func:`validate` (from :mod:`vpipe.ir.validation`) is re-exported here: ``from vpipe.ir.lowering import
 lower, validate``. Both are vectorised with numpy.
 """
 
@@ -20,9 +20,9 @@ from itertools import chain, repeat
 
 import numpy as np
 
-from vpipe.flat import Flat, decode_messages, flatten, message_count, where
-from vpipe.ir import Action, Kind, Schedule, ScheduleError
-from vpipe.validation import check_flat, validate
+from vpipe.ir.flat import Flat, decode_messages, flatten, message_count, where
+from vpipe.ir.schedule import Action, Kind, Schedule, ScheduleError
+from vpipe.ir.validation import check_flat, validate
 
 __all__ = ["lower", "validate", "CommPlan", "materialize", "plan_comm", "slot_keys"]
 
@@ -85,7 +85,7 @@ def lower(schedule: Schedule, *, check: bool = True, recv_lookahead: int = 1) ->
     SENDs go right after their producer; each RECV goes ``recv_lookahead`` compute actions
     before its consumer (0: right before it), earlier where per-peer FIFO order needs it. No
     communication is inserted between stages on the same rank. With ``check`` the input is
-    validated first, so the result is valid (deadlock-free under :mod:`vpipe.engine`'s
+    validated first, so the result is valid (deadlock-free under :mod:`vpipe.ir.engine`'s
     semantics).
     """
     if recv_lookahead < 0:

@@ -136,13 +136,13 @@ class SpecCosts:
 class CalibratedCosts:
     """Costs calibrated on a measured run (see :func:`from_run`)."""
 
-    calibration: Any  # vpipe.calibrate.Calibration
+    calibration: Any  # vpipe.predict.calibrate.Calibration
     pieces: int  # the model's pieces (MLP blocks; GPT embedding, layers, head)
     rows: float  # rows of the calibration run's microbatches
     bytes_per_piece_row: float  # activation bytes one piece saves per row of a microbatch
 
     def cost_model(self, schedule: Schedule, rows: float) -> CostModel:
-        from vpipe.calibrate import split_sizes
+        from vpipe.predict.calibrate import split_sizes
 
         if schedule.n_stages > self.pieces:
             raise ScheduleError(
@@ -177,11 +177,11 @@ def from_run(store_root: str, run_id: str) -> CalibratedCosts:
 def calibrated_costs(
     events: Any, peak_bytes: dict[int, float], schedule: Schedule, meta: dict[str, Any]
 ) -> CalibratedCosts:
-    """Costs from a measured run: calibrated per-action medians (:mod:`vpipe.calibrate`) and
+    """Costs from a measured run: calibrated per-action medians (:mod:`vpipe.predict.calibrate`) and
     the bytes saved for backward per model piece and row, from the run's measured peak per
     rank (``peak_bytes``) against the simulated peak of the same schedule. ``meta`` names the
     model, its sizes, stages and batch."""
-    from vpipe.calibrate import calibrate, model_units, split_sizes
+    from vpipe.predict.calibrate import calibrate, model_units, split_sizes
     from vpipe.sim import simulate
 
     pieces = model_units({**meta, "stages": schedule.n_stages})
@@ -289,7 +289,7 @@ LOOKAHEAD_GAIN = 0.01
 
 
 def best_lookahead(schedule: Schedule, costs: CostModel) -> tuple[int, dict[int, float]]:
-    """The receive lookahead (:func:`vpipe.passes.lower`) to run ``schedule`` with, and the
+    """The receive lookahead (:func:`vpipe.ir.lowering.lower`) to run ``schedule`` with, and the
     simulated step per lookahead tried: the smallest within ``LOOKAHEAD_GAIN`` of the fastest
     (a larger one holds more receive buffers). Posting receives earlier matters when the
     link charges a handshake for receives posted after their send (gloo)."""
@@ -328,10 +328,10 @@ def plan(
 
 def pareto_frame(found: list[dict[str, Any]]) -> Any:
     """The candidates on the Pareto front (no other is both faster and smaller), as the table
-    :func:`vpipe.plots.plot_pareto` draws: one panel, points labelled ``family vV MM``."""
+    :func:`vpipe.report.plots.plot_pareto` draws: one panel, points labelled ``family vV MM``."""
     import pandas as pd
 
-    from vpipe.analysis import pareto_front
+    from vpipe.metrics.per_run import pareto_front
 
     table = pd.DataFrame(
         {

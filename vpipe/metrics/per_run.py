@@ -166,34 +166,6 @@ def quartiles(values: Sequence[float] | pd.Series) -> tuple[float, float, float]
     return (float("nan"),) * 3 if q is None else (float(q[0.25]), float(q[0.5]), float(q[0.75]))
 
 
-def summarize(
-    events: pd.DataFrame,
-    memory: pd.DataFrame | None = None,
-    *,
-    batch: int | None = None,
-    tokens_per_sample: int | None = None,
-    missing: Any = float("nan"),
-) -> dict[str, Any]:
-    """Run-level metrics of one run from its events and memory samples: every metric of the
-    registry (:mod:`vpipe.metrics`, the runs table's names; ``missing`` where one does not
-    apply, such as throughput without a batch), ``steps`` (how many) and ``peak_<kind>_bytes``
-    per kind of memory sample."""
-    from vpipe.metrics import Inputs, compute  # the registry builds on this module
-
-    peaks = peak_memory(memory) if memory is not None else pd.DataFrame()
-    x = Inputs(
-        events=events,
-        memory=peaks if len(peaks.columns) else None,
-        batch=batch,
-        tokens_per_sample=tokens_per_sample,
-    )
-    out = {k: missing if v is None else v for k, v in compute(x).items()}
-    out["steps"] = int(len(x.step_frame))
-    for what in peaks.columns:
-        out[f"peak_{what}_bytes"] = int(peaks[what].max())
-    return out
-
-
 def kind_durations(events: pd.DataFrame) -> pd.DataFrame:
     """Median, q1, q3 and count of span durations (seconds) per (stage, kind)."""
     ev = events[events["kind"].astype(str).isin([*COMPUTE_KINDS, *COMM_KINDS, "WAIT"])]

@@ -19,7 +19,24 @@ from typing import NamedTuple
 
 from vpipe.errors import ScheduleError
 
-__all__ = ["Action", "Kind", "Schedule", "ScheduleError", "format_action", "parse_action"]
+__all__ = [
+    "Action",
+    "Kind",
+    "Schedule",
+    "ScheduleError",
+    "COMPUTE_KINDS",
+    "COMM_KINDS",
+    "BACKWARD_KINDS",
+    "overlap",
+    "parse_action",
+    "format_action",
+    "loop_placement",
+    "v_placement",
+    "make_placement",
+    "placement_style",
+    "schedule_from_rows",
+    "actions_from_strings",
+]
 
 
 class Kind(str, Enum):
@@ -189,7 +206,7 @@ class Schedule:
     """One ordered action list per rank, plus the stage -> rank placement.
 
     ``actions[r]`` is rank r's program. A schedule is *lowered* when it contains SEND/RECV
-    actions (see :func:`vpipe.passes.lower`).
+    actions (see :func:`vpipe.ir.lowering.lower`).
     """
 
     n_ranks: int
