@@ -20,7 +20,7 @@ def _schedule():
 
 @lru_cache(maxsize=1)
 def _lowered():
-    from vpipe.ir.lowering import lower
+    from vpipe import lower
 
     return lower(_schedule(), check=False)
 
@@ -51,22 +51,22 @@ class ZBV64x1024:
 
     def time_lower(self) -> None:
         """Validates the input, then inserts SEND/RECV."""
-        from vpipe.ir.lowering import lower
+        from vpipe import lower
 
         lower(self.schedule)
 
     def time_lower_unchecked(self) -> None:
-        from vpipe.ir.lowering import lower
+        from vpipe import lower
 
         lower(self.schedule, check=False)
 
     def time_validate(self) -> None:
-        from vpipe.ir.lowering import validate
+        from vpipe import validate
 
         validate(self.schedule)
 
     def time_validate_lowered(self) -> None:
-        from vpipe.ir.lowering import validate
+        from vpipe import validate
 
         validate(self.lowered)
 

@@ -17,7 +17,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from vpipe.models.custom import ModelParts
+from vpipe.models import ModelParts
 
 
 class Block(nn.Module):

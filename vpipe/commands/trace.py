@@ -152,7 +152,8 @@ def _load(source: str, run: str | None) -> tuple[Any, Any, dict]:
                     f"(vpipe runs {path} lists them)"
                 )
             run = str(runs["run_id"].iloc[0])
-        return store.events([run]), store.memory([run]), store.run_meta(run)
+        stored = store.run(run)
+        return stored.events, stored.memory, stored.meta
     if path.suffix == ".parquet":
         events, meta = read_parquet(path)
         mem = memory_path(path)

@@ -19,24 +19,7 @@ from typing import NamedTuple
 
 from vpipe.errors import ScheduleError
 
-__all__ = [
-    "Action",
-    "Kind",
-    "Schedule",
-    "ScheduleError",
-    "COMPUTE_KINDS",
-    "COMM_KINDS",
-    "BACKWARD_KINDS",
-    "overlap",
-    "parse_action",
-    "format_action",
-    "loop_placement",
-    "v_placement",
-    "make_placement",
-    "placement_style",
-    "schedule_from_rows",
-    "actions_from_strings",
-]
+__all__ = ["Action", "Kind", "Schedule", "ScheduleError", "format_action", "parse_action"]
 
 
 class Kind(str, Enum):

@@ -162,16 +162,16 @@ def from_run(store_root: str, run_id: str) -> CalibratedCosts:
     from vpipe.schedules import make_schedule
     from vpipe.trace.store import Store
 
-    store = Store(store_root)
-    meta = store.run_meta(run_id)
+    run = Store(store_root).run(run_id)  # one read of that run's files
+    meta = run.meta
     for key in ("schedule", "ranks", "microbatches", "batch", "model"):
         if key not in meta:
             raise PlanError(f"run {run_id!r} records no {key}: cannot plan from it")
-    memory = store.memory([run_id])
+    memory = run.memory
     saved = memory[memory["what"].astype(str) == "saved_activations"]
     peaks = saved.groupby("rank")["bytes"].max().to_dict() if len(saved) else {}
     schedule = make_schedule(str(meta["schedule"]), int(meta["ranks"]), int(meta["microbatches"]))
-    return calibrated_costs(store.events([run_id]), peaks, schedule, meta)
+    return calibrated_costs(run.events, peaks, schedule, meta)
 
 
 def calibrated_costs(

@@ -34,6 +34,7 @@ import re
 import shutil
 import uuid
 from collections.abc import Iterable, Mapping
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -178,6 +179,16 @@ def meta_columns(meta: Mapping[str, Any]) -> dict[str, Any]:
     return out
 
 
+@dataclass
+class StoredRun:
+    """One committed run: its row of the runs table (as :meth:`Store.run_meta` gives it), its
+    event table and its memory samples."""
+
+    meta: dict[str, Any]
+    events: pd.DataFrame
+    memory: pd.DataFrame
+
+
 class Store:
     """A results directory; see the module docstring for the layout and guarantees."""
 
@@ -258,15 +269,22 @@ class Store:
 
     def run_meta(self, run_id: str) -> dict[str, Any]:
         """One run's row of the runs table as a dict (missing values left out, the model's
-        ``sizes`` decoded); an unknown run is a TraceError that says how to list them."""
-        runs = self.runs()
-        row = runs[runs["run_id"] == run_id]
-        if row.empty:
+        ``sizes`` decoded), read from that run's file alone; an unknown run is a TraceError
+        that says how to list them."""
+        path = self._run_file(check_run_id(run_id))
+        if not path.is_file():
             raise TraceError(f"{self.root}: no run {run_id!r} (vpipe runs {self.root} lists them)")
+        row = runs_frame(read_parquet(path)[0])
         meta = {k: v for k, v in row.iloc[0].items() if not pd.isna(v)}
         if isinstance(meta.get("sizes"), str):
             meta["sizes"] = json.loads(meta["sizes"])
         return meta
+
+    def run(self, run_id: str) -> StoredRun:
+        """One run as stored: its runs-table row, events and memory samples, reading only that
+        run's files."""
+        meta = self.run_meta(run_id)
+        return StoredRun(meta, self.events([run_id]), self.memory([run_id]))
 
     def events(self, run_ids: Iterable[str] | None = None) -> pd.DataFrame:
         """Event table of the given committed runs (all by default)."""
