@@ -176,7 +176,13 @@ class RankHarness:
 
         window = {"wait": 0, "warmup": 1, "active": 1}
         with StepProfiler(
-            out_dir, self.rank, metadata=metadata, verbose=verbose, ops=ops, **window
+            out_dir,
+            self.rank,
+            metadata=metadata,
+            verbose=verbose,
+            ops=ops,
+            device=self.device,
+            **window,
         ) as p:
             for _ in range(2):
                 dist.barrier()
