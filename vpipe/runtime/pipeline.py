@@ -60,6 +60,12 @@ class Pipeline:
     mean-reduced loss over the whole batch. Like ``loss.backward()``, gradients accumulate
     across steps: zero them (``optimizer.zero_grad()``) between steps as usual.
 
+    ``time_actions`` (CUDA devices only; ignored elsewhere, where host spans are the device's)
+    records a CUDA event pair around every action on the stream it runs on, without
+    synchronising, read after the step's synchronise into ``stats["action_times"]``
+    (:class:`~vpipe.runtime.action_clock.ActionTime` per action: device ns after the step's
+    start, and when a received input was there).
+
     After each step ``stats`` holds ``peak_live_activations`` (microbatch-stages whose F ran
     and whose last backward part had not, at most at once on this rank),
     ``peak_live_activation_bytes`` (the same in bytes kept for backward), ``step_time_s``.
@@ -77,6 +83,7 @@ class Pipeline:
         static_shapes: bool = False,
         comm_channels: bool | None = None,
         post_thread: bool | None = None,
+        time_actions: bool = False,
     ) -> None:
         from vpipe.bundling import comm_bundles
         from vpipe.passes import lower, validate
@@ -114,11 +121,15 @@ class Pipeline:
             self.device,
             comm_bundles(program)[self.rank] if bundle_messages and distributed else (),
         )
+        if time_actions and self.device.type == "cuda":
+            from vpipe.runtime.action_clock import ActionClock
+
+            self._executor.clock = ActionClock(program.actions[self.rank], self.device)
         self.static_shapes = static_shapes
         self._key: tuple[TensorMeta, ...] | None = None
         self._key_work: Any = None
         self._step = 0
-        self.stats: dict[str, float] = {}
+        self.stats: dict[str, Any] = {}
 
     @property
     def is_loss_rank(self) -> bool:
@@ -180,6 +191,8 @@ class Pipeline:
             "peak_live_activation_bytes": ex.peak_live_bytes,
             "step_time_s": time.perf_counter() - t0,
         }
+        if ex.clock is not None:  # after the synchronise: reading the events does not stall
+            self.stats["action_times"] = ex.clock.read()
         return losses
 
     # -- shapes ------------------------------------------------------------------------------
