@@ -122,3 +122,28 @@ def test_a_posting_error_is_raised_by_the_wait():
 def test_the_poster_thread_is_refused_off_gloo():
     with pytest.raises(ValueError, match="post_thread is for gloo"):
         P2P(_Group("nccl"), torch.device("cuda", 0), post_thread=True)
+
+
+def test_a_host_copied_receive_is_ready_once_its_data_arrived():
+    """gloo with device tensors receives into a host buffer copied over on wait(): a probe
+    (Part.ready) must say yes as soon as the data is in that buffer, before any wait."""
+    import torch
+
+    from vpipe.runtime.comm import _CopyOnWait
+
+    class Work:
+        done = False
+
+        def is_completed(self):
+            return self.done
+
+        def wait(self):
+            self.done = True
+
+    work, dst = Work(), torch.zeros(3)
+    r = _CopyOnWait(work, torch.arange(3.0), dst)
+    assert not r.is_completed()
+    work.done = True
+    assert r.is_completed() and dst.sum() == 0  # ready, not yet copied
+    r.wait()
+    assert r.is_completed() and dst.tolist() == [0.0, 1.0, 2.0]
