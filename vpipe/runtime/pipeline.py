@@ -68,7 +68,9 @@ class Pipeline:
 
     After each step ``stats`` holds ``peak_live_activations`` (microbatch-stages whose F ran
     and whose last backward part had not, at most at once on this rank),
-    ``peak_live_activation_bytes`` (the same in bytes kept for backward), ``step_time_s``.
+    ``peak_live_activation_bytes`` (the same in bytes kept for backward), ``step_time_s``;
+    after the first, also ``comm_setup_s``: what creating the channels' communicators took
+    (one tiny exchange per channel when the pipeline was built, :meth:`P2P.connect`).
     """
 
     def __init__(
@@ -121,6 +123,8 @@ class Pipeline:
             self.device,
             comm_bundles(program)[self.rank] if bundle_messages and distributed else (),
         )
+        if self.comm is not None and self.comm.channels:
+            self.comm.connect()  # communicators made now, not in the first step
         if time_actions and self.device.type == "cuda":
             from vpipe.runtime.action_clock import ActionClock
 
@@ -191,6 +195,8 @@ class Pipeline:
             "peak_live_activation_bytes": ex.peak_live_bytes,
             "step_time_s": time.perf_counter() - t0,
         }
+        if self._step == 1 and self.comm is not None and self.comm.connect_s is not None:
+            self.stats["comm_setup_s"] = self.comm.connect_s  # reported once
         if ex.clock is not None:  # after the synchronise: reading the events does not stall
             self.stats["action_times"] = ex.clock.read()
         return losses
