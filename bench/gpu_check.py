@@ -1,6 +1,9 @@
 """``make gpu-check``: does vpipe run, time, meter and trace correctly on one GPU?
 
-Two checks, about a minute on one GPU:
+About two minutes on one GPU (check_v_one_rank, check_two_ranks_one_gpu, then the device-clock
+checks of :mod:`bench.gpu_device_checks`: CUDA events against the profiler's device spans,
+busy + bubble = step on the device clock, a host-bound action reading as device idle, and NCCL
+on two GPUs, skipped with one line where there is one):
 
 - ``v-one-rank``: the V placement on one rank (zbv, P=1: stages 0 and 1 both on rank 0, handed
   over locally), GPT model, a few steps in this process through :mod:`vpipe.sweep.harness`; losses
@@ -168,11 +171,17 @@ def main(argv: Sequence[str] | None = None) -> int:
         )
         return 2
     print(f"gpu-check on {torch.cuda.get_device_name(0)} (torch {torch.__version__})", flush=True)
+    from bench.gpu_device_checks import device_checks, nccl_check
+
     outcomes = [check_v_one_rank()]
+    outcomes += [Outcome(*o) for o in device_checks(GPT_SIZES, BATCH)]
     with tempfile.TemporaryDirectory(prefix="vpipe-gpu-check-") as tmp:
-        outcomes.append(check_two_ranks_one_gpu(tmp))
-    for o in outcomes:
-        print(o.line(), flush=True)
+        outcomes.append(check_two_ranks_one_gpu(Path(tmp) / "gloo"))
+        name, ok, detail = nccl_check(Path(tmp) / "nccl", GPT_SIZES, BATCH)
+    skipped = [f"SKIP {name}: {detail}"] if ok is None else []
+    outcomes += [] if ok is None else [Outcome(name, ok, detail)]
+    for line in [o.line() for o in outcomes] + skipped:
+        print(line, flush=True)
     failed = sum(not o.ok for o in outcomes)
     print(f"gpu-check: {len(outcomes) - failed} of {len(outcomes)} checks passed")
     return 1 if failed else 0

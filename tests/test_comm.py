@@ -122,3 +122,77 @@ def test_a_posting_error_is_raised_by_the_wait():
 def test_the_poster_thread_is_refused_off_gloo():
     with pytest.raises(ValueError, match="post_thread is for gloo"):
         P2P(_Group("nccl"), torch.device("cuda", 0), post_thread=True)
+
+
+def test_a_host_copied_receive_is_ready_once_its_data_arrived():
+    """gloo with device tensors receives into a host buffer copied over on wait(): a probe
+    (Part.ready) must say yes as soon as the data is in that buffer, before any wait."""
+    import torch
+
+    from vpipe.runtime.comm import _CopyOnWait
+
+    class Work:
+        done = False
+
+        def is_completed(self):
+            return self.done
+
+        def wait(self):
+            self.done = True
+
+    work, dst = Work(), torch.zeros(3)
+    r = _CopyOnWait(work, torch.arange(3.0), dst)
+    assert not r.is_completed()
+    work.done = True
+    assert r.is_completed() and dst.sum() == 0  # ready, not yet copied
+    r.wait()
+    assert r.is_completed() and dst.tolist() == [0.0, 1.0, 2.0]
+
+
+@pytest.mark.parametrize(
+    ("me", "want"),
+    [
+        (0, [("up01", "send"), ("down01", "recv")]),
+        (1, [("up01", "recv"), ("down01", "send"), ("up12", "send"), ("down12", "recv")]),
+        (2, [("up12", "recv"), ("down12", "send")]),
+    ],
+)
+def test_connect_exchanges_once_per_channel_in_one_global_order(monkeypatch, me, want):
+    """Each channel (direction of a pair) carries one tiny message before the first step, the
+    lower rank sending first, pairs in one order on every rank (no two ranks wait on each
+    other): rank 1 finishes its pair with rank 0 before it starts the one with rank 2."""
+    import vpipe.runtime.comm as comm
+
+    posted = []
+
+    class Channel(_Group):
+        def __init__(self, name):
+            super().__init__("nccl")
+            self.name = name
+
+        def send(self, tensors, peer, tag):
+            posted.append((self.name, "send"))
+            return _Work()
+
+        def recv(self, tensors, peer, tag):
+            posted.append((self.name, "recv"))
+            return _Work()
+
+    def routes(group, pairs):
+        out = {}
+        for a, b in pairs:
+            if me in (a, b):
+                peer = b if a == me else a
+                lo, hi = min(a, b), max(a, b)
+                up, down = Channel(f"up{lo}{hi}"), Channel(f"down{lo}{hi}")
+                out[True, peer] = (up if me == lo else down, 0)
+                out[False, peer] = (down if me == lo else up, 0)
+        return out
+
+    monkeypatch.setattr(comm, "_channel_routes", routes)
+    monkeypatch.setattr(comm.dist, "get_rank", lambda group=None: me)
+    p2p = P2P(_Group("nccl"), torch.device("cpu"), [(1, 2), (0, 1)], channels=True)
+    assert p2p.connect_s is None
+    seconds = p2p.connect()
+    assert posted == want
+    assert seconds > 0 and p2p.connect_s == seconds

@@ -33,3 +33,24 @@ def test_two_ranks_sharing_a_device_pass_on_cpu(tmp_path, capsys):
     assert "0 USDT lines" in o.detail
     printed = capsys.readouterr().out
     assert "check: OK" in printed and "summary: zbv" in printed
+
+
+def test_device_clock_checks_judge_synthetic_cuda_traces(tmp_path):
+    """The device-timeline check passes a synthetic CUDA trace and fails the same trace read
+    on launch spans; the agreement figures are relative differences."""
+    from test_trace_kineto import META, PROGRAMS
+
+    from bench.gpu_device_checks import agreement, timeline_findings
+    from vpipe.trace.kineto import convert
+    from vpipe.trace.synth import write_synthetic_run
+
+    cuda = {**META, "device": "cuda"}
+    dev = convert(write_synthetic_run(tmp_path / "d", PROGRAMS, meta=cuda, gpu_annotations=True))
+    got = timeline_findings(dev.events)
+    assert got["ok"] and got["worst"] < 1e-9
+    with pytest.warns(UserWarning, match="launch times"):
+        host = convert(write_synthetic_run(tmp_path / "h", PROGRAMS, meta=cuda))
+    assert not timeline_findings(host.events)["ok"]  # rows on the host clock
+    a = agreement({"0F0": 104, "0B0": 200, "x": 5}, {"0F0": 100, "0B0": 200})
+    assert a["actions"] == 2 and a["total"] == pytest.approx(4 / 300)
+    assert a["median"] == pytest.approx(0.02)

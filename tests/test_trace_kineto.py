@@ -62,19 +62,20 @@ def test_one_compute_row_per_action_per_step(tmp_path):
 
 
 def test_gpu_annotation_copies_are_not_counted_twice(tmp_path):
-    """On CUDA, Kineto repeats every record_function span on a GPU stream
-    (``gpu_user_annotation``): only the CPU-side spans become rows."""
+    """On CUDA, Kineto repeats record_function spans on a GPU stream (``gpu_user_annotation``):
+    they time the rows of the CPU-side spans and never make rows of their own (compute rows in
+    device order, communication rows in host order: each in program order)."""
     write_synthetic_run(tmp_path, PROGRAMS, steps=[3, 4], meta=META, gpu_annotations=True)
     doc = orjson.loads((tmp_path / "rank0.pt.trace.json").read_bytes())
-    cats = {e["cat"] for e in doc["traceEvents"] if e["name"] in ("PP:0F0", "ProfilerStep#3")}
+    cats = {e["cat"] for e in doc["traceEvents"] if e["name"] in ("PP:0F0", "PP:STEP:3")}
     assert cats == {"user_annotation", "gpu_user_annotation"}
     ev = convert([tmp_path]).events
     for rank, program in enumerate(PROGRAMS):
         for step in (3, 4):
             got = ev[(ev["rank"] == rank) & (ev["step"] == step)]
-            assert list(got.loc[~got["kind"].isin(["WAIT", "other"]), "name"]) == [
-                str(a) for a in program
-            ]
+            for clock, keep in (("device", lambda a: a.is_compute), ("host", lambda a: a.is_comm)):
+                rows = got[(got["clock"] == clock) & ~got["kind"].isin(["WAIT", "other"])]
+                assert list(rows["name"]) == [str(a) for a in program if keep(a)]
             assert (got["name"] == "STEP").sum() == 1
     assert set(ev["step"]) == {3, 4}
 

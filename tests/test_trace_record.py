@@ -116,3 +116,37 @@ def test_user_spans_only_unless_ops(tmp_path, ops):
     assert {"PP:STEP:1", "PP:0F0", "PP:0B0", "[memory]"} <= names
     assert any(str(n).startswith("aten::") for n in names) == ops
     assert trace["vpipe"]["profiler_ops"] == ("all" if ops else "user spans")
+
+
+def _no_cuda_reads(monkeypatch):
+    """CUDA "available", and any read of its statistics fails the test."""
+    import torch
+
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    for name in ("max_memory_allocated", "reset_peak_memory_stats", "memory_allocated",
+                 "synchronize", "current_device"):  # fmt: skip
+        monkeypatch.setattr(torch.cuda, name, lambda *a, **k: pytest.fail("read CUDA"))
+
+
+def test_cpu_run_on_a_cuda_machine_never_reads_cuda_memory(tmp_path, monkeypatch):
+    _no_cuda_reads(monkeypatch)
+    with StepProfiler(tmp_path, 0, wait=0, warmup=1, active=1, device="cpu") as prof:
+        _fake_steps(prof, 2)
+    trace = json.loads((tmp_path / "rank0.pt.trace.json").read_text())
+    assert {s["what"] for s in trace["vpipe_samples"]} == {"rss", "activations"}
+
+
+def test_memory_is_read_from_the_runs_own_device_by_index(monkeypatch):
+    import torch
+
+    from vpipe.trace import record
+
+    calls = []
+    monkeypatch.setattr(torch.cuda, "current_device", lambda: 3)
+    monkeypatch.setattr(torch.cuda, "max_memory_allocated", lambda d=None: calls.append(d) or 77)
+    monkeypatch.setattr(torch.cuda, "reset_peak_memory_stats", lambda d=None: calls.append(d))
+    assert record.cuda_device("cpu") is None
+    assert record.cuda_device("cuda:1") == torch.device("cuda", 1)
+    assert record.cuda_device("cuda") == torch.device("cuda", 3)  # the current device, named
+    assert record.take_cuda_peak(record.cuda_device("cuda:1")) == 77
+    assert calls == [torch.device("cuda", 1)] * 2  # never the default (None: cuda:0's)

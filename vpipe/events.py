@@ -15,8 +15,9 @@ import pandas as pd
 
 # 2: dictionary columns always have int32 indices (readable as one dataset by pandas and
 # pyarrow.dataset); version-1 files read through vpipe's Store, and `vpipe runs --upgrade`
-# rewrites them.
-SCHEMA_VERSION = 2
+# rewrites them. 3: the clock columns (``clock``, ``launch_start_ns``, ``launch_end_ns``);
+# reading an older file fills them in (:func:`with_clock_columns`), ``--upgrade`` writes them.
+SCHEMA_VERSION = 3
 
 # Column -> pandas dtype. Strings are categoricals (dictionary-encoded in Parquet).
 # stage and microbatch are -1 where they do not apply (WAIT spans, "other").
@@ -33,7 +34,15 @@ EVENT_COLUMNS: dict[str, str] = {
     "name": "category",  # the action string (e.g. 2F3) or span name
     "start_ns": "int64",
     "end_ns": "int64",
+    # Which clock start_ns/end_ns are on: "host" (the CPU span), "device" (the GPU's: a CUDA
+    # trace's device span of the action, or CUDA events on its stream) or "sim".
+    "clock": "category",
+    # The host span that launched the row (equal to start/end on the host clock); on CUDA the
+    # host runs ahead of the device, so this is when the work was enqueued, not when it ran.
+    "launch_start_ns": "int64",
+    "launch_end_ns": "int64",
 }
+CLOCKS = ("host", "device", "sim")
 
 COMPUTE_KINDS = ("F", "B", "I", "W")
 COMM_KINDS = ("SEND_F", "RECV_F", "SEND_B", "RECV_B")
@@ -63,9 +72,26 @@ def _frame(
     return df[list(columns)].astype(dict(columns))
 
 
+def with_clock_columns(df: pd.DataFrame) -> pd.DataFrame:
+    """``df`` with the clock columns filled in where it lacks them (tables of schema version 2
+    and producers that have one clock): ``clock`` "sim" for simulated rows, else "host", and
+    the launch span equal to the row's own."""
+    add: dict[str, Any] = {}
+    if "clock" not in df.columns:
+        simulated = df["source"].astype(str) == "simulated" if "source" in df.columns else False
+        add["clock"] = pd.Series(simulated, index=df.index).map({True: "sim", False: "host"})
+    if "launch_start_ns" not in df.columns and "start_ns" in df.columns:
+        add["launch_start_ns"] = df["start_ns"]
+    if "launch_end_ns" not in df.columns and "end_ns" in df.columns:
+        add["launch_end_ns"] = df["end_ns"]
+    return df.assign(**add) if add else df
+
+
 def events_frame(data: Mapping[str, Any] | Iterable[Mapping[str, Any]]) -> pd.DataFrame:
-    """Coerce column data (dict of lists) or records to the event schema, columns in order."""
-    return _frame(EVENT_COLUMNS, data)
+    """Coerce column data (dict of lists) or records to the event schema, columns in order
+    (the clock columns default as :func:`with_clock_columns` says)."""
+    df = pd.DataFrame(data)
+    return _frame(EVENT_COLUMNS, with_clock_columns(df) if len(df) else df)
 
 
 def memory_frame(data: Mapping[str, Any] | Iterable[Mapping[str, Any]]) -> pd.DataFrame:

@@ -224,7 +224,13 @@ def run_rank(rank: int, n_ranks: int, cfg: RunConfig) -> dict[str, Any]:
     active = max(1, min(3, cfg.steps - wait - warmup))
     window = {"wait": wait, "warmup": warmup, "active": active}
     with StepProfiler(
-        cfg.profile, rank, metadata=cfg.meta, verbose=cfg.verbose, ops=cfg.profile_ops, **window
+        cfg.profile,
+        rank,
+        metadata=cfg.meta,
+        verbose=cfg.verbose,
+        ops=cfg.profile_ops,
+        device=h.device,
+        **window,
     ) as prof:
         for k in range(cfg.steps):
             slowest = torch.tensor([h.timed_step()], dtype=torch.float64)

@@ -25,6 +25,13 @@ gloo) one daemon thread per process posts each flushed batch, in flush order, an
 thread goes on; waiting on an operation first waits for its batch to be posted. The order in
 which a rank posts is unchanged, so the engine's semantics and its deadlock check still hold.
 NCCL posts asynchronously already (a kernel enqueued on a stream), so the thread is gloo's only.
+
+**Connecting.** NCCL creates a communicator on a group's first operation, and that creation
+blocks the host until both ends arrive: the first message on each channel would be a
+rendezvous that the replay engine does not model, paid by the first timed step.
+:meth:`P2P.connect` makes one tiny exchange per channel, both directions of each pair, in one
+global order of pairs (so no two ranks wait on each other), and keeps its cost in
+``connect_s``; the pipeline does it once when it is built.
 """
 
 from __future__ import annotations
@@ -32,6 +39,7 @@ from __future__ import annotations
 import os
 import queue
 import threading
+import time
 from collections.abc import Callable, Iterable
 from typing import Any
 
@@ -77,6 +85,9 @@ class P2P:
         self.coalesce = bool(getattr(backend, "supports_coalescing", False)) and not self.channels
         self.via_host = device.type != "cpu" and gloo
         self._queue: list[tuple[bool, torch.Tensor, int]] = []
+        self.device = device
+        self.pairs = sorted({tuple(sorted(p)) for p in pairs})
+        self.connect_s: float | None = None  # what connect() cost, once it ran
         self._routes = _channel_routes(self.group, pairs) if self.channels else {}
         self._poster = _poster() if posts_from_thread else None
 
@@ -119,6 +130,27 @@ class P2P:
             return group.recv([tensor], rank, 0)
         host = torch.empty_like(tensor, device="cpu")
         return _CopyOnWait(group.recv([host], rank, 0), host, tensor)
+
+    def connect(self) -> float:
+        """Exchange one tiny message each way with every peer, on the channels (module
+        docstring), and synchronise the device: every communicator exists afterwards. Returns
+        the seconds it took (also in ``connect_s``)."""
+        t0 = time.perf_counter()
+        me = dist.get_rank(self.group)
+        for a, b in self.pairs:  # one global order: the lowest pending pair can always proceed
+            if me not in (a, b):
+                continue
+            peer = b if a == me else a
+            one = torch.zeros(1, device=self.device)
+            for send in (me < peer, me > peer):  # the lower rank sends first
+                if send:
+                    self.send_now(one, peer)
+                else:
+                    self.recv_now(one, peer)
+        if self.device.type == "cuda":
+            torch.cuda.synchronize(self.device)
+        self.connect_s = time.perf_counter() - t0
+        return self.connect_s
 
     def discard(self) -> None:
         """Drop queued, unposted operations (after a failed step)."""
@@ -260,4 +292,6 @@ class _CopyOnWait:
         return True
 
     def is_completed(self) -> bool:
-        return self.work.is_completed() and self.host is None
+        """Whether the data is here (in the host buffer): ``wait`` then only copies it over,
+        so a probe (``Part.ready()``) says yes before anyone waited."""
+        return self.host is None or self.work.is_completed()

@@ -104,6 +104,7 @@ class Executor:
         self.comm = comm
         self.device = device
         self.profiling = False
+        self.clock: Any = None  # an ActionClock (action_clock.py): device times of the actions
         self._inputs: list[tuple[torch.Tensor, ...]] = []
         self._targets: list[Any] = []
         self._losses: list[torch.Tensor | None] = []
@@ -124,9 +125,11 @@ class Executor:
         self._targets = targets
         self._losses = [None] * n_microbatches
         self.peak_live, self.peak_live_bytes = self.live, self.live_bytes
-        action = None
+        action, clock = None, self.clock
         try:
-            if self.profiling:
+            if clock is not None:  # CUDA events around each action (action_clock.py)
+                clock.run(self._program, self.profiling)
+            elif self.profiling:
                 for action, label, fn in self._program:  # noqa: B007 (named on failure)
                     with record_function(label):
                         fn()
@@ -135,6 +138,7 @@ class Executor:
                     fn()
             self._finish_sends()
         except Exception as e:
+            action = clock.action if clock is not None else action
             raise self._describe(action, e) from e
         finally:
             self._inputs.clear()
@@ -195,6 +199,8 @@ class Executor:
                     w.wait()
         except Exception as e:
             raise _WaitFailed(posted.action, e) from e
+        if self.clock is not None:
+            self.clock.waited()
         return posted.bufs
 
     def _flush(self) -> None:

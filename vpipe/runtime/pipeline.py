@@ -60,9 +60,17 @@ class Pipeline:
     mean-reduced loss over the whole batch. Like ``loss.backward()``, gradients accumulate
     across steps: zero them (``optimizer.zero_grad()``) between steps as usual.
 
+    ``time_actions`` (CUDA devices only; ignored elsewhere, where host spans are the device's)
+    records a CUDA event pair around every action on the stream it runs on, without
+    synchronising, read after the step's synchronise into ``stats["action_times"]``
+    (:class:`~vpipe.runtime.action_clock.ActionTime` per action: device ns after the step's
+    start, and when a received input was there).
+
     After each step ``stats`` holds ``peak_live_activations`` (microbatch-stages whose F ran
     and whose last backward part had not, at most at once on this rank),
-    ``peak_live_activation_bytes`` (the same in bytes kept for backward), ``step_time_s``.
+    ``peak_live_activation_bytes`` (the same in bytes kept for backward), ``step_time_s``;
+    after the first, also ``comm_setup_s``: what creating the channels' communicators took
+    (one tiny exchange per channel when the pipeline was built, :meth:`P2P.connect`).
     """
 
     def __init__(
@@ -77,6 +85,7 @@ class Pipeline:
         static_shapes: bool = False,
         comm_channels: bool | None = None,
         post_thread: bool | None = None,
+        time_actions: bool = False,
     ) -> None:
         from vpipe.ir.bundling import comm_bundles
         from vpipe.ir.lowering import lower, validate
@@ -114,11 +123,17 @@ class Pipeline:
             self.device,
             comm_bundles(program)[self.rank] if bundle_messages and distributed else (),
         )
+        if self.comm is not None and self.comm.channels:
+            self.comm.connect()  # communicators made now, not in the first step
+        if time_actions and self.device.type == "cuda":
+            from vpipe.runtime.action_clock import ActionClock
+
+            self._executor.clock = ActionClock(program.actions[self.rank], self.device)
         self.static_shapes = static_shapes
         self._key: tuple[TensorMeta, ...] | None = None
         self._key_work: Any = None
         self._step = 0
-        self.stats: dict[str, float] = {}
+        self.stats: dict[str, Any] = {}
 
     @property
     def is_loss_rank(self) -> bool:
@@ -180,6 +195,10 @@ class Pipeline:
             "peak_live_activation_bytes": ex.peak_live_bytes,
             "step_time_s": time.perf_counter() - t0,
         }
+        if self._step == 1 and self.comm is not None and self.comm.connect_s is not None:
+            self.stats["comm_setup_s"] = self.comm.connect_s  # reported once
+        if ex.clock is not None:  # after the synchronise: reading the events does not stall
+            self.stats["action_times"] = ex.clock.read()
         return losses
 
     # -- shapes ------------------------------------------------------------------------------

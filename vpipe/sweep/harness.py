@@ -60,6 +60,7 @@ class RankSpec:
     static_shapes: bool = True  # every step of a harness feeds the same batch shape
     comm_channels: bool | None = None  # one process group per direction (None: on NCCL)
     post_thread: bool | None = None  # post communication off the compute thread (None: gloo)
+    time_actions: bool = False  # CUDA events per action, in stats["action_times"] (CUDA only)
 
     @property
     def process_backend(self) -> str:
@@ -176,7 +177,13 @@ class RankHarness:
 
         window = {"wait": 0, "warmup": 1, "active": 1}
         with StepProfiler(
-            out_dir, self.rank, metadata=metadata, verbose=verbose, ops=ops, **window
+            out_dir,
+            self.rank,
+            metadata=metadata,
+            verbose=verbose,
+            ops=ops,
+            device=self.device,
+            **window,
         ) as p:
             for _ in range(2):
                 dist.barrier()
@@ -255,6 +262,7 @@ def _make_pipeline(spec: RankSpec, modules: dict[int, Any], loss_fn: Any, device
         static_shapes=spec.static_shapes,
         comm_channels=spec.comm_channels,
         post_thread=spec.post_thread,
+        time_actions=spec.time_actions,
     )
 
 

@@ -18,8 +18,14 @@ What becomes a row of the event table (:mod:`vpipe.events` schema, ``source="mea
   per rank; rows outside every step span are dropped. A trace with neither is one step, 0.
 - Other ``PP:`` spans (e.g. torch's ``PP:0UNSHARD``): ``kind="other"``, stage/microbatch -1.
 
-Only CPU-side spans count: on CUDA, Kineto also writes a ``gpu_user_annotation`` copy of each
-span on a GPU stream (same name), which is skipped.
+Rows come from the CPU-side spans, one per span. On CUDA, Kineto also writes a
+``gpu_user_annotation`` copy of each span on a GPU stream (same name): those give the compute
+rows their device intervals and the WAIT rows the device's idle time before the consumer
+(:mod:`vpipe.trace.device_clock`; ``clock="device"``, the CPU span kept as the row's launch
+span), and never make rows of their own. Without them every row is on the host clock
+(``clock="host"``, launch span = the row's span); a CUDA trace (the run's ``device`` metadata,
+else the trace's GPU ``deviceProperties``) without them converts with a warning that its
+times are launch times. The run's ``meta["clock"]`` says which (``mixed`` if ranks differ).
 
 Times are wall-clock nanoseconds (Kineto's ``baseTimeNanoseconds`` + ``ts``), comparable across
 the ranks of one host. The rank comes from vpipe's embedded metadata, else the trace's
@@ -36,6 +42,7 @@ from __future__ import annotations
 
 import os
 import re
+import warnings
 from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -53,6 +60,13 @@ from vpipe.events import (
     memory_frame,
 )
 from vpipe.ir import Kind, parse_action
+from vpipe.trace.device_clock import (
+    DEV_END,
+    DEV_START,
+    device_intervals,
+    has_device_intervals,
+    to_device_clock,
+)
 from vpipe.trace.kineto_json import RawTrace, read_trace
 
 _RANK_IN_NAME = re.compile(r"rank[_-]?(\d+)", re.IGNORECASE)
@@ -142,7 +156,8 @@ def _assign_steps(starts: np.ndarray, marks: pd.DataFrame) -> tuple[np.ndarray, 
     return mk[safe], ok
 
 
-def _convert_file(raw: RawTrace, rank: int) -> tuple[pd.DataFrame, pd.DataFrame, bool]:
+def _convert_file(raw: RawTrace, rank: int) -> tuple[pd.DataFrame, pd.DataFrame, bool, str]:
+    """(events, memory, whether it has vpipe's step spans, the clock of its compute rows)."""
     base = int(raw.header.get("baseTimeNanoseconds") or 0)
     spans = raw.spans
     names = pd.Categorical(spans["name"])
@@ -159,6 +174,9 @@ def _convert_file(raw: RawTrace, rank: int) -> tuple[pd.DataFrame, pd.DataFrame,
         }
     )
     df["end_ns"] = df["start_ns"] + np.rint(np.asarray(spans["dur"]) * 1000.0).astype(np.int64)
+    df[DEV_START], df[DEV_END] = device_intervals(
+        spans["name"], df["start_ns"].to_numpy(), raw.device_spans, base
+    )
     parts_of = {t[3]: t[4] for t in table if t[0] == "overlap"}
 
     # Step spans: vpipe's own if present, else the profiler's.
@@ -170,13 +188,18 @@ def _convert_file(raw: RawTrace, rank: int) -> tuple[pd.DataFrame, pd.DataFrame,
     steps, inside = _assign_steps(df["start_ns"].to_numpy(), marks)
     df["step"] = steps
     df = df[inside]
-    df = _trim_nested_waits(_drop_shadowed_parts(df))
+    df = _drop_shadowed_parts(df)
+    if has_device_intervals(df):
+        df, clock = to_device_clock(df), "device"
+    else:
+        df, clock = _trim_nested_waits(df.drop(columns=[DEV_START, DEV_END])), "host"
+        df = df.assign(clock="host", launch_start_ns=df["start_ns"], launch_end_ns=df["end_ns"])
     df["rank"] = rank
 
     mdf = _memory_rows(raw.memory, raw.header.get("vpipe_samples") or [], base)
     mdf["step"] = _last_started(mdf["t_ns"].to_numpy(), marks)
     mdf["rank"] = rank
-    return df, mdf, bool(is_vstep.any())
+    return df, mdf, bool(is_vstep.any()), clock
 
 
 def _last_started(times: np.ndarray, marks: pd.DataFrame) -> np.ndarray:
@@ -335,6 +358,7 @@ def convert(
     if not files:
         raise TraceError("no trace files given")
     ev_parts, mem_parts, metas, ranks = [], [], [], {}
+    clocks: set[str] = set()
     n_raw = 0
     for path in files:
         raw = read_trace(path)
@@ -344,9 +368,16 @@ def convert(
             raise TraceError(f"{path}: rank {rank} also comes from {ranks[rank]}")
         ranks[rank] = path
         try:
-            ev, mem, vpipe_steps = _convert_file(raw, rank)
+            ev, mem, vpipe_steps, clock = _convert_file(raw, rank)
         except TraceError as e:
             raise TraceError(f"{path}: {e}") from None
+        clocks.add(clock)
+        if clock == "host" and _is_cuda_trace(raw.header):
+            warnings.warn(
+                f"{path}: a CUDA trace without device spans (profiled without CUDA activity): "
+                "its action times are launch times on the host clock, not device times",
+                stacklevel=2,
+            )
         ev_parts.append(ev)
         mem_parts.append(mem)
         meta = raw.header.get("vpipe")
@@ -357,6 +388,7 @@ def convert(
     meta["impl"] = impl or meta.get("impl") or ("vpipe" if all(m[2] for m in metas) else "torch")
     meta["schedule"] = schedule or meta.get("schedule") or "unknown"
     meta["ranks_in_trace"] = sorted(ranks)
+    meta["clock"] = clocks.pop() if len(clocks) == 1 else "mixed"
     events = pd.concat(ev_parts, ignore_index=True).sort_values(["rank", "start_ns", "end_ns"])
     const = {"run_id": meta["run_id"], "source": "measured"}
     events = events_frame(
@@ -372,6 +404,14 @@ def convert(
         {**{c: memory[c].to_numpy() for c in MEMORY_COLUMNS if c in memory}, **const}
     )
     return Trace(events.reset_index(drop=True), memory.reset_index(drop=True), meta, n_raw)
+
+
+def _is_cuda_trace(header: Mapping[str, Any]) -> bool:
+    """Whether the run was on CUDA: its vpipe metadata's device, else the trace's GPUs."""
+    meta = header.get("vpipe")
+    if isinstance(meta, dict) and meta.get("device") is not None:
+        return str(meta["device"]).startswith("cuda")
+    return bool(header.get("deviceProperties"))
 
 
 def _merge_meta(metas: Sequence[tuple[Path, Mapping[str, Any], bool]]) -> dict[str, Any]:

@@ -21,7 +21,7 @@ import gc
 import gzip
 import io
 import re
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
@@ -48,8 +48,9 @@ _MEMORY_EVENTS = pa.schema(
         )
     ]
 )
-# Kineto's device-side copy of a record_function range (on CUDA): the same name on a GPU stream.
-# Only the CPU-side span (``user_annotation``) is read, so an action is never counted twice.
+# Kineto's device-side copy of a record_function range (on CUDA): the same name on a GPU stream,
+# from the first kernel launched inside the range to the end of the last. Read apart from the
+# CPU-side spans (``user_annotation``): it gives an action its device interval, never a row.
 _GPU_COPY = "gpu_user_annotation"
 _SPAN_NAME = re.compile(rb'"name"\s*:\s*"(PP:|ProfilerStep#)')
 _OBJECT_TAIL = re.compile(rb"[^{}]*(?:\{[^{}]*\}[^{}]*)*\}")
@@ -64,6 +65,13 @@ class RawTrace:
     # ProfilerStep# spans (not their GPU-stream copies)
     memory: dict[str, np.ndarray]  # ts, alloc, reserved, device of [memory] events
     n_events: int  # events in the file (for speed figures)
+    device_spans: dict[str, list] = field(default_factory=lambda: _no_spans())  # the same
+    # fields of the GPU-stream copies (gpu_user_annotation), on the host's clock as Kineto
+    # writes them
+
+
+def _no_spans() -> dict[str, list]:
+    return {"name": [], "ts": [], "dur": []}
 
 
 def read_trace(path: str | Path) -> RawTrace:
@@ -102,12 +110,12 @@ def _full(raw: bytes, path: Path) -> RawTrace:
         name = e.get("name") if isinstance(e, dict) else None
         if isinstance(name, str) and name.startswith(("PP:", "ProfilerStep#", "[memory]")):
             wanted.append((i, e))
-    spans, memory = _pick(wanted, path)
-    return RawTrace(doc, spans, memory, len(events))
+    spans, memory, device = _pick(wanted, path)
+    return RawTrace(doc, spans, memory, len(events), device)
 
 
-def _pick(events: list[tuple[int, dict]], path: Path) -> tuple[dict[str, list], dict]:
-    spans: dict[str, list] = {"name": [], "ts": [], "dur": []}
+def _pick(events: list[tuple[int, dict]], path: Path) -> tuple[dict[str, list], dict, dict]:
+    spans, device = _no_spans(), _no_spans()
     mem: dict[str, list] = {"ts": [], **{k: [] for k in _MEMORY_ARGS}}
     for i, e in events:
         try:
@@ -118,18 +126,23 @@ def _pick(events: list[tuple[int, dict]], path: Path) -> tuple[dict[str, list], 
                 mem["alloc"].append(int(a.get("Total Allocated", 0)))
                 mem["reserved"].append(int(a.get("Total Reserved", 0)))
                 mem["device"].append(int(a.get("Device Type", 0)))
-            elif e.get("ph") == "X" and e.get("cat") != _GPU_COPY:
-                spans["name"].append(name)
-                spans["ts"].append(float(e["ts"]))
-                spans["dur"].append(float(e["dur"]))
+            elif e.get("ph") == "X":
+                into = device if e.get("cat") == _GPU_COPY else spans
+                into["name"].append(name)
+                into["ts"].append(float(e["ts"]))
+                into["dur"].append(float(e["dur"]))
         except (AttributeError, KeyError, TypeError, ValueError) as err:
             raise TraceError(
                 f"{path}: malformed trace event #{i} ({e.get('name')!r}): {err!r}"
             ) from None
-    return spans, {
-        "ts": np.asarray(mem["ts"], np.float64),
-        **{k: np.asarray(mem[k], np.int64) for k in _MEMORY_ARGS},
-    }
+    return (
+        spans,
+        {
+            "ts": np.asarray(mem["ts"], np.float64),
+            **{k: np.asarray(mem[k], np.int64) for k in _MEMORY_ARGS},
+        },
+        device,
+    )
 
 
 def _fast(raw: bytes, path: Path) -> RawTrace | None:
@@ -170,8 +183,8 @@ def _fast(raw: bytes, path: Path) -> RawTrace | None:
         events = orjson.loads(b"[" + b",".join(span_slices) + b"]")
     except orjson.JSONDecodeError:
         return None
-    spans, _ = _pick(list(enumerate(events)), path)
-    return RawTrace(header, spans, memory, n_events)
+    spans, _, device = _pick(list(enumerate(events)), path)
+    return RawTrace(header, spans, memory, n_events, device)
 
 
 def _memory(raw: bytes) -> tuple[dict[str, np.ndarray], int] | None:

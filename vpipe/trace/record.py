@@ -6,8 +6,10 @@ files TensorBoard's profiler plugin looks for; they open in Perfetto too). The r
 (run_id, schedule, impl, ranks, microbatches, model, ...) is embedded in the trace under the
 top-level key ``"vpipe"`` so that :mod:`vpipe.trace.kineto` can label the events without side
 files. Memory figures that the profiler does not record itself (process RSS, the CUDA
-allocator's per-step peak, the runtime's live-activation bytes) are sampled after every active
-step and embedded under ``"vpipe_samples"``, with wall-clock times on the trace's own clock.
+allocator's per-step peak of the run's own device, the runtime's live-activation bytes) are
+sampled after every active step and embedded under ``"vpipe_samples"``, with wall-clock times
+on the trace's own clock. CUDA activity and statistics are recorded only for a run on a CUDA
+``device``: a CPU run on a machine with GPUs never reads them.
 The profiler's own trace-point lines on stderr are filtered out unless ``verbose``
 (:mod:`vpipe.trace.quiet`). Only user spans are recorded unless ``ops``
 (:mod:`vpipe.trace.scopes`): every aten op besides is for reading a trace, and slows the step.
@@ -47,6 +49,27 @@ def current_rss_bytes() -> int | None:
         return None
 
 
+def cuda_device(device: Any) -> Any:
+    """``device`` as a ``torch.device`` with its index (the current one if it names none) when
+    it is a CUDA device, else None (and then CUDA is never touched)."""
+    import torch
+
+    d = torch.device(device)
+    if d.type != "cuda":
+        return None
+    return d if d.index is not None else torch.device("cuda", torch.cuda.current_device())
+
+
+def take_cuda_peak(device: Any) -> int:
+    """The CUDA allocator's peak bytes on ``device`` (a CUDA ``torch.device`` with its index)
+    since the last call, and a fresh start for the next."""
+    import torch
+
+    peak = int(torch.cuda.max_memory_allocated(device))
+    torch.cuda.reset_peak_memory_stats(device)
+    return peak
+
+
 class StepProfiler:
     """Context manager profiling a window of pipeline steps; call :meth:`step` after each.
 
@@ -55,7 +78,9 @@ class StepProfiler:
     inside it). With ``out_dir=None`` every method is a no-op, so callers need no branches.
     ``verbose`` lets the profiler's trace-point lines (``USDT: ... profiler_start``) through.
     ``ops`` records every aten op besides the user spans (for reading the trace: it slows the
-    steps it records); the trace's metadata says which (``profiler_ops``).
+    steps it records); the trace's metadata says which (``profiler_ops``). ``device`` is the
+    run's (``"cuda:1"``, a ``torch.device``): on CUDA the profiler records device activity (the
+    actions' device spans) and each step's allocator peak of that device, by its index.
     """
 
     def __init__(
@@ -72,6 +97,7 @@ class StepProfiler:
         metadata: Mapping[str, Any] | None = None,
         verbose: bool = False,
         ops: bool = False,
+        device: Any = "cpu",
     ) -> None:
         if min(wait, warmup) < 0 or active < 1:
             raise ValueError(
@@ -97,7 +123,8 @@ class StepProfiler:
         self._samples: list[dict[str, Any]] = []
         self._steps = 0
         self._prof: Any = None
-        self._cuda = False
+        self._device = str(device)  # a CUDA device is resolved (and torch imported) at entry
+        self._cuda: Any = None  # the run's torch.device when it is a CUDA one
         self._ops = ops
         self._scopes = ExitStack()
 
@@ -108,12 +135,13 @@ class StepProfiler:
     def __enter__(self) -> StepProfiler:
         if not self.enabled:
             return self
-        import torch
         from torch.profiler import ProfilerActivity, profile, schedule
 
         self.out_dir.mkdir(parents=True, exist_ok=True)
-        self._cuda = torch.cuda.is_available()
-        activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if self._cuda else [])
+        self._cuda = cuda_device(self._device)
+        activities = [ProfilerActivity.CPU] + (
+            [ProfilerActivity.CUDA] if self._cuda is not None else []
+        )
         wait, warmup, active = self._window
         user_only = not self._ops and self._scopes.enter_context(user_scope_only())
         self._meta["profiler_ops"] = "user spans" if user_only else "all"
@@ -154,11 +182,8 @@ class StepProfiler:
     def _sample(self, memory: Mapping[str, int]) -> None:
         t_ns = time.time_ns()  # Kineto's clock: baseTimeNanoseconds + ts is wall-clock ns
         values: dict[str, int | None] = {"rss": current_rss_bytes()}
-        if self._cuda:
-            import torch
-
-            values["cuda_peak"] = int(torch.cuda.max_memory_allocated())
-            torch.cuda.reset_peak_memory_stats()
+        if self._cuda is not None:
+            values["cuda_peak"] = take_cuda_peak(self._cuda)
         values.update({k: int(v) for k, v in memory.items() if v is not None})
         for what, value in values.items():
             if value is not None:

@@ -43,7 +43,14 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 
 from vpipe.errors import TraceError
-from vpipe.events import EVENT_COLUMNS, MEMORY_COLUMNS, SCHEMA_VERSION, events_frame, memory_frame
+from vpipe.events import (
+    EVENT_COLUMNS,
+    MEMORY_COLUMNS,
+    SCHEMA_VERSION,
+    events_frame,
+    memory_frame,
+    with_clock_columns,
+)
 from vpipe.metrics.catalogue import registry
 
 META_KEY = b"vpipe"
@@ -246,7 +253,11 @@ class Store:
                     continue
                 df, meta = read_parquet(path)
                 if meta.get("schema_version", SCHEMA_VERSION) < SCHEMA_VERSION:
-                    write_parquet(df, path, {k: v for k, v in meta.items() if k != "schema_version"})
+                    if table == "events":
+                        df = with_clock_columns(df)
+                    write_parquet(
+                        df, path, {k: v for k, v in meta.items() if k != "schema_version"}
+                    )
                     done += 1
         return done
 

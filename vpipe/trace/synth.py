@@ -4,9 +4,13 @@
 with the spans the runtime records (``ProfilerStep#N`` > ``PP:STEP:k`` > ``PP:{action}``, a
 ``PP:WAIT:{recv}`` at the start of each received input's consumer, inside its span), ``ops_per_action`` nested ``aten::`` CPU ops
 per action and a ``[memory]`` instant event per op, as torch.profiler writes them. With
-``gpu_annotations`` it also has what Kineto adds when CUDA is profiled: a
-``gpu_user_annotation`` copy of every span on a GPU stream (same name, a little later), which
-the converter must not count twice.
+``gpu_annotations`` it is a CUDA run as Kineto records it: the CPU spans are launches (short,
+early; a ``PP:WAIT`` returns at once, as NCCL's ``Work.wait()`` does), and a
+``gpu_user_annotation`` copy of each action's span on a GPU stream (same name) holds what the
+device did: later and longer (``device_scale`` times the launch), one action after another
+on the stream, a consumer of a received input ``device_wait_us`` after the device's previous
+action; the step span ends after the device synchronise. The converter must use these device
+intervals and never count an action twice.
 
 ``python -m vpipe.trace.synth [--mb 30] [--no-memory]`` writes a ~30 MB two-rank trace to a
 temp directory and prints the end-to-end conversion speed (trace events per second, JSON files
@@ -40,11 +44,13 @@ def synthetic_trace(
     wait_us: float = 3.0,
     memory_events: bool = True,
     gpu_annotations: bool = False,
+    device_scale: float = 4.0,
+    device_wait_us: float = 4.0,
     meta: Mapping[str, Any] | None = None,
 ) -> dict[str, Any]:
     """The Kineto JSON document of rank ``rank`` running ``programs[rank]`` for ``steps``
     (with a ``[memory]`` event per op when ``memory_events``, as ``profile_memory=True``, and
-    GPU-stream copies of the annotation spans when ``gpu_annotations``, as on CUDA)."""
+    as a CUDA run with device spans when ``gpu_annotations``: see the module docstring)."""
     events: list[dict[str, Any]] = []
     pid = 1000 + rank
     ts = 10_000.0 + 7.0 * rank  # microseconds since baseTimeNanoseconds; ranks skewed a bit
@@ -58,21 +64,29 @@ def synthetic_trace(
              "dur": round(dur, 3), "args": {"External id": ext, "Record function id": 0, "Ev Idx": ext}}
         )  # fmt: skip
 
+    device: list[tuple[str, float, float]] = []  # the GPU stream's spans (name, ts, dur)
+    host_wait = 0.3 if gpu_annotations else wait_us  # NCCL: the stream waits, not the host
     for k in steps:
         step_start = ts
         body: list[tuple[str, float, float]] = []
         t = ts + 1.0
+        dev_free, dev_first = t, None
         pending: dict[tuple[int, int, Kind], Action] = {}
         for a in programs[rank]:
             if a.kind in (Kind.RECV_F, Kind.RECV_B):
                 pending[(a.stage, a.microbatch, a.kind)] = a
             need = Kind.RECV_F if a.kind is Kind.F else Kind.RECV_B
             recv = pending.pop((a.stage, a.microbatch, need), None) if a.is_compute else None
-            wait = wait_us + 0.5 if recv else 0.0
+            wait = host_wait + 0.5 if recv else 0.0
             dur = 2.0 + 3.0 * ops_per_action + wait
             body.append((f"PP:{a}", t, dur))
             if recv:  # the runtime waits for an input inside the consuming action's span
-                body.append((f"PP:WAIT:{recv}", t + 0.2, wait_us))
+                body.append((f"PP:WAIT:{recv}", t + 0.2, host_wait))
+            if gpu_annotations and a.is_compute:
+                start = max(t + 5.0, dev_free + (device_wait_us if recv else 0.0))
+                dev_free = start + device_scale * (dur - wait)
+                device.append((f"PP:{a}", start, dev_free - start))
+                dev_first = start if dev_first is None else dev_first
             for j in range(ops_per_action):
                 op_t = t + wait + 0.5 + 3.0 * j
                 span(_OPS[j % len(_OPS)], op_t, 2.5, cat="cpu_op")
@@ -86,17 +100,19 @@ def synthetic_trace(
                               "Ev Idx": ext}}
                 )  # fmt: skip
             t += dur + 0.5
+        if dev_first is not None:  # the step ends with a device synchronise
+            device.append((f"PP:STEP:{k}", dev_first, dev_free - dev_first))
+            t = max(t, dev_free + 1.0)
         span(f"ProfilerStep#{k}", step_start, t - step_start + 1.0)
         span(f"PP:STEP:{k}", step_start + 0.2, t - step_start)
         for name, start, dur in body:
             span(name, start, dur)
         ts = t + 2.0
-    if gpu_annotations:  # Kineto's device-side copies of the CPU's record_function ranges
-        events.extend(
-            {**e, "cat": "gpu_user_annotation", "pid": rank, "tid": 7, "ts": e["ts"] + 5.0,
-             "args": {"External id": e["args"]["External id"], "device": rank, "stream": 7}}
-            for e in list(events)
-            if e["cat"] == "user_annotation"
+    for name, start, dur in device:  # Kineto's device-side copies of record_function ranges
+        events.append(
+            {"ph": "X", "cat": "gpu_user_annotation", "name": name, "pid": rank, "tid": 7,
+             "ts": round(start, 3), "dur": round(dur, 3),
+             "args": {"External id": 0, "device": rank, "stream": 7}}
         )  # fmt: skip
     return {
         "schemaVersion": 1,
