@@ -42,6 +42,8 @@ def write_outputs(res: BenchResults, out: str | Path) -> dict[str, Path]:
     meta = {"table": "steps", "bench_id": res.bench_id}
     write_parquet(res.steps, out / "steps.parquet", meta)
     write_parquet(res.ranks, out / "ranks.parquet", {**meta, "table": "ranks"})
+    if len(res.host):
+        write_parquet(res.host, out / "host.parquet", {**meta, "table": "host"})
     (out / "meta.json").write_text(json.dumps(res.meta, indent=1, default=str) + "\n")
     sections = report_sections(res)
     plots = out / "plots"
