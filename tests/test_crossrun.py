@@ -38,8 +38,8 @@ def test_normalisation_cancels_a_uniformly_slower_host():
     assert raw.value == pytest.approx(1 / 1.6, rel=0.03) and raw.high < 0.7
     assert norm.normalised and norm.value == pytest.approx(1.0, abs=0.03)
     assert norm.low < 1 < norm.high
-    assert verdict(norm, noise_threshold(0.05)) == "within noise"
-    assert verdict(raw, noise_threshold(0.05)) == "slower"
+    assert verdict(norm, noise_threshold(0.02)) == "within noise"
+    assert verdict(raw, noise_threshold(0.02)) == "slower"
 
 
 def test_a_code_slowdown_survives_normalisation():
@@ -91,12 +91,15 @@ def test_verdict_rules_and_host_differed():
     assert verdict(ratio(1.10, 1.30), t) == "faster"
     assert verdict(ratio(0.70, 0.90), t) == "slower"
     assert verdict(ratio(0.98, 1.03), t) == "within noise"
-    assert verdict(ratio(1.01, 1.30), t) == "inconclusive"  # above 1, not above the threshold
+    assert verdict(ratio(1.01, 1.05), t) == "within noise"  # real, but inside the noise band
+    assert verdict(ratio(0.95, 1.25), t) == "inconclusive"  # holds 1 and a 20% effect
     assert verdict(ratio(0.70, 0.90), t, ["other processes' CPU 0.1 vs 1.0 cores"]) == (
         "host differed"
     )
+    assert verdict(ratio(0.95, 1.25), t, ["CPU steal"]) == "host differed"
     assert verdict(ratio(0.98, 1.03), t, ["CPU steal"]) == "within noise"
-    assert noise_threshold(0.0) == MIN_EFFECT and noise_threshold(0.08) == 0.08
+    assert noise_threshold(0.0) == MIN_EFFECT
+    assert noise_threshold(0.04) == pytest.approx(1.96 * 0.04 * math.sqrt(2), rel=1e-3)
 
 
 def cross_ratio_stub(value, low, high, within, between=0.0):
@@ -106,14 +109,16 @@ def cross_ratio_stub(value, low, high, within, between=0.0):
 
 
 def test_rounds_to_settle_scales_with_the_variance():
-    # estimate 10% (log ~0.095), threshold 0.05: a half-width of 0.045 decides; now 0.09
-    r = cross_ratio_stub(math.exp(0.095), math.exp(0.005), math.exp(0.185), 0.09)
+    # estimate 6% (log 0.06), band 0.05, half-width 0.09: holds 1 and a 15% effect;
+    # a half-width of 0.06 would exclude 1
+    r = cross_ratio_stub(math.exp(0.06), math.exp(-0.03), math.exp(0.15), 0.09)
     assert verdict(r, 0.05) == "inconclusive"
-    target = math.log(r.value) - 0.05  # about 0.045
+    target = math.log(r.value)
     assert rounds_to_settle(r, 0.05, 3) == math.ceil(3 * 0.09**2 / target**2)
-    assert 11 <= rounds_to_settle(r, 0.05, 3) <= 13
+    assert 6 <= rounds_to_settle(r, 0.05, 3) <= 8
     # the run-to-run part alone is wider than what would decide: no number of rounds does
-    assert rounds_to_settle(cross_ratio_stub(1.1, 1.0, 1.2, 0.02, between=0.06), 0.05, 3) is None
+    stuck = cross_ratio_stub(1.03, 0.9, 1.18, 0.02, between=0.08)
+    assert rounds_to_settle(stuck, 0.03, 3) is None
     assert paired_rounds_to_settle(1.05, 0.99, 1.11, 3) == math.ceil(
         3 * ((math.log(1.11) - math.log(0.99)) / 2 / math.log(1.05)) ** 2
     )

@@ -16,9 +16,10 @@ interval that holds when the host changed between them, and the verdict rules.
   resampled, so the within-run bootstrap interval is widened by the between-run spread
   ``sd_between`` (measured from the sweeps' own blocks, or :data:`DEFAULT_BETWEEN_SD`, measured
   by ``python -m bench.false_alarms``): half-width ``sqrt(h_within^2 + (z * sd * sqrt(1/a + 1/b))^2)``.
-- **Verdict** (:func:`verdict`): "faster"/"slower" only when the whole interval is beyond the
-  noise threshold (:func:`noise_threshold`: the between-run spread, at least
-  :data:`MIN_EFFECT`); "within noise" when it lies inside; "host differed" when the hosts'
+- **Verdict** (:func:`verdict`): "faster"/"slower" only when the interval excludes 1 and the
+  estimate is beyond the A/A noise band (:func:`noise_threshold`: 95% of two single launches
+  of the same code differ by less); "within noise" when the estimate is inside the band and
+  the interval leaves no effect of twice the band possible; "host differed" when the hosts'
   states differed (:func:`vpipe.host_state.judge_hosts`) and the figure is not within noise;
   otherwise "inconclusive", with how many rounds per block would settle it
   (:func:`rounds_to_settle`).
@@ -201,37 +202,46 @@ def between_block_sd(configs: Iterable[Sequence[Block]], normalise: bool) -> flo
 
 
 def noise_threshold(between_sd: float) -> float:
-    """The smallest difference (log) a verdict may call faster or slower: one run-to-run
-    standard deviation, at least :data:`MIN_EFFECT`. Smaller differences are within noise."""
-    return max(MIN_EFFECT, between_sd)
+    """The A/A noise band (log): 95% of comparisons of two single launches of the same code
+    differ by less (``z * sd * sqrt(2)``), at least :data:`MIN_EFFECT`. A difference inside it
+    is within noise even when its interval excludes 1."""
+    return max(MIN_EFFECT, Z * between_sd * math.sqrt(2))
 
 
 def verdict(r: CrossRatio, threshold: float, host_differences: Sequence[str] = ()) -> str:
-    """ "faster"/"slower" when the interval clears the threshold (log) in one direction,
-    "within noise" when it lies inside it, "host differed" when the hosts' states differed
-    and it is not within noise, else "inconclusive"; "too few steps" without an interval."""
+    """The verdict of a cross-run ratio against the noise band ``threshold`` (log):
+
+    - interval excludes 1: "within noise" when the estimate is inside the band, "host
+      differed" when the hosts' states differed, else "faster"/"slower";
+    - interval holds 1: "within noise" when it lies inside twice the band (no effect the
+      size of the noise is left possible), "host differed" when the hosts differed, else
+      "inconclusive".
+
+    "too few steps" without an interval.
+    """
     if not r.has_interval:
         return f"too few steps (< {MIN_SAMPLES})"
-    lo, hi = math.log(r.low), math.log(r.high)
-    if -threshold <= lo and hi <= threshold:
+    lo, hi, d = math.log(r.low), math.log(r.high), math.log(r.value)
+    if lo > 0 or hi < 0:
+        if abs(d) <= threshold:
+            return "within noise"
+        if host_differences:
+            return "host differed"
+        return "faster" if lo > 0 else "slower"
+    if -2 * threshold <= lo and hi <= 2 * threshold:
         return "within noise"
-    if host_differences:
-        return "host differed"
-    if lo > threshold:
-        return "faster"
-    if hi < -threshold:
-        return "slower"
-    return "inconclusive"
+    return "host differed" if host_differences else "inconclusive"
 
 
 def rounds_to_settle(r: CrossRatio, threshold: float, rounds: int) -> int | None:
-    """Rounds per block that would make an inconclusive interval decide (clear or fall inside
-    the threshold), from the observed spread: the within-run half-width shrinks as
-    1/sqrt(rounds), the run-to-run part does not. None when no number of rounds can (the
-    estimate sits on the threshold, or the run-to-run part alone is too wide: more blocks)."""
+    """Rounds per block that would make an inconclusive interval decide (exclude 1, or fit
+    inside twice the noise band), from the observed spread: the within-run half-width shrinks
+    as 1/sqrt(rounds), the run-to-run part does not. None when no number of rounds can (the
+    run-to-run part alone is too wide: more blocks)."""
     if not r.has_interval or rounds < 1:
         return None
-    target = abs(abs(math.log(r.value)) - threshold)  # the half-width that would decide
+    d = abs(math.log(r.value))
+    target = max(d, 2 * threshold - d)  # the half-width that would decide
     room = target**2 - r.between**2
     if room <= 0 or r.within <= 0:
         return None

@@ -230,5 +230,8 @@ def run_report(args: argparse.Namespace) -> int:
     html_text, md_text = comparison_report(args.runs)
     atomic_write(out, lambda p: p.write_text(html_text, encoding="utf-8"))
     atomic_write(md, lambda p: p.write_text(md_text, encoding="utf-8"))
+    verdict = md_text.split("## Verdict\n\n", 1)
+    if len(verdict) == 2:  # the comparison's one-line verdict first
+        print(verdict[1].split("\n", 1)[0])
     print(f"wrote {out} and {out.with_suffix('.md')}")
     return 0
