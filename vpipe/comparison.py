@@ -19,6 +19,7 @@ import pandas as pd
 
 from vpipe.crossrun import MIN_BLOCKS, noise_threshold
 from vpipe.crossrun_report import (
+    choose_normalisation,
     config_blocks,
     cross_cells,
     headline,
@@ -132,7 +133,8 @@ def comparison_table(sweeps: Sequence[Sweep]) -> pd.DataFrame:
     base = sweeps[0]
     label = ratio_label(sweeps)
     b = base.runs.set_index(CONFIG)
-    normalise = all(normalisation_note(base, s) is None for s in sweeps[1:])
+    available = all(normalisation_note(base, s) is None for s in sweeps[1:])
+    normalise, _ = choose_normalisation([s.steps for s in sweeps], available)
     between_sd, _ = run_to_run_sd([s.steps for s in sweeps], normalise)
     rows = []
     for run in sweeps[1:]:
@@ -382,7 +384,9 @@ def _comparison_note(sweeps: Sequence[Sweep], differs: str) -> str:
     )
     notes = {n for s in sweeps[1:] if (n := normalisation_note(sweeps[0], s))}
     words.extend(f"Note: {n}." for n in sorted(notes))
-    between_sd, source = run_to_run_sd([s.steps for s in sweeps], not notes)
+    normalise, why = choose_normalisation([s.steps for s in sweeps], not notes)
+    words.append(f"Figure compared: {why}.")
+    between_sd, source = run_to_run_sd([s.steps for s in sweeps], normalise)
     words.append(
         "ratio = base figure / the run's (> 1: the run is faster); the figure is a block's "
         "median step time over its median reference time (normalised; raw when a sweep has no "

@@ -47,6 +47,9 @@ MIN_BLOCKS = 3  # a bootstrap over fewer blocks has too few distinct outcomes to
 # used when the sweeps have no repeated blocks; measured by bench.false_alarms (see README).
 DEFAULT_BETWEEN_SD = 0.04
 MIN_EFFECT = 0.02  # never call a difference under 2% (log) a speedup or a slowdown
+# "within noise" rules out effects this large at most (log ~10%): with a wider noise band the
+# honest answer is "inconclusive", not that nothing changed
+MAX_WITHIN_NOISE = 0.10
 Z = 1.959963984540054  # two-sided 95% normal quantile
 
 
@@ -214,8 +217,8 @@ def verdict(r: CrossRatio, threshold: float, host_differences: Sequence[str] = (
     - interval excludes 1: "within noise" when the estimate is inside the band, "host
       differed" when the hosts' states differed, else "faster"/"slower";
     - interval holds 1: "within noise" when it lies inside twice the band (no effect the
-      size of the noise is left possible), "host differed" when the hosts differed, else
-      "inconclusive".
+      size of the noise is left possible; never wider than :data:`MAX_WITHIN_NOISE`), "host
+      differed" when the hosts differed, else "inconclusive".
 
     "too few steps" without an interval.
     """
@@ -228,7 +231,8 @@ def verdict(r: CrossRatio, threshold: float, host_differences: Sequence[str] = (
         if host_differences:
             return "host differed"
         return "faster" if lo > 0 else "slower"
-    if -2 * threshold <= lo and hi <= 2 * threshold:
+    band = max(2 * MIN_EFFECT, min(2 * threshold, MAX_WITHIN_NOISE))
+    if -band <= lo and hi <= band:
         return "within noise"
     return "host differed" if host_differences else "inconclusive"
 
@@ -241,7 +245,8 @@ def rounds_to_settle(r: CrossRatio, threshold: float, rounds: int) -> int | None
     if not r.has_interval or rounds < 1:
         return None
     d = abs(math.log(r.value))
-    target = max(d, 2 * threshold - d)  # the half-width that would decide
+    band = max(2 * MIN_EFFECT, min(2 * threshold, MAX_WITHIN_NOISE))
+    target = max(d, band - d)  # the half-width that would decide
     room = target**2 - r.between**2
     if room <= 0 or r.within <= 0:
         return None

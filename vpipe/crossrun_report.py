@@ -64,6 +64,21 @@ def run_to_run_sd(steps: Sequence[pd.DataFrame | None], normalise: bool) -> tupl
     return DEFAULT_BETWEEN_SD, "the default measured by bench.false_alarms (no repeated blocks)"
 
 
+def choose_normalisation(steps: Sequence[pd.DataFrame | None], available: bool) -> tuple[bool, str]:
+    """Whether to compare normalised figures: when available, unless the sweeps' repeated
+    blocks show that normalising widens the run-to-run spread (the reference then tracks the
+    host worse than the steps do, as on an oversubscribed host); and why, in words."""
+    if not available:
+        return False, "raw (normalisation unavailable)"
+    configs = [c for s in steps for c in all_blocks(s)]
+    norm, raw = between_block_sd(configs, True), between_block_sd(configs, False)
+    if norm is not None and raw is not None and raw < norm:
+        return False, (
+            f"raw: normalising widened the run-to-run spread here (sd {norm:.3f} vs {raw:.3f})"
+        )
+    return True, "normalised by the host-speed reference"
+
+
 def host_summary(host: pd.DataFrame | None, steps: pd.DataFrame | None) -> dict[str, Any]:
     """A sweep's host state (:func:`vpipe.host_state.summarise`); the reference time from its
     steps when the host table lacks it; every figure None for an older sweep."""

@@ -15,7 +15,7 @@ from __future__ import annotations
 from collections.abc import Mapping
 from typing import Any
 
-REPEATS = 2  # matmul+copy pairs per timing: long enough to rise above the timer's jitter
+REPEATS = 4  # matmul+copy pairs per timing: long enough to rise above the timer's jitter
 
 
 def reference_shape(sizes: Mapping[str, int], batch: int, microbatches: int) -> dict[str, int]:
