@@ -243,6 +243,9 @@ def test_report_cli_compares_two_stores(tmp_path, capsys):
     table = md.split("## Speedup over aaaa@h1")[1]
     assert "| speedup | 95% CI | verdict |" in table and "| faster |" in table
     assert "not a speedup" not in md and "runs table only" not in md
+    # stores from before the host-speed reference: compared raw, and said so
+    assert "normalisation unavailable: no reference timings in aaaa@h1 and bbbb@h1" in md
+    assert md.split("## Verdict\n\n")[1].startswith("winner: bbbb@h1, faster than aaaa@h1")
     # one run: its summary
     assert main(["report", str(tmp_path / "a"), "-o", str(tmp_path / "one.html")]) == 0
     assert "Summary" in (tmp_path / "one.html").read_text()

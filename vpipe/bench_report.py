@@ -26,6 +26,7 @@ from vpipe.report import (
     slug,
     summary_table,
     table_section,
+    text_section,
     v_vs_baseline,
 )
 
@@ -62,10 +63,12 @@ def report_sections(res: BenchResults) -> list[Section]:
     """The report of one sweep: setup, summary tables, then figures."""
     from vpipe.plots import plot_memory, plot_pareto, plot_throughput, to_png
     from vpipe.report import vpipe_only_note
+    from vpipe.winner import winner_line
 
     runs = res.measured
     regime = regime_section(runs)
-    sections = [regime] if regime else []
+    verdict = text_section("Verdict", [winner_line(res.steps, res.spec.rounds)])
+    sections = [verdict, regime] if regime else [verdict]
     sections.append(table_section("Setup", meta_table(res.meta)))
     sections.append(
         table_section(

@@ -207,6 +207,9 @@ def run_bench(args: argparse.Namespace) -> int:
         clear_dir(out)
     paths = write_outputs(res, out)
     total_s = time.perf_counter() - t0
+    from vpipe.winner import winner_line
+
+    print(winner_line(res.steps, spec.rounds))
     print(res.summary_text())
     print(f"sweep {sweep_s:.1f} s, total {total_s:.1f} s; report: {paths['html']}")
     return 0
