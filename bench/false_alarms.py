@@ -81,9 +81,17 @@ class Hog:
 
 
 def verdicts(base: Any, run: Any) -> list[str]:
+    """The comparison's verdict per config, and each side's host state in brief."""
     from vpipe.comparison import comparison_table
+    from vpipe.crossrun_report import host_summary
 
-    return list(comparison_table([base, run])["verdict"])
+    words = list(comparison_table([base, run])["verdict"])
+    for s in (base, run):
+        h = host_summary(s.host, s.steps)
+        words.append(
+            f"[{s.label}: other {h['other_cores'] or 0:.2f} cores, ref {(h['ref_s'] or 0) * 1e3:.2f} ms]"
+        )
+    return words
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -121,6 +129,8 @@ def main(argv: list[str] | None = None) -> int:
             print(f"A/A' {i + 1:2d} quiet vs delayed: {', '.join(delayed[-1])}", flush=True)
 
     decided = {"faster", "slower"}
+    aa = [[v for v in row if not v.startswith("[")] for row in aa]
+    delayed = [[v for v in row if not v.startswith("[")] for row in delayed]
     alarms = sum(any(v in decided for v in row) for row in aa)
     alarm_configs = sum(v in decided for row in aa for v in row)
     caught = sum(all(v == "slower" for v in row) for row in delayed)
