@@ -36,11 +36,18 @@ LAYERS: list[tuple[str, ...]] = [
         "vpipe.timing",
     ),
     # pure functions of event tables and step times; the store's columns
-    ("vpipe.analysis", "vpipe.metrics", "vpipe.stats"),
+    ("vpipe.analysis", "vpipe.metrics", "vpipe.stats", "vpipe.host_state", "vpipe.crossrun"),
     ("vpipe.trace",),
-    ("vpipe.calibrate", "vpipe.step_replay", "vpipe.harness"),
-    ("vpipe.plan", "vpipe.plots", "vpipe.report", "vpipe.comparison"),
-    ("vpipe.bench", "vpipe.bench_results", "vpipe.bench_report"),
+    ("vpipe.calibrate", "vpipe.step_replay", "vpipe.harness", "vpipe.reference"),
+    (
+        "vpipe.plan",
+        "vpipe.plots",
+        "vpipe.report",
+        "vpipe.comparison",
+        "vpipe.crossrun_report",
+        "vpipe.winner",
+    ),
+    ("vpipe.bench", "vpipe.bench_results", "vpipe.bench_report", "vpipe.sweep_blocks"),
     ("vpipe.commands", "vpipe.cli", "vpipe.__main__", "vpipe"),
 ]
 MAX_LINES = 520
