@@ -10,10 +10,18 @@ table, with its unit. asv takes lower as better, so a higher-is-better metric is
 through its reciprocal (samples/s as ``track_seconds_per_sample``). ``VPIPE_ASV_SCHEDULES`` /
 ``VPIPE_ASV_MICROBATCHES`` (comma-separated) narrow the parameter grid, e.g. for a quick smoke
 run.
+
+Across commits the host changes, so the suite also tracks ``track_normalised_step``: each
+config's median step time over the median time of the host-speed reference timed before
+every step (:mod:`vpipe.sweep.reference`), averaged in log over ``VPIPE_ASV_BLOCKS`` independent
+launches (default 3), in units of the reference (a dimensionless figure that a uniformly
+slower host leaves unchanged). ``VPIPE_ASV_INJECT_DELAY_MS`` sleeps that long per step on rank
+0 (``vpipe bench --inject-delay-ms``), to check that a real slowdown shows.
 """
 
 from __future__ import annotations
 
+import math
 import os
 from collections.abc import Callable
 from typing import Any
@@ -26,6 +34,8 @@ BATCH = 16
 SIZES = {"d_model": 256, "d_hidden": 1024}
 SCHEDULES = parse_list(os.environ.get("VPIPE_ASV_SCHEDULES", ",".join(DEFAULT_SCHEDULES)))
 MICROBATCHES = [int(m) for m in parse_list(os.environ.get("VPIPE_ASV_MICROBATCHES", "4,8"))]
+BLOCKS = int(os.environ.get("VPIPE_ASV_BLOCKS", "3"))
+INJECT_DELAY_MS = float(os.environ.get("VPIPE_ASV_INJECT_DELAY_MS", "0"))
 
 
 def tracked() -> list[Metric]:
@@ -63,8 +73,15 @@ class PipelineCPU:
     param_names = ("schedule", "microbatches")
     timeout = 600
 
+    def track_normalised_step(self, cache: dict, schedule: str, microbatches: int) -> float:
+        return cache[f"{schedule}/{microbatches}"]["normalised_step"]
+
+    track_normalised_step.unit = "reference units"
+
     def setup_cache(self) -> dict:
-        from vpipe.sweep.driver import SweepSpec, run_sweep
+        from vpipe.report.crossrun_table import config_blocks
+        from vpipe.sweep.blocks import run_blocks
+        from vpipe.sweep.driver import SweepSpec
         from vpipe.sweep.results import collect
 
         spec = SweepSpec(
@@ -80,17 +97,22 @@ class PipelineCPU:
             rounds=3,
             profile=True,
             progress=False,
+            blocks=BLOCKS,
+            inject_delay_ms=INJECT_DELAY_MS,
         )
         import tempfile
 
         with tempfile.TemporaryDirectory() as tmp:
             spec.trace_dir = tmp
-            res = collect(spec, run_sweep(spec), "asv", 0.0, simulate=False)
-        return {
-            f"{row['schedule']}/{int(row['microbatches'])}": {
-                m.asv.name: m.asv.value(row[m.name]) for m in tracked()
+            res = collect(spec, run_blocks(spec, "asv"), "asv", 0.0, simulate=False)
+        out = {}
+        for row in res.measured.to_dict("records"):
+            blocks = config_blocks(res.steps, row["schedule"], row["microbatches"], "vpipe")
+            figures = [b.log_figure(normalise=True) for b in blocks]
+            out[f"{row['schedule']}/{int(row['microbatches'])}"] = {
+                **{m.asv.name: m.asv.value(row[m.name]) for m in tracked()},
+                "normalised_step": math.exp(sum(figures) / len(figures)),
             }
-            for row in res.measured.to_dict("records")
-        }
+        return out
 
     setup_cache.timeout = 600

@@ -22,6 +22,9 @@ from vpipe.sweep.harness import SavedTensorMeter
         (["--batch", "10", "--microbatches", "4"], "batch 10 is not divisible into 4"),
         (["--microbatches", "4,x"], "--microbatches must be comma-separated integers"),
         (["--rounds", "0"], "--rounds must be >= 1"),
+        (["--blocks", "0"], "--blocks must be >= 1"),
+        (["--inject-delay-ms", "-1"], "--inject-delay-ms must be >= 0"),
+        (["--inject-delay-rank", "2"], "--inject-delay-rank 2 is not a rank of 2"),
         (["--model", "cnn"], "unknown model 'cnn'"),
         (["--sizes", "depth=3"], "model 'mlp' has no size 'depth'"),
     ],
@@ -71,6 +74,9 @@ def test_quick_sweep_writes_store_plots_and_report(tmp_path, capsys):
     assert rc == 0
     printed = capsys.readouterr().out
     assert "zbv" in printed and "report:" in printed
+    # the one-line verdict comes first: a winner with its interval, or no winner at this noise
+    verdict = [ln for ln in printed.splitlines() if "winner" in ln][0]
+    assert verdict.startswith(("winner (M=4 ", "no winner at this noise (M=4 "))
 
     from vpipe.schedules import make_schedule
     from vpipe.trace.store import Store
@@ -92,6 +98,9 @@ def test_quick_sweep_writes_store_plots_and_report(tmp_path, capsys):
 
     steps = pd.read_parquet(out / "steps.parquet")
     assert len(steps) == 4 * 2 * 2  # configs x rounds x steps (quick: 2 x 2)
+    assert (steps["ref_s"] > 0).all() and set(steps["block"]) == {0}  # the host-speed reference
+    host = pd.read_parquet(out / "host.parquet")
+    assert list(host["round"]) == [0, 1] and (host["other_cores"] >= 0).all()
 
     for row in measured.itertuples():
         ev = store.events([row.run_id])

@@ -99,6 +99,7 @@ def test_bench_report_states_the_regime_first(compute_ns, bound):
     spec = SweepSpec(schedules=("zbv",), microbatches=(4,), impls=("vpipe",), steps=2, rounds=2)
     res = collect(spec, _sweep(compute_ns), "b", 1.0, simulate=False)
     assert res.measured["regime"].iloc[0] == pytest.approx(compute_ns / 200)
-    first = report_sections(res)[0]
-    assert first.title == "Regime" and first.markdown.startswith(bound)
+    verdict, first = report_sections(res)[:2]  # the one-line verdict, then the regime
+    assert verdict.title == "Verdict" and first.title == "Regime"
+    assert first.markdown.startswith(bound)
     assert (WARNING in first.markdown) == (bound == "Overhead-bound")

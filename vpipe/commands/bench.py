@@ -67,6 +67,24 @@ def register(subparsers: argparse._SubParsersAction) -> None:
         help="profiled steps per config, one per interleaved round; calibration takes "
         "per-action medians over them (default 3; --quick: 1)",
     )
+    p.add_argument(
+        "--blocks",
+        type=int,
+        default=1,
+        help="independent launches of the whole sweep (default 1); with several, a later "
+        "`vpipe report A B` measures run-to-run variance instead of assuming it",
+    )
+    p.add_argument(
+        "--inject-delay-ms",
+        type=float,
+        default=0.0,
+        metavar="MS",
+        help="sleep MS per step on one rank (a known slowdown, recorded in the run's meta, to "
+        "check that comparisons catch one; default 0)",
+    )
+    p.add_argument(
+        "--inject-delay-rank", type=int, default=0, help="the rank that sleeps (default 0)"
+    )
     add_runtime_flags(p)
     p.add_argument(
         "--no-profile",
@@ -120,6 +138,7 @@ def register(subparsers: argparse._SubParsersAction) -> None:
 
 
 def run_bench(args: argparse.Namespace) -> int:
+    from vpipe.sweep.blocks import run_blocks
     from vpipe.sweep.driver import (
         DEFAULT_BATCH,
         DEFAULT_MICROBATCHES,
@@ -130,7 +149,6 @@ def run_bench(args: argparse.Namespace) -> int:
         new_run_id,
         parse_list,
         parse_sizes,
-        run_sweep,
     )
 
     sizes = parse_sizes(args.sizes)
@@ -165,6 +183,9 @@ def run_bench(args: argparse.Namespace) -> int:
         recv_lookahead=args.recv_lookahead,
         bundle_messages=args.bundle_messages,
         post_thread=args.post_thread,
+        blocks=args.blocks,
+        inject_delay_ms=args.inject_delay_ms,
+        inject_delay_rank=args.inject_delay_rank,
     )
     spec.validate()
     from vpipe.outputs import check_output_dir, clear_dir
@@ -177,7 +198,7 @@ def run_bench(args: argparse.Namespace) -> int:
     spec.profile_ops = args.profile_ops
     bench_id = new_run_id()
     t0 = time.perf_counter()
-    results = run_sweep(spec, bench_id)
+    results = run_blocks(spec, bench_id)
     if not results:  # a non-coordinating rank of a torchrun job
         return 0
     sweep_s = time.perf_counter() - t0
@@ -186,6 +207,9 @@ def run_bench(args: argparse.Namespace) -> int:
         clear_dir(out)
     paths = write_outputs(res, out)
     total_s = time.perf_counter() - t0
+    from vpipe.report.winner import winner_line
+
+    print(winner_line(res.steps, spec.rounds))
     print(res.summary_text())
     print(f"sweep {sweep_s:.1f} s, total {total_s:.1f} s; report: {paths['html']}")
     return 0
@@ -209,5 +233,8 @@ def run_report(args: argparse.Namespace) -> int:
     html_text, md_text = comparison_report(args.runs)
     atomic_write(out, lambda p: p.write_text(html_text, encoding="utf-8"))
     atomic_write(md, lambda p: p.write_text(md_text, encoding="utf-8"))
+    verdict = md_text.split("## Verdict\n\n", 1)
+    if len(verdict) == 2:  # the comparison's one-line verdict first
+        print(verdict[1].split("\n", 1)[0])
     print(f"wrote {out} and {out.with_suffix('.md')}")
     return 0

@@ -1,7 +1,11 @@
 """Comparing sweeps across commits or machines (``vpipe report``): each sweep's runs table
-and, from a ``vpipe bench`` output directory, its timed steps (``steps.parquet``); the ratio
-of step times per config with a bootstrap interval (:mod:`vpipe.stats`), called a speedup
-only when the setups match; one document with that table or, for one sweep, its summary.
+and, from a ``vpipe bench`` output directory, its timed steps (``steps.parquet``), host state
+(``host.parquet``) and meta; the ratio of step times per config, normalised by the host-speed
+reference where both sweeps have one, with an interval that includes run-to-run variance and a
+verdict that can be "within noise", "inconclusive" or "host differed"
+(:mod:`vpipe.report.crossrun`, :mod:`vpipe.report.crossrun_table`), called a speedup only when the setups
+match; one document with that table, headed by its one-line verdict, or, for one sweep, its
+summary.
 """
 
 from __future__ import annotations
@@ -14,11 +18,19 @@ from pathlib import Path
 import pandas as pd
 
 from vpipe.errors import VpipeError
+from vpipe.report.crossrun import MIN_BLOCKS, noise_threshold
+from vpipe.report.crossrun_table import (
+    choose_normalisation,
+    config_blocks,
+    cross_cells,
+    headline,
+    host_summary,
+    run_to_run_sd,
+)
 from vpipe.report.document import (
     CONFIG,
     OUTLIERS,
     ReportError,
-    config_times,
     ratio_cells,
     regime_warning,
     render_html,
@@ -28,7 +40,8 @@ from vpipe.report.document import (
     text_section,
 )
 from vpipe.report.plots import schedule_order
-from vpipe.stats import CONFIDENCE, OUTLIER_FACTOR, RESAMPLES, SEED, Ratio, ratio_of_medians
+from vpipe.stats import CONFIDENCE, OUTLIER_FACTOR, RESAMPLES, SEED, Ratio
+from vpipe.trace.host_state import judge_hosts
 
 
 def run_label(runs: pd.DataFrame, fallback: str) -> str:
@@ -48,6 +61,11 @@ class Sweep:
     label: str
     runs: pd.DataFrame
     steps: pd.DataFrame | None = None
+    host: pd.DataFrame | None = None  # host state per round (newer sweeps)
+    meta: dict | None = None  # the output directory's meta.json
+
+    def meta_value(self, key: str, default: object = None) -> object:
+        return (self.meta or {}).get(key, default)
 
 
 # What must match for a ratio of step times between two sweeps to be the code's speedup: the
@@ -115,21 +133,33 @@ def comparison_table(sweeps: Sequence[Sweep]) -> pd.DataFrame:
     base = sweeps[0]
     label = ratio_label(sweeps)
     b = base.runs.set_index(CONFIG)
+    available = all(normalisation_note(base, s) is None for s in sweeps[1:])
+    normalise, _ = choose_normalisation([s.steps for s in sweeps], available)
+    between_sd, _ = run_to_run_sd([s.steps for s in sweeps], normalise)
     rows = []
     for run in sweeps[1:]:
         r = run.runs.set_index(CONFIG)
         comparable = not setup_differences(base, run)
         timed = base.steps is not None and run.steps is not None
+        hosts = judge_hosts(host_summary(base.host, base.steps), host_summary(run.host, run.steps))
         for idx in b.index.intersection(r.index):
             x, y = b.loc[idx], r.loc[idx]
             if timed:
-                ratio = ratio_of_medians(
-                    config_times(base.steps, *idx), config_times(run.steps, *idx)
+                cells = cross_cells(
+                    label,
+                    config_blocks(base.steps, *idx),
+                    config_blocks(run.steps, *idx),
+                    normalise=normalise,
+                    between_sd=between_sd,
+                    host_differences=hosts,
+                    rounds=int(run.meta_value("rounds", 3)),
                 )
+                cells.pop("_ratio")
+                cells["host"] = "; ".join(hosts) if cells["verdict"] == "host differed" else ""
             else:  # the runs tables' medians
                 ratio = Ratio(x.step_time_s / y.step_time_s, nan, nan, 0, 0)
-            cells = ratio_cells(label, ratio, "faster", "slower")
-            cells["steps"] = cells.pop("pairs")
+                cells = ratio_cells(label, ratio, "faster", "slower")
+                cells["steps"] = cells.pop("pairs")
             if not timed:
                 cells.update({"verdict": "no interval: runs table only", OUTLIERS: "", "steps": ""})
             if not comparable:
@@ -142,6 +172,7 @@ def comparison_table(sweeps: Sequence[Sweep]) -> pd.DataFrame:
                     "run": run.label,
                     f"{base.label} ms": _ms(x.step_time_s),
                     "run ms": _ms(y.step_time_s),
+                    "delay ms": _delay(run),
                     **cells,
                 }
             )
@@ -153,6 +184,31 @@ def comparison_table(sweeps: Sequence[Sweep]) -> pd.DataFrame:
     order = {x: i for i, x in enumerate(schedule_order(df["schedule"].unique()))}
     df = df.assign(_o=df["schedule"].map(order)).sort_values(["run", "M", "impl", "_o"])
     return df.drop(columns="_o").reset_index(drop=True)
+
+
+def _delay(sweep: Sweep) -> str:
+    """The delay injected per step in a sweep (``vpipe bench --inject-delay-ms``), if any."""
+    ms = float(sweep.meta_value("inject_delay_ms", 0.0) or 0.0)
+    return f"{ms:g}" if ms else ""
+
+
+def normalisation_note(base: Sweep, run: Sweep) -> str | None:
+    """Why two sweeps' step times cannot be normalised by the host-speed reference (an
+    older sweep without reference timings, or different reference workloads); None when they
+    can."""
+    lacking = [
+        s.label
+        for s in (base, run)
+        if s.steps is None or "ref_s" not in s.steps.columns or s.steps["ref_s"].isna().any()
+    ]
+    if lacking:
+        return (
+            f"normalisation unavailable: no reference timings in {' and '.join(lacking)} (sweeps "
+            "from before vpipe timed a host-speed reference); raw step times are compared"
+        )
+    if base.meta_value("reference") != run.meta_value("reference"):
+        return "normalisation unavailable: the sweeps timed different reference workloads"
+    return None
 
 
 def _ms(seconds: float) -> str:
@@ -208,6 +264,24 @@ def load_steps(path: str | Path) -> tuple[pd.DataFrame | None, str | None]:
     return steps, meta.get("bench_id")
 
 
+def load_host(path: str | Path) -> tuple[pd.DataFrame | None, dict | None]:
+    """A ``vpipe bench`` output directory's host state per round (``host.parquet``) and its
+    ``meta.json``; None for either that is absent (older sweeps)."""
+    import json
+
+    from vpipe.trace.store import read_parquet
+
+    p = Path(path)
+    host = read_parquet(p / "host.parquet")[0] if (p / "host.parquet").is_file() else None
+    meta = None
+    if (p / "meta.json").is_file():
+        try:
+            meta = json.loads((p / "meta.json").read_text())
+        except (OSError, ValueError) as e:
+            raise ReportError(f"{p / 'meta.json'}: unreadable: {e}") from None
+    return host, meta
+
+
 def load_sweeps(paths: Sequence[str | Path]) -> list[Sweep]:
     """The sweeps of several runs tables (a store holding several is split by ``bench_id``),
     each with its timed steps when its directory has them."""
@@ -224,12 +298,14 @@ def load_sweeps(paths: Sequence[str | Path]) -> list[Sweep]:
                 label = f"{label}#{len(sweeps)}"
             unnamed = (steps_id is None or bench_id is None) and len(groups) == 1
             own = steps if steps_id == bench_id or unnamed else None
-            sweeps.append(Sweep(label, d, own))
+            host, meta = load_host(p) if own is not None else (None, None)
+            sweeps.append(Sweep(label, d, own, host, meta))
     return sweeps
 
 
 def comparison_report(paths: Sequence[str | Path]) -> tuple[str, str]:
-    """HTML and Markdown comparing several runs (first = baseline)."""
+    """HTML and Markdown comparing several runs (first = baseline); with several, the first
+    section is the one-line verdict (:func:`vpipe.report.crossrun_table.headline`)."""
     sweeps = load_sweeps(paths)
     runs_table = pd.DataFrame(
         [
@@ -252,15 +328,51 @@ def comparison_report(paths: Sequence[str | Path]) -> tuple[str, str]:
     else:
         differs = setup_note(sweeps)
         title = "Step-time ratio (not a speedup)" if differs else "Speedup"
+        table = comparison_table(sweeps)
+        line = headline(table, sweeps[0].label, ratio_label(sweeps))
+        sections.insert(0, text_section("Verdict", [line]))
+        sections.append(table_section("Host", host_table(sweeps), HOST_NOTE))
         sections.append(
             table_section(
                 f"{title} over {sweeps[0].label}",
-                comparison_table(sweeps),
+                table,
                 _comparison_note(sweeps, differs),
             )
         )
     title = "vpipe benchmark comparison"
     return render_html(title, sections), render_markdown(title, sections)
+
+
+HOST_NOTE = (
+    "Each sweep's host while it ran (median over its rounds): cores other processes kept busy, "
+    "CPU steal, 1-minute load, CPU MHz, the host-speed reference's time; blocks and the delay "
+    "injected per step (a known slowdown, not a workload difference). Empty: not recorded "
+    "(an older sweep)."
+)
+
+
+def host_table(sweeps: Sequence[Sweep]) -> pd.DataFrame:
+    """One row per sweep: its host state (:func:`vpipe.report.crossrun_table.host_summary`)."""
+    rows = []
+    for s in sweeps:
+        h = host_summary(s.host, s.steps)
+        rows.append(
+            {
+                "label": s.label,
+                "other cores": _num(h["other_cores"], "{:.2f}"),
+                "steal": _num(h["steal"], "{:.1%}"),
+                "load": _num(h["load1"], "{:.2f}"),
+                "MHz": _num(h["mhz"], "{:.0f}"),
+                "reference ms": _num(h["ref_s"] and h["ref_s"] * 1e3, "{:.3f}"),
+                "blocks": s.meta_value("blocks", 1),
+                "delay ms": _delay(s),
+            }
+        )
+    return pd.DataFrame(rows)
+
+
+def _num(v: float | None, fmt: str) -> str:
+    return "" if v is None else fmt.format(v)
 
 
 def _comparison_note(sweeps: Sequence[Sweep], differs: str) -> str:
@@ -270,11 +382,25 @@ def _comparison_note(sweeps: Sequence[Sweep], differs: str) -> str:
         if differs
         else []
     )
+    notes = {n for s in sweeps[1:] if (n := normalisation_note(sweeps[0], s))}
+    words.extend(f"Note: {n}." for n in sorted(notes))
+    normalise, why = choose_normalisation([s.steps for s in sweeps], not notes)
+    words.append(f"Figure compared: {why}.")
+    between_sd, source = run_to_run_sd([s.steps for s in sweeps], normalise)
     words.append(
-        f"ratio = base median step time / the run's (> 1: the run is faster), with a "
-        f"{CONFIDENCE:.0%} percentile-bootstrap interval ({RESAMPLES} resamples of each sweep's "
-        f'steps of the config, independently; seed {SEED}); "no significant difference" '
-        f"when it contains 1. Steps over {OUTLIER_FACTOR:g}x their config's median are "
+        "ratio = base figure / the run's (> 1: the run is faster); the figure is a block's "
+        "median step time over its median reference time (normalised; raw when a sweep has no "
+        f"reference timings), averaged in log over blocks. {CONFIDENCE:.0%} interval: a "
+        f"hierarchical bootstrap (blocks, then steps; {RESAMPLES} resamples, seed {SEED}) when "
+        f"both sweeps have {MIN_BLOCKS}+ blocks, else the steps' bootstrap widened by the "
+        f"run-to-run spread, sd {between_sd:.3f} in log ({source}). Verdict: faster/slower "
+        "only when the interval excludes 1 and the ratio is beyond the A/A noise band "
+        f"(+-{noise_threshold(between_sd):.1%}: two launches of the same code differ by less "
+        '95% of the time); "within noise" when the ratio is inside the band and the interval '
+        'inside twice the band; "host differed" when the hosts\' states differed (see Host) '
+        'and the ratio is not within noise; else "inconclusive", with the rounds '
+        "per block (vpipe bench --rounds N) that would settle it. raw: the ratio of medians "
+        f"without normalisation. Steps over {OUTLIER_FACTOR:g}x their block's median are "
         "outliers, counted and excluded."
     )
     bare = [s.label for s in sweeps if s.steps is None]

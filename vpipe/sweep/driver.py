@@ -4,9 +4,12 @@ A sweep is schedules x microbatch counts x implementations (vpipe's runtime, tor
 ``torch.distributed.pipelining``) on one model. All configs are built once per rank, warmed
 up, then measured in interleaved rounds (for each round, for each config, ``steps`` timed
 steps) so that machine noise hits every config alike. Each timed step starts after a barrier;
-its time is the slowest rank's. Afterwards each config runs one profiled step (Kineto trace,
-converted to the event table on its own rank, so no shared filesystem is needed across hosts)
-and one memory step (live saved-activation bytes from autograd's saved-tensor hooks, the same
+its time is the slowest rank's. Before each timed step every rank times a short host-speed
+reference (:mod:`vpipe.sweep.reference`), and each round records the host's state
+(:mod:`vpipe.trace.host_state`), so that runs can be compared across time (:mod:`vpipe.report.crossrun`).
+After each of the first rounds each config runs one profiled step (interleaved, so
+calibration and timing see the same host; Kineto trace, converted to the event table on its
+own rank, so no shared filesystem is needed across hosts); at the end one memory step (live saved-activation bytes from autograd's saved-tensor hooks, the same
 measure for both implementations; the CUDA allocator's peak on GPUs).
 
 This module imports torch only inside the rank worker and the post-processing.
@@ -89,6 +92,10 @@ class SweepSpec:
     recv_lookahead: int = 1
     bundle_messages: bool = True
     post_thread: bool | None = None  # None: on gloo
+    # cross-run comparisons (vpipe.report.crossrun): independent launches, a known injected delay
+    blocks: int = 1
+    inject_delay_ms: float = 0.0  # extra sleep per step on rank inject_delay_rank
+    inject_delay_rank: int = 0
 
     def __post_init__(self) -> None:
         self.schedules = tuple(catalogue.canonical(s) for s in self.schedules)
@@ -122,6 +129,8 @@ class SweepSpec:
             ("warmup", self.warmup, 0),
             ("recv-lookahead", self.recv_lookahead, 0),
             ("profile-steps", self.profile_steps, 1),
+            ("blocks", self.blocks, 1),
+            ("inject-delay-ms", self.inject_delay_ms, 0),
         ):
             if value < low:
                 raise BenchError(f"--{what} must be >= {low}, got {value}")
@@ -147,6 +156,10 @@ class SweepSpec:
             raise BenchError(
                 "the sweep is empty: torch.distributed.pipelining has no class for "
                 f"{', '.join(self.schedules)}; run them with --impl vpipe"
+            )
+        if not 0 <= self.inject_delay_rank < self.ranks:
+            raise BenchError(
+                f"--inject-delay-rank {self.inject_delay_rank} is not a rank of {self.ranks}"
             )
         for m in self.microbatches:
             if m < 1 or self.batch % m:
@@ -184,6 +197,8 @@ class SweepSpec:
                 bundle_messages=self.bundle_messages,
                 recv_lookahead=self.recv_lookahead,
                 post_thread=self.post_thread,
+                inject_delay_s=self.inject_delay_ms / 1e3,
+                inject_delay_rank=self.inject_delay_rank,
             )
             for c in configs
         }
@@ -246,6 +261,8 @@ def rank_worker(
     import torch.distributed as dist
 
     from vpipe.sweep.harness import build
+    from vpipe.sweep.reference import Reference
+    from vpipe.trace import host_state
 
     if world != spec.ranks:
         raise BenchError(f"the job has {world} ranks but the sweep asks for {spec.ranks}")
@@ -265,14 +282,14 @@ def rank_worker(
             harnesses.append(h)
             progress.advance(f"warm up {cfg.key}")
         times = torch.zeros(len(configs), spec.rounds * spec.steps, dtype=torch.float64)
-        for r in range(spec.rounds):
-            for i, (cfg, h) in enumerate(zip(configs, harnesses, strict=True)):
-                for k in range(spec.steps):
-                    times[i, r * spec.steps + k] = h.timed_step()
-                progress.advance(f"round {r + 1}/{spec.rounds} {cfg.key}")
-        dist.all_reduce(times, op=dist.ReduceOp.MAX)
+        refs = torch.zeros_like(times)
+        ref_shape = sweep_reference_shape(spec, rank_specs)
+        reference = Reference(ref_shape, harnesses[0].device)
+        own_cpu = torch.zeros(spec.rounds, dtype=torch.float64)
+        samples = []
         traced: dict[str, list[Any]] = {cfg.key: [] for cfg in configs}
-        for r in range(profile_rounds):  # interleaved, like the timed rounds
+
+        def profile_round(r: int) -> None:  # interleaved with the timed rounds
             for cfg, h in zip(configs, harnesses, strict=True):
                 out = Path(spec.trace_dir) / cfg.key / f"round{r}"
                 meta = _trace_meta(spec, cfg, h, run_id)
@@ -281,6 +298,25 @@ def rank_worker(
                 # their ProfilerStep from 1 again in every round)
                 traced[cfg.key].append(ev.assign(step=ev["step"].where(ev["step"] < 0, r)))
                 progress.advance(f"profile {r + 1}/{profile_rounds} {cfg.key}")
+
+        for r in range(spec.rounds):
+            before = host_state.sample()
+            for i, (cfg, h) in enumerate(zip(configs, harnesses, strict=True)):
+                for k in range(spec.steps):
+                    refs[i, r * spec.steps + k] = reference.timed()
+                    times[i, r * spec.steps + k] = h.timed_step()
+                progress.advance(f"round {r + 1}/{spec.rounds} {cfg.key}")
+            after = host_state.sample()
+            own_cpu[r] = after["own_cpu_s"] - before["own_cpu_s"]
+            samples.append((before, after))
+            if r < profile_rounds:
+                profile_round(r)
+        for r in range(spec.rounds, profile_rounds):
+            profile_round(r)
+        dist.all_reduce(times, op=dist.ReduceOp.MAX)
+        dist.all_reduce(refs, op=dist.ReduceOp.MAX)
+        dist.all_reduce(own_cpu, op=dist.ReduceOp.SUM)
+        host = [host_state.round_state(b, a, float(own_cpu[r])) for r, (b, a) in enumerate(samples)]
         events = {k: pd.concat(v, ignore_index=True) for k, v in traced.items() if v}
         memory = {}
         for cfg, h in zip(configs, harnesses, strict=True):
@@ -299,9 +335,21 @@ def rank_worker(
         "n_stages": {cfg.key: h.n_stages for cfg, h in zip(configs, harnesses, strict=True)},
         "tokens_per_sample": harnesses[0].tokens_per_sample if harnesses else None,
         "times": times.tolist(),
+        "refs": refs.tolist(),
+        "reference": ref_shape,
+        "host_rounds": host,
         "memory": memory,
         "events": events,
     }
+
+
+def sweep_reference_shape(spec: SweepSpec, rank_specs: dict[Config, RankSpec]) -> dict[str, int]:
+    """The sweep's host-speed reference shape (:mod:`vpipe.sweep.reference`): one microbatch of the
+    largest microbatch count through the model's first layer sizes."""
+    from vpipe.sweep.reference import reference_shape
+
+    sizes = dict(next(iter(rank_specs.values())).sizes) if rank_specs else dict(spec.sizes)
+    return reference_shape(sizes, spec.batch, max(spec.microbatches))
 
 
 def _trace_meta(spec: SweepSpec, cfg: Config, h: Any, bench_id: str) -> dict[str, Any]:

@@ -61,6 +61,9 @@ class RankSpec:
     comm_channels: bool | None = None  # one process group per direction (None: on NCCL)
     post_thread: bool | None = None  # post communication off the compute thread (None: gloo)
     time_actions: bool = False  # CUDA events per action, in stats["action_times"] (CUDA only)
+    # a known slowdown to check that comparisons catch one: seconds slept per step on one rank
+    inject_delay_s: float = 0.0
+    inject_delay_rank: int = 0
 
     @property
     def process_backend(self) -> str:
@@ -145,6 +148,8 @@ class RankHarness:
     def step(self) -> Any:
         """One training step from zeroed gradients; the losses on the loss rank, else None."""
         self.zero_grad()
+        if self.spec.inject_delay_s and self.rank == self.spec.inject_delay_rank:
+            time.sleep(self.spec.inject_delay_s)
         self.losses = self.pipe.step(self.inputs, self.targets)
         return self.losses
 

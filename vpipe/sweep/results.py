@@ -41,6 +41,7 @@ class BenchResults:
     ranks: pd.DataFrame  # per-rank peak memory per config
     events: dict[str, pd.DataFrame] = field(default_factory=dict)  # run_id -> events
     memory: dict[str, pd.DataFrame] = field(default_factory=dict)  # run_id -> memory samples
+    host: pd.DataFrame = field(default_factory=pd.DataFrame)  # one row per (block, round)
 
     @property
     def measured(self) -> pd.DataFrame:
@@ -123,6 +124,7 @@ def collect(
         "threads_per_rank": r0["threads"],
         "model_sizes": r0["sizes"],
         "sweep_wall_s": round(sweep_s, 2),
+        "reference": r0.get("reference"),
         **spec_dict(spec),
     }
     meta.pop("trace_dir", None)
@@ -141,7 +143,9 @@ def collect(
         "batch": spec.batch,
         "bench_id": bench_id,
         "threads": r0["threads"],
-        "measured_steps": spec.rounds * spec.steps,
+        "measured_steps": spec.blocks * spec.rounds * spec.steps,
+        "blocks": spec.blocks,
+        "inject_delay_ms": spec.inject_delay_ms,
     }
     runs, steps, ranks = [], [], []
     events: dict[str, pd.DataFrame] = {}
@@ -149,16 +153,19 @@ def collect(
     for i, cfg in enumerate(spec.configs()):
         run_id, sim_id = cfg.run_id(bench_id), cfg.run_id(bench_id, simulated=True)
         times = r0["times"][i]
-        for j, t in enumerate(times):
+        refs = r0["refs"][i] if "refs" in r0 else [None] * len(times)
+        for j, (t, ref) in enumerate(zip(times, refs, strict=True)):
             steps.append(
                 {
                     "schedule": cfg.schedule,
                     "microbatches": cfg.microbatches,
                     "impl": cfg.impl,
-                    "round": j // spec.steps,
+                    "block": j // (spec.rounds * spec.steps),
+                    "round": j // spec.steps,  # counted on across blocks
                     "step": j % spec.steps,
                     "step_time_s": t,
                     "samples_per_s": spec.batch / t,
+                    "ref_s": ref,
                 }
             )
         for r in results:
@@ -214,7 +221,23 @@ def collect(
         pd.DataFrame(ranks),
         events,
         memory,
+        host_table(r0.get("host_rounds", []), pd.DataFrame(steps), spec),
     )
+
+
+def host_table(rounds: list[dict[str, Any]], steps: pd.DataFrame, spec: SweepSpec) -> pd.DataFrame:
+    """The host's state per (block, round) (:mod:`vpipe.trace.host_state`), with the median
+    reference time of the round's steps."""
+    rows = []
+    for r, state in enumerate(rounds):
+        block = state.get("block", r // spec.rounds)
+        glob = block * spec.rounds + r % spec.rounds
+        ref = steps.loc[steps["round"] == glob, "ref_s"] if "ref_s" in steps else None
+        known = ref is not None and ref.notna().any()
+        rows.append(
+            {**state, "block": block, "round": glob, "ref_s": ref.median() if known else None}
+        )
+    return pd.DataFrame(rows)
 
 
 def has_actions(events: pd.DataFrame) -> bool:

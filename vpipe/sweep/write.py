@@ -24,6 +24,7 @@ from vpipe.report.document import (
     slug,
     summary_table,
     table_section,
+    text_section,
     v_vs_baseline,
 )
 from vpipe.sweep.driver import Config
@@ -42,6 +43,8 @@ def write_outputs(res: BenchResults, out: str | Path) -> dict[str, Path]:
     meta = {"table": "steps", "bench_id": res.bench_id}
     write_parquet(res.steps, out / "steps.parquet", meta)
     write_parquet(res.ranks, out / "ranks.parquet", {**meta, "table": "ranks"})
+    if len(res.host):
+        write_parquet(res.host, out / "host.parquet", {**meta, "table": "host"})
     (out / "meta.json").write_text(json.dumps(res.meta, indent=1, default=str) + "\n")
     sections = report_sections(res)
     plots = out / "plots"
@@ -60,10 +63,12 @@ def report_sections(res: BenchResults) -> list[Section]:
     """The report of one sweep: setup, summary tables, then figures."""
     from vpipe.report.document import vpipe_only_note
     from vpipe.report.plots import plot_memory, plot_pareto, plot_throughput, to_png
+    from vpipe.report.winner import winner_line
 
     runs = res.measured
     regime = regime_section(runs)
-    sections = [regime] if regime else []
+    verdict = text_section("Verdict", [winner_line(res.steps, res.spec.rounds)])
+    sections = [verdict, regime] if regime else [verdict]
     sections.append(table_section("Setup", meta_table(res.meta)))
     sections.append(
         table_section(

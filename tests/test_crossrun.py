@@ -1,0 +1,136 @@
+"""Cross-run statistics on synthetic steps with known answers: normalisation cancels a host
+that is uniformly slower, the hierarchical interval carries run-to-run spread, verdicts and
+the rounds that would settle an inconclusive one."""
+
+from __future__ import annotations
+
+import math
+
+import numpy as np
+import pytest
+
+from vpipe.report.crossrun import (
+    MIN_EFFECT,
+    Block,
+    between_block_sd,
+    cross_ratio,
+    noise_threshold,
+    paired_rounds_to_settle,
+    rounds_to_settle,
+    verdict,
+)
+
+
+def _block(rng, step=0.1, ref=0.01, slow=1.0, noise=0.02, n=12, extra=0.0):
+    """n steps and references of a host ``slow`` times slower than nominal, with an extra
+    (code) delay of ``extra`` seconds per step that the reference does not see."""
+    jitter = 1 + noise * rng.standard_normal(n)
+    refs = ref * slow * (1 + noise * rng.standard_normal(n))
+    return Block.of(step * slow * jitter + extra, refs)
+
+
+def test_normalisation_cancels_a_uniformly_slower_host():
+    rng = np.random.default_rng(0)
+    quiet = [_block(rng) for _ in range(4)]
+    busy = [_block(rng, slow=1.6) for _ in range(4)]
+    raw = cross_ratio(quiet, busy, normalise=False, between_sd=0.0)
+    norm = cross_ratio(quiet, busy, normalise=True, between_sd=0.0)
+    assert raw.value == pytest.approx(1 / 1.6, rel=0.03) and raw.high < 0.7
+    assert norm.normalised and norm.value == pytest.approx(1.0, abs=0.03)
+    assert norm.low < 1 < norm.high
+    assert verdict(norm, noise_threshold(0.02)) == "within noise"
+    assert verdict(raw, noise_threshold(0.02)) == "slower"
+
+
+def test_a_code_slowdown_survives_normalisation():
+    rng = np.random.default_rng(1)
+    base = [_block(rng) for _ in range(4)]
+    slower = [_block(rng, extra=0.015) for _ in range(4)]  # 15% on a 0.1 s step
+    r = cross_ratio(base, slower, normalise=True, between_sd=0.0)
+    assert r.hierarchical and r.value == pytest.approx(1 / 1.15, rel=0.03)
+    assert verdict(r, noise_threshold(0.0)) == "slower"
+
+
+def test_hierarchical_interval_carries_between_block_spread():
+    rng = np.random.default_rng(2)
+
+    # each launch runs at its own speed (sd 10% between blocks), steps tightly around it
+    def side():
+        return [_block(rng, slow=math.exp(0.1 * rng.standard_normal()), noise=0.005,
+                       ref=0.01 / math.exp(0)) for _ in range(6)]  # fmt: skip
+
+    a, b = side(), side()
+    r = cross_ratio(a, b, normalise=False, between_sd=0.0)
+    within_only = cross_ratio(a[:1], b[:1], normalise=False, between_sd=0.0)
+    # the between-block sd of 0.1 gives a log-ratio sd of about 0.1*sqrt(2/6) = 0.058
+    half = (math.log(r.high) - math.log(r.low)) / 2
+    assert 0.05 < half < 0.25 and r.hierarchical
+    assert (math.log(within_only.high) - math.log(within_only.low)) / 2 < 0.02
+    est = between_block_sd([a, b], normalise=False)
+    assert est == pytest.approx(0.1, rel=0.45)
+
+
+def test_single_blocks_are_widened_by_the_run_to_run_spread():
+    rng = np.random.default_rng(3)
+    a, b = [_block(rng)], [_block(rng)]
+    narrow = cross_ratio(a, b, normalise=True, between_sd=0.0)
+    wide = cross_ratio(a, b, normalise=True, between_sd=0.05)
+    assert not wide.hierarchical and wide.between == pytest.approx(1.96 * 0.05 * math.sqrt(2), 1e-3)
+    assert wide.low < narrow.low and wide.high > narrow.high
+    half = (math.log(wide.high) - math.log(wide.low)) / 2
+    assert half == pytest.approx(math.hypot(wide.within, wide.between), rel=1e-9)
+
+
+def test_verdict_rules_and_host_differed():
+    def ratio(lo, hi, value=None):
+        v = value if value is not None else math.sqrt(lo * hi)
+        lw, hw = math.log(lo), math.log(hi)
+        return cross_ratio_stub(v, lo, hi, (hw - lw) / 2)
+
+    t = 0.05
+    assert verdict(ratio(1.10, 1.30), t) == "faster"
+    assert verdict(ratio(0.70, 0.90), t) == "slower"
+    assert verdict(ratio(0.98, 1.03), t) == "within noise"
+    assert verdict(ratio(1.01, 1.05), t) == "within noise"  # real, but inside the noise band
+    assert verdict(ratio(0.95, 1.25), t) == "inconclusive"  # holds 1 and a 20% effect
+    assert verdict(ratio(0.70, 0.90), t, ["other processes' CPU 0.1 vs 1.0 cores"]) == (
+        "host differed"
+    )
+    assert verdict(ratio(0.95, 1.25), t, ["CPU steal"]) == "host differed"
+    assert verdict(ratio(0.98, 1.03), t, ["CPU steal"]) == "within noise"
+    assert noise_threshold(0.0) == MIN_EFFECT
+    assert noise_threshold(0.04) == pytest.approx(1.96 * 0.04 * math.sqrt(2), rel=1e-3)
+
+
+def cross_ratio_stub(value, low, high, within, between=0.0):
+    from vpipe.report.crossrun import CrossRatio
+
+    return CrossRatio(value, low, high, (1, 1), (9, 9), True, 0, within, between, False)
+
+
+def test_rounds_to_settle_scales_with_the_variance():
+    # estimate 6% (log 0.06), band 0.05, half-width 0.09: holds 1 and a 15% effect;
+    # a half-width of 0.06 would exclude 1
+    r = cross_ratio_stub(math.exp(0.06), math.exp(-0.03), math.exp(0.15), 0.09)
+    assert verdict(r, 0.05) == "inconclusive"
+    target = math.log(r.value)
+    assert rounds_to_settle(r, 0.05, 3) == math.ceil(3 * 0.09**2 / target**2)
+    assert 6 <= rounds_to_settle(r, 0.05, 3) <= 8
+    # the run-to-run part alone is wider than what would decide: no number of rounds does
+    stuck = cross_ratio_stub(1.03, 0.9, 1.18, 0.02, between=0.08)
+    assert rounds_to_settle(stuck, 0.03, 3) is None
+    assert paired_rounds_to_settle(1.05, 0.99, 1.11, 3) == math.ceil(
+        3 * ((math.log(1.11) - math.log(0.99)) / 2 / math.log(1.05)) ** 2
+    )
+    assert paired_rounds_to_settle(1.0, 0.9, 1.1, 3) is None
+
+
+def test_old_sweeps_without_references_compare_raw():
+    rng = np.random.default_rng(4)
+    a = [Block.of(0.1 + 0.001 * rng.random(9))]
+    b = [_block(rng, n=9)]
+    r = cross_ratio(a, b, normalise=True, between_sd=0.04)
+    assert not r.normalised and r.has_interval
+    assert between_block_sd([a, b], normalise=False) is None  # one block each
+    with pytest.raises(ValueError, match="3 steps but 2 reference"):
+        Block.of([1, 2, 3], [1, 2])

@@ -1,0 +1,265 @@
+"""Cross-run statistics: the ratio of one config's step times between two sweeps, with an
+interval that holds when the host changed between them, and the verdict rules.
+
+- **Blocks**: a sweep of ``vpipe bench --blocks K`` holds K independent launches of every
+  config; each launch's timed steps of a config are one :class:`Block`. A sweep without the
+  column is one block.
+- **Normalisation**: every timed step comes with the time of a fixed reference workload
+  measured just before it on every rank (:mod:`vpipe.sweep.reference`). A block's figure is
+  median(step times) / median(reference times) over the same steps, so a host that is uniformly
+  slower (another job, a lower clock) cancels out. Where a sweep has no reference timings (an
+  older store) the raw medians are used and the comparison says so.
+- **Interval** (:func:`cross_ratio`): with at least :data:`MIN_BLOCKS` blocks on both sides, a
+  hierarchical percentile bootstrap in log space: resample blocks with replacement, then each
+  picked block's steps (and their references, paired) with replacement; a side's figure is the
+  mean log of its picked blocks' figures. With fewer blocks, run-to-run variance cannot be
+  resampled, so the within-run bootstrap interval is widened by the between-run spread
+  ``sd_between`` (measured from the sweeps' own blocks, or :data:`DEFAULT_BETWEEN_SD`, measured
+  by ``python -m bench.false_alarms``): half-width ``sqrt(h_within^2 + (z * sd * sqrt(1/a + 1/b))^2)``.
+- **Verdict** (:func:`verdict`): "faster"/"slower" only when the interval excludes 1 and the
+  estimate is beyond the A/A noise band (:func:`noise_threshold`: 95% of two single launches
+  of the same code differ by less); "within noise" when the estimate is inside the band and
+  the interval leaves no effect of twice the band possible; "host differed" when the hosts'
+  states differed (:func:`vpipe.trace.host_state.judge_hosts`) and the figure is not within noise;
+  otherwise "inconclusive", with how many rounds per block would settle it
+  (:func:`rounds_to_settle`).
+
+Like pyperf (several processes, a significance test, "not significant") and criterion (a
+bootstrap interval plus a noise threshold, "change within noise threshold"), but with the
+between-launch variance in the interval itself, normalised by a host-speed reference, and an
+explicit "inconclusive" with the sample size that would settle it. Seeded like
+:mod:`vpipe.stats`, so a report's figures are the same on every rendering.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Iterable, Sequence
+from dataclasses import dataclass
+
+import numpy as np
+import numpy.typing as npt
+
+from vpipe.stats import CONFIDENCE, MIN_SAMPLES, RESAMPLES, SEED, outliers
+
+MIN_BLOCKS = 3  # a bootstrap over fewer blocks has too few distinct outcomes to mean much
+# Run-to-run spread (sd of log normalised medians between independent launches of one config)
+# used when the sweeps have no repeated blocks; measured by bench.false_alarms (see README).
+DEFAULT_BETWEEN_SD = 0.04
+MIN_EFFECT = 0.02  # never call a difference under 2% (log) a speedup or a slowdown
+# "within noise" rules out effects this large at most (log ~10%): with a wider noise band the
+# honest answer is "inconclusive", not that nothing changed
+MAX_WITHIN_NOISE = 0.10
+Z = 1.959963984540054  # two-sided 95% normal quantile
+
+
+@dataclass(frozen=True)
+class Block:
+    """One launch's timed steps of one config, with the reference time before each step
+    (None where the sweep has no reference timings)."""
+
+    steps: np.ndarray
+    refs: np.ndarray | None = None
+
+    @staticmethod
+    def of(steps: npt.ArrayLike, refs: npt.ArrayLike | None = None) -> Block:
+        s = np.asarray(steps, dtype=float)
+        r = None if refs is None else np.asarray(refs, dtype=float)
+        if r is not None and r.shape != s.shape:
+            raise ValueError(f"{s.size} steps but {r.size} reference times")
+        return Block(s, r)
+
+    def cleaned(self) -> tuple[Block, int]:
+        """The block without outlier steps (:func:`vpipe.stats.outliers`) and their
+        references, and how many steps were dropped."""
+        keep = ~outliers(self.steps)
+        refs = None if self.refs is None else self.refs[keep]
+        return Block(self.steps[keep], refs), int((~keep).sum())
+
+    def log_figure(self, normalise: bool) -> float:
+        """log of median(steps), over median(refs) when normalised."""
+        value = math.log(float(np.median(self.steps)))
+        if normalise and self.refs is not None:
+            value -= math.log(float(np.median(self.refs)))
+        return value
+
+
+@dataclass(frozen=True)
+class CrossRatio:
+    """base / run of a config's figure (> 1: the run is faster), its 95% interval, the blocks
+    and steps behind each side, whether normalised, the outliers dropped and the interval's
+    within-run half-width and between-run half-width (log)."""
+
+    value: float
+    low: float
+    high: float
+    blocks: tuple[int, int]
+    steps: tuple[int, int]
+    normalised: bool
+    outliers: int
+    within: float
+    between: float
+    hierarchical: bool
+
+    @property
+    def has_interval(self) -> bool:
+        return not (math.isnan(self.low) or math.isnan(self.high))
+
+    def interval_text(self, digits: int = 2) -> str:
+        return f"{self.low:.{digits}f}-{self.high:.{digits}f}" if self.has_interval else ""
+
+
+def normalisable(blocks: Iterable[Block]) -> bool:
+    """Whether every block has a reference time for every step."""
+    return all(b.refs is not None and np.all(b.refs > 0) for b in blocks)
+
+
+def _within_draws(block: Block, normalise: bool, rng: np.random.Generator) -> np.ndarray:
+    """RESAMPLES bootstrap draws of one block's log figure (steps and refs resampled as
+    pairs, so the reference's own variation is carried)."""
+    n = block.steps.size
+    idx = rng.integers(0, n, size=(RESAMPLES, n))
+    out = np.log(np.median(block.steps[idx], axis=1))
+    if normalise and block.refs is not None:
+        out -= np.log(np.median(block.refs[idx], axis=1))
+    return out
+
+
+def side_draws(
+    blocks: Sequence[Block], normalise: bool, rng: np.random.Generator, hierarchical: bool
+) -> np.ndarray:
+    """Bootstrap draws of a side's log figure (the mean over its blocks): hierarchical
+    (blocks, then steps within each picked block) or, without it, every block kept and only
+    its steps resampled."""
+    within = np.stack([_within_draws(b, normalise, rng) for b in blocks])  # blocks x R
+    nb = len(blocks)
+    if not hierarchical:
+        return within.mean(axis=0)
+    pick = rng.integers(0, nb, size=(RESAMPLES, nb))
+    column = rng.integers(0, RESAMPLES, size=(RESAMPLES, nb))  # a fresh resample per pick
+    return within[pick, column].mean(axis=1)
+
+
+def cross_ratio(
+    base: Sequence[Block], run: Sequence[Block], *, normalise: bool, between_sd: float
+) -> CrossRatio:
+    """base / run of a config's (normalised) figure with a 95% interval that includes the
+    run-to-run spread: hierarchical when both sides have :data:`MIN_BLOCKS` blocks, else the
+    within-run bootstrap widened by ``between_sd`` (see the module's doc)."""
+    cleaned = [[b.cleaned() for b in side] for side in (base, run)]
+    dropped = sum(n for side in cleaned for _, n in side)
+    sides = [[b for b, _ in side if b.steps.size] for side in cleaned]
+    normalise = normalise and all(normalisable(s) for s in sides)
+    blocks = (len(sides[0]), len(sides[1]))
+    steps = tuple(sum(b.steps.size for b in s) for s in sides)
+    if min(blocks) == 0:
+        nan = float("nan")
+        return CrossRatio(nan, nan, nan, blocks, steps, normalise, dropped, nan, nan, False)
+    figures = [np.mean([b.log_figure(normalise) for b in s]) for s in sides]
+    log_value = float(figures[0] - figures[1])
+    hierarchical = min(blocks) >= MIN_BLOCKS
+    if min(steps) < MIN_SAMPLES:
+        nan = float("nan")
+        return CrossRatio(
+            math.exp(log_value), nan, nan, blocks, steps, normalise, dropped, nan, nan, False
+        )
+    rng = np.random.default_rng(SEED)
+    draws = side_draws(sides[0], normalise, rng, hierarchical) - side_draws(
+        sides[1], normalise, rng, hierarchical
+    )
+    tail = (1 - CONFIDENCE) / 2 * 100
+    lo, hi = (float(x) for x in np.percentile(draws, [tail, 100 - tail]))
+    within = (hi - lo) / 2
+    between = 0.0 if hierarchical else Z * between_sd * math.sqrt(1 / blocks[0] + 1 / blocks[1])
+    if not hierarchical:  # widen around the bootstrap's centre by the run-to-run spread
+        centre, half = (lo + hi) / 2, math.hypot(within, between)
+        lo, hi = centre - half, centre + half
+    return CrossRatio(
+        math.exp(log_value),
+        math.exp(lo),
+        math.exp(hi),
+        blocks,
+        steps,
+        normalise,
+        dropped,
+        within,
+        between,
+        hierarchical,
+    )
+
+
+def between_block_sd(configs: Iterable[Sequence[Block]], normalise: bool) -> float | None:
+    """The pooled run-to-run spread: the standard deviation of blocks' log figures around
+    their config's mean, over every config with at least two blocks (an A/A measurement: the
+    same code launched several times); None when no config has two blocks."""
+    squares, dof = 0.0, 0
+    for blocks in configs:
+        kept = [b.cleaned()[0] for b in blocks]
+        kept = [b for b in kept if b.steps.size]
+        if len(kept) < 2 or (normalise and not normalisable(kept)):
+            continue
+        logs = np.array([b.log_figure(normalise) for b in kept])
+        squares += float(((logs - logs.mean()) ** 2).sum())
+        dof += len(logs) - 1
+    return math.sqrt(squares / dof) if dof else None
+
+
+def noise_threshold(between_sd: float) -> float:
+    """The A/A noise band (log): 95% of comparisons of two single launches of the same code
+    differ by less (``z * sd * sqrt(2)``), at least :data:`MIN_EFFECT`. A difference inside it
+    is within noise even when its interval excludes 1."""
+    return max(MIN_EFFECT, Z * between_sd * math.sqrt(2))
+
+
+def verdict(r: CrossRatio, threshold: float, host_differences: Sequence[str] = ()) -> str:
+    """The verdict of a cross-run ratio against the noise band ``threshold`` (log):
+
+    - interval excludes 1: "within noise" when the estimate is inside the band, "host
+      differed" when the hosts' states differed, else "faster"/"slower";
+    - interval holds 1: "within noise" when it lies inside twice the band (no effect the
+      size of the noise is left possible; never wider than :data:`MAX_WITHIN_NOISE`), "host
+      differed" when the hosts differed, else "inconclusive".
+
+    "too few steps" without an interval.
+    """
+    if not r.has_interval:
+        return f"too few steps (< {MIN_SAMPLES})"
+    lo, hi, d = math.log(r.low), math.log(r.high), math.log(r.value)
+    if lo > 0 or hi < 0:
+        if abs(d) <= threshold:
+            return "within noise"
+        if host_differences:
+            return "host differed"
+        return "faster" if lo > 0 else "slower"
+    band = max(2 * MIN_EFFECT, min(2 * threshold, MAX_WITHIN_NOISE))
+    if -band <= lo and hi <= band:
+        return "within noise"
+    return "host differed" if host_differences else "inconclusive"
+
+
+def rounds_to_settle(r: CrossRatio, threshold: float, rounds: int) -> int | None:
+    """Rounds per block that would make an inconclusive interval decide (exclude 1, or fit
+    inside twice the noise band), from the observed spread: the within-run half-width shrinks
+    as 1/sqrt(rounds), the run-to-run part does not. None when no number of rounds can (the
+    run-to-run part alone is too wide: more blocks)."""
+    if not r.has_interval or rounds < 1:
+        return None
+    d = abs(math.log(r.value))
+    band = max(2 * MIN_EFFECT, min(2 * threshold, MAX_WITHIN_NOISE))
+    target = max(d, band - d)  # the half-width that would decide
+    room = target**2 - r.between**2
+    if room <= 0 or r.within <= 0:
+        return None
+    return max(rounds + 1, math.ceil(rounds * r.within**2 / room))
+
+
+def paired_rounds_to_settle(value: float, low: float, high: float, rounds: int) -> int | None:
+    """Rounds that would make a within-run paired ratio's interval exclude 1, from its
+    observed half-width (shrinking as 1/sqrt(rounds)); None when the ratio is 1 or unknown."""
+    if any(math.isnan(x) for x in (value, low, high)) or value <= 0 or rounds < 1:
+        return None
+    effect = abs(math.log(value))
+    half = (math.log(high) - math.log(low)) / 2
+    if effect == 0 or half <= 0:
+        return None
+    return max(rounds + 1, math.ceil(rounds * (half / effect) ** 2))

@@ -1,0 +1,158 @@
+"""The cells and headline of a cross-run comparison (``vpipe report A B``) from the sweeps'
+timed steps, reference timings and host states, by the rules of :mod:`vpipe.report.crossrun`.
+
+A sweep's steps table may hold ``block`` (independent launches) and ``ref_s`` (the
+host-speed reference before each step); its ``host.parquet`` the host's state per round.
+Older sweeps have neither: their configs compare raw, as one block, and the comparison says
+that normalisation is unavailable.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Sequence
+from typing import Any
+
+import pandas as pd
+
+from vpipe.report.crossrun import (
+    DEFAULT_BETWEEN_SD,
+    Block,
+    CrossRatio,
+    between_block_sd,
+    cross_ratio,
+    noise_threshold,
+    normalisable,
+    rounds_to_settle,
+    verdict,
+)
+from vpipe.trace.host_state import summarise
+
+DECIDED = ("faster", "slower")
+
+
+def config_blocks(steps: pd.DataFrame, schedule: str, m: int, impl: str) -> list[Block]:
+    """One config's timed steps as blocks (one per launch), each with its reference times
+    when every step has one."""
+    d = steps[
+        (steps["schedule"] == schedule) & (steps["microbatches"] == m) & (steps["impl"] == impl)
+    ]
+    groups = d.groupby("block", sort=True) if "block" in d.columns else [(0, d)]
+    out = []
+    for _, g in groups:
+        refs = g["ref_s"] if "ref_s" in g.columns else None
+        known = refs is not None and refs.notna().all() and bool((refs > 0).all())
+        out.append(Block.of(g["step_time_s"].to_numpy(), refs.to_numpy() if known else None))
+    return out
+
+
+def all_blocks(steps: pd.DataFrame | None) -> list[list[Block]]:
+    """Every config's blocks of one sweep."""
+    if steps is None or steps.empty:
+        return []
+    keys = steps[["schedule", "microbatches", "impl"]].drop_duplicates().itertuples(index=False)
+    return [config_blocks(steps, *k) for k in keys]
+
+
+def run_to_run_sd(steps: Sequence[pd.DataFrame | None], normalise: bool) -> tuple[float, str]:
+    """The run-to-run spread for the comparison: pooled over every config with several
+    blocks in any of the sweeps, else :data:`DEFAULT_BETWEEN_SD`; and where it came from."""
+    configs = [c for s in steps for c in all_blocks(s)]
+    sd = between_block_sd(configs, normalise)
+    if sd is not None:
+        return sd, "measured from the sweeps' repeated blocks"
+    return DEFAULT_BETWEEN_SD, "the default measured by bench.false_alarms (no repeated blocks)"
+
+
+def choose_normalisation(steps: Sequence[pd.DataFrame | None], available: bool) -> tuple[bool, str]:
+    """Whether to compare normalised figures: when available, unless the sweeps' repeated
+    blocks show that normalising widens the run-to-run spread (the reference then tracks the
+    host worse than the steps do, as on an oversubscribed host); and why, in words."""
+    if not available:
+        return False, "raw (normalisation unavailable)"
+    configs = [c for s in steps for c in all_blocks(s)]
+    norm, raw = between_block_sd(configs, True), between_block_sd(configs, False)
+    if norm is not None and raw is not None and raw < norm:
+        return False, (
+            f"raw: normalising widened the run-to-run spread here (sd {norm:.3f} vs {raw:.3f})"
+        )
+    return True, "normalised by the host-speed reference"
+
+
+def host_summary(host: pd.DataFrame | None, steps: pd.DataFrame | None) -> dict[str, Any]:
+    """A sweep's host state (:func:`vpipe.trace.host_state.summarise`); the reference time from its
+    steps when the host table lacks it; every figure None for an older sweep."""
+    rows = host.to_dict("records") if host is not None and len(host) else []
+    out = summarise(rows)
+    if out.get("ref_s") is None and steps is not None and "ref_s" in steps.columns:
+        ref = steps["ref_s"].dropna()
+        out["ref_s"] = float(ref.median()) if len(ref) else None
+    return out
+
+
+def cross_cells(
+    label: str,
+    base: list[Block],
+    run: list[Block],
+    *,
+    normalise: bool,
+    between_sd: float,
+    host_differences: Sequence[str],
+    rounds: int,
+) -> dict[str, Any]:
+    """A config's cells: the ratio the verdict uses (normalised when both sides can be) with
+    its interval, the raw ratio, the verdict and, when inconclusive, the rounds per block
+    that would settle it."""
+    use = normalise and normalisable(base) and normalisable(run)
+    r = cross_ratio(base, run, normalise=use, between_sd=between_sd)
+    raw = r if not use else cross_ratio(base, run, normalise=False, between_sd=between_sd)
+    threshold = noise_threshold(between_sd)
+    word = verdict(r, threshold, host_differences)
+    return {
+        label: _fmt(r.value),
+        "95% CI": r.interval_text(),
+        "verdict": word,
+        "to settle": _settle(r, threshold, rounds) if word == "inconclusive" else "",
+        "raw": _fmt(raw.value),
+        "raw CI": raw.interval_text(),
+        "figure": "normalised" if r.normalised else "raw",
+        "blocks": f"{r.blocks[0]}+{r.blocks[1]}",
+        "steps": r.steps[1],
+        "outliers (excluded)": r.outliers,
+        "_ratio": r,
+    }
+
+
+def _settle(r: CrossRatio, threshold: float, rounds: int) -> str:
+    n = rounds_to_settle(r, threshold, rounds)
+    return f"~{n} rounds" if n is not None else "more blocks (--blocks)"
+
+
+def _fmt(v: float) -> str:
+    return "" if math.isnan(v) else f"{v:.2f}"
+
+
+def headline(table: pd.DataFrame, base_label: str, label: str) -> str:
+    """The comparison's first line: the winner with its interval when the decided verdicts
+    agree, else "no winner at this noise" with what the configs said instead."""
+    decided = table[table["verdict"].isin(DECIDED)]
+    n = len(table)
+    directions = set(decided["verdict"])
+    if len(directions) == 1:
+        slower = directions == {"slower"}
+        figures = "; ".join(
+            f"{r['schedule']} M={r['M']} {r['impl']}: {r[label]}x ({r['95% CI']})"
+            for r in decided.head(3).to_dict("records")
+        )
+        runs = ", ".join(sorted(set(decided["run"])))
+        who, than = (base_label, runs) if slower else (runs, base_label)
+        return (
+            f"winner: {who}, faster than {than} in {len(decided)} of {n} configs "
+            f"(base/run, 95% CI: {figures})"
+        )
+    counts = table["verdict"].value_counts()
+    parts = [f"{int(c)} {v}" for v, c in counts.items()]
+    settle = [s for s in table.get("to settle", pd.Series(dtype=str)) if s]
+    more = f"; to settle: {', '.join(sorted(set(settle)))}" if settle else ""
+    mixed = " (faster in some configs, slower in others)" if len(directions) > 1 else ""
+    return f"no winner at this noise{mixed}: {', '.join(parts)} of {n} configs{more}"

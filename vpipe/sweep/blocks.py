@@ -1,0 +1,48 @@
+"""Several independent launches (blocks) of one sweep, merged into one sweep's results.
+
+Run-to-run variance (a launch's thread placement, memory layout, the host's state in that
+minute) is invisible inside one launch; comparing two runs needs it (:mod:`vpipe.report.crossrun`).
+``vpipe bench --blocks K`` launches the sweep K times one after the other: only the first
+launch profiles, every launch times every config in its rounds, and the merged results hold
+every block's steps, reference timings and host rounds, each labelled with its block.
+"""
+
+from __future__ import annotations
+
+from dataclasses import replace
+from typing import Any
+
+from vpipe.sweep import driver
+from vpipe.sweep.driver import BenchError, SweepSpec
+
+
+def run_blocks(spec: SweepSpec, bench_id: str) -> list[dict[str, Any]]:
+    """Every rank's results of ``spec.blocks`` launches of the sweep, merged
+    (:func:`merge_blocks`); [] on a non-coordinating rank of a torchrun job."""
+    from vpipe.runtime import launch
+
+    if spec.blocks > 1 and launch.in_torchrun():
+        raise BenchError("--blocks needs vpipe bench to launch its ranks (not under torchrun)")
+    blocks = []
+    for b in range(spec.blocks):
+        results = driver.run_sweep(spec if b == 0 else replace(spec, profile=False), bench_id)
+        if not results:
+            return []
+        blocks.append(results)
+    return merge_blocks(blocks)
+
+
+def merge_blocks(blocks: list[list[dict[str, Any]]]) -> list[dict[str, Any]]:
+    """One result per rank: the first block's, with every block's step and reference times
+    appended per config (block after block) and every block's host rounds, each marked with
+    its block."""
+    merged = []
+    for per_rank in zip(*(sorted(b, key=lambda r: r["rank"]) for b in blocks), strict=True):
+        first = dict(per_rank[0])
+        for key in ("times", "refs"):
+            first[key] = [sum(rows, []) for rows in zip(*(r[key] for r in per_rank), strict=True)]
+        first["host_rounds"] = [
+            {**row, "block": b} for b, r in enumerate(per_rank) for row in r.get("host_rounds", [])
+        ]
+        merged.append(first)
+    return merged

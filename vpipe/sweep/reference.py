@@ -1,0 +1,62 @@
+"""A host-speed reference: a short fixed workload timed before every timed step on every rank.
+
+Step times from two runs differ for two reasons: the code, and the host (other jobs, CPU
+frequency, steal). The reference is a matmul and a copy sized like one pipeline action
+(a microbatch's rows through the model's first linear layer, forward and a backward-like
+transposed product) that no commit changes. Timed in the same rounds as the steps, its time
+tracks how fast the host was right then, so a step time over its reference time is a figure
+comparable across runs (:mod:`vpipe.report.crossrun`). Its shape is recorded with the sweep; runs
+with different shapes are not normalised against each other. Importing this module does not
+import torch.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from typing import Any
+
+REPEATS = 4  # matmul+copy pairs per timing: long enough to rise above the timer's jitter
+
+
+def reference_shape(sizes: Mapping[str, int], batch: int, microbatches: int) -> dict[str, int]:
+    """The reference's shape for a sweep: one microbatch's rows (of the smallest microbatch
+    count's), the model's width and hidden width (defaults where the model has none)."""
+    d_in = int(sizes.get("d_model", 256))
+    d_out = int(sizes.get("d_hidden", 4 * d_in))
+    return {"rows": max(batch // max(microbatches, 1), 1), "d_in": d_in, "d_out": d_out,
+            "repeats": REPEATS}  # fmt: skip
+
+
+class Reference:
+    """The reference workload on one device, its tensors allocated once."""
+
+    def __init__(self, shape: Mapping[str, int], device: Any, seed: int = 0) -> None:
+        import torch
+
+        g = torch.Generator().manual_seed(seed)
+        rows, d_in, d_out = shape["rows"], shape["d_in"], shape["d_out"]
+        self.repeats = shape["repeats"]
+        self.device = device
+        self.x = torch.randn(rows, d_in, generator=g).to(device)
+        self.w = torch.randn(d_in, d_out, generator=g).to(device)
+        self.h = torch.empty(rows, d_out, device=device)
+        self.back = torch.empty(rows, d_in, device=device)
+
+    def run(self) -> None:
+        """One timing's work: per repeat, forward product, copy, transposed product."""
+        import torch
+
+        for _ in range(self.repeats):
+            y = self.x @ self.w
+            self.h.copy_(y)
+            torch.matmul(self.h, self.w.t(), out=self.back)
+
+    def timed(self) -> float:
+        """Seconds of :meth:`run` on this rank, started together with every rank (barrier),
+        as a timed step is (:meth:`vpipe.sweep.harness.RankHarness.timed_step`)."""
+        import torch.distributed as dist
+
+        from vpipe.timing import step_seconds
+
+        dist.barrier()
+        return step_seconds(self.run, self.device)
