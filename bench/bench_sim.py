@@ -1,14 +1,21 @@
 """asv benchmarks of the pure-Python schedule tools on a large schedule: zbv at P=64, M=1024
 (393k compute actions; 909k actions once lowered). Goal: ``simulate`` in under 2 s.
 
-``python -m bench.bench_sim`` prints the median of 3 runs of each benchmark.
+Each benchmark is a ``track_`` figure: the call's median time over a fixed pure-Python
+reference's (:mod:`bench.host_reference`), the two timed alternately, so that ``asv continuous``
+across a busy and a quiet hour compares the code, not the host. ``python -m bench.bench_sim``
+prints the seconds and the normalised figures.
 """
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from functools import lru_cache
 
+from bench.host_reference import interleaved_medians, python_reference
+
 RANKS, MICROBATCHES, SCHEDULE = 64, 1024, "zbv"
+REPEATS = 5  # alternations per figure: the median of 5 shrugs off two disturbed timings
 
 
 @lru_cache(maxsize=1)
@@ -25,71 +32,59 @@ def _lowered():
     return lower(_schedule(), check=False)
 
 
-class ZBV64x1024:
-    """simulate / lower / validate of zbv, P=64, M=1024."""
+def operations() -> dict[str, Callable[[], object]]:
+    """The benchmarked calls, by name."""
+    from vpipe import lower, simulate, validate
 
-    number = 1
-    repeat = 3
-    rounds = 1
-    warmup_time = 0
+    schedule, lowered = _schedule(), _lowered()
+    return {
+        # compute-only input: validates, plans the communication, replays
+        "simulate": lambda: simulate(schedule),
+        "simulate_lowered": lambda: simulate(lowered),
+        # validates the input, then inserts SEND/RECV
+        "lower": lambda: lower(schedule),
+        "lower_unchecked": lambda: lower(schedule, check=False),
+        "validate": lambda: validate(schedule),
+        "validate_lowered": lambda: validate(lowered),
+    }
+
+
+def _track(name: str) -> Callable[..., float]:
+    def track(self: ZBV64x1024) -> float:
+        ours, ref = interleaved_medians(operations()[name], python_reference, REPEATS)
+        return ours / ref
+
+    track.__name__ = f"track_{name}"
+    track.unit = "reference units"
+    return track
+
+
+class ZBV64x1024:
+    """simulate / lower / validate of zbv, P=64, M=1024, in units of the host reference."""
+
     timeout = 600
 
     def setup(self) -> None:
-        self.schedule = _schedule()
-        self.lowered = _lowered()
+        _schedule()
+        _lowered()
 
-    def time_simulate(self) -> None:
-        """Compute-only input: validates, plans the communication, replays."""
-        from vpipe.sim import simulate
 
-        simulate(self.schedule)
-
-    def time_simulate_lowered(self) -> None:
-        from vpipe.sim import simulate
-
-        simulate(self.lowered)
-
-    def time_lower(self) -> None:
-        """Validates the input, then inserts SEND/RECV."""
-        from vpipe import lower
-
-        lower(self.schedule)
-
-    def time_lower_unchecked(self) -> None:
-        from vpipe import lower
-
-        lower(self.schedule, check=False)
-
-    def time_validate(self) -> None:
-        from vpipe import validate
-
-        validate(self.schedule)
-
-    def time_validate_lowered(self) -> None:
-        from vpipe import validate
-
-        validate(self.lowered)
+OPERATIONS = ("simulate", "simulate_lowered", "lower", "lower_unchecked", "validate", "validate_lowered")
+for _name in OPERATIONS:
+    setattr(ZBV64x1024, f"track_{_name}", _track(_name))
 
 
 def main() -> None:
-    """Print the median of 3 runs of every benchmark (wall clock, seconds)."""
-    import statistics
-    import time
-
+    """Print each benchmark's median seconds and its figure in reference units."""
     bench = ZBV64x1024()
     bench.setup()
     print(
-        f"{SCHEDULE} P={RANKS} M={MICROBATCHES}: {bench.schedule.n_compute_actions()} compute "
-        f"actions, {sum(map(len, bench.lowered.actions))} actions lowered"
+        f"{SCHEDULE} P={RANKS} M={MICROBATCHES}: {_schedule().n_compute_actions()} compute "
+        f"actions, {sum(map(len, _lowered().actions))} actions lowered"
     )
-    for name in sorted(n for n in dir(bench) if n.startswith("time_")):
-        times = []
-        for _ in range(3):
-            t0 = time.perf_counter()
-            getattr(bench, name)()
-            times.append(time.perf_counter() - t0)
-        spread = f"{min(times):.3f}-{max(times):.3f}"
-        print(f"{name[5:]:>18}: median {statistics.median(times):.3f} s  (range {spread})")
+    for name, call in operations().items():
+        ours, ref = interleaved_medians(call, python_reference, REPEATS)
+        print(f"{name:>18}: median {ours:.3f} s, reference {ref:.3f} s, {ours / ref:.2f} units")
 
 
 if __name__ == "__main__":

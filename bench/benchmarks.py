@@ -11,17 +11,17 @@ through its reciprocal (samples/s as ``track_seconds_per_sample``). ``VPIPE_ASV_
 ``VPIPE_ASV_MICROBATCHES`` (comma-separated) narrow the parameter grid, e.g. for a quick smoke
 run.
 
-Across commits the host changes, so the suite also tracks ``track_normalised_step``: each
+Across commits the host changes, so the step is tracked as ``track_normalised_step``: each
 config's median step time over the median time of the host-speed reference timed before
 every step (:mod:`vpipe.sweep.reference`), averaged in log over ``VPIPE_ASV_BLOCKS`` independent
 launches (default 3), in units of the reference (a dimensionless figure that a uniformly
-slower host leaves unchanged). ``VPIPE_ASV_INJECT_DELAY_MS`` sleeps that long per step on rank
+slower host leaves unchanged); raw seconds and bubble ratios are in the reports, not tracked
+(asv compares one value per commit, and those move with the host). ``VPIPE_ASV_INJECT_DELAY_MS`` sleeps that long per step on rank
 0 (``vpipe bench --inject-delay-ms``), to check that a real slowdown shows.
 """
 
 from __future__ import annotations
 
-import math
 import os
 from collections.abc import Callable
 from typing import Any
@@ -73,13 +73,7 @@ class PipelineCPU:
     param_names = ("schedule", "microbatches")
     timeout = 600
 
-    def track_normalised_step(self, cache: dict, schedule: str, microbatches: int) -> float:
-        return cache[f"{schedule}/{microbatches}"]["normalised_step"]
-
-    track_normalised_step.unit = "reference units"
-
     def setup_cache(self) -> dict:
-        from vpipe.report.crossrun_table import config_blocks
         from vpipe.sweep.blocks import run_blocks
         from vpipe.sweep.driver import SweepSpec
         from vpipe.sweep.results import collect
@@ -95,7 +89,7 @@ class PipelineCPU:
             warmup=2,
             steps=3,
             rounds=3,
-            profile=True,
+            profile=False,  # no tracked figure needs a trace
             progress=False,
             blocks=BLOCKS,
             inject_delay_ms=INJECT_DELAY_MS,
@@ -105,14 +99,11 @@ class PipelineCPU:
         with tempfile.TemporaryDirectory() as tmp:
             spec.trace_dir = tmp
             res = collect(spec, run_blocks(spec, "asv"), "asv", 0.0, simulate=False)
-        out = {}
-        for row in res.measured.to_dict("records"):
-            blocks = config_blocks(res.steps, row["schedule"], row["microbatches"], "vpipe")
-            figures = [b.log_figure(normalise=True) for b in blocks]
-            out[f"{row['schedule']}/{int(row['microbatches'])}"] = {
-                **{m.asv.name: m.asv.value(row[m.name]) for m in tracked()},
-                "normalised_step": math.exp(sum(figures) / len(figures)),
+        return {
+            f"{row['schedule']}/{int(row['microbatches'])}": {
+                m.asv.name: m.asv.value(row[m.name]) for m in tracked()
             }
-        return out
+            for row in res.measured.to_dict("records")
+        }
 
     setup_cache.timeout = 600

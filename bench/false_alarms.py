@@ -28,8 +28,11 @@ from collections import Counter
 from typing import Any
 
 SCHEDULES = ("1f1b", "zbv")
-SIZES = {"d_model": 128, "d_hidden": 512}
-BATCH, MICROBATCHES = 64, 4
+# Compute per action well above the runtime's per-action overhead (about 1-3 ms of matmuls per
+# action on one core), as the comparisons users make are: an overhead-bound toy measures
+# thread wake-ups, whose spread between launches is several times larger.
+SIZES = {"d_model": 256, "d_hidden": 1024}
+BATCH, MICROBATCHES = 128, 4
 
 
 def spec(blocks: int, delay_ms: float = 0.0) -> Any:

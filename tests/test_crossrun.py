@@ -10,13 +10,17 @@ import numpy as np
 import pytest
 
 from vpipe.report.crossrun import (
+    MIN_BLOCKS,
     MIN_EFFECT,
     Block,
+    Z,
     between_block_sd,
+    between_block_spread,
     cross_ratio,
     noise_threshold,
     paired_rounds_to_settle,
     rounds_to_settle,
+    t_quantile,
     verdict,
 )
 
@@ -44,8 +48,8 @@ def test_normalisation_cancels_a_uniformly_slower_host():
 
 def test_a_code_slowdown_survives_normalisation():
     rng = np.random.default_rng(1)
-    base = [_block(rng) for _ in range(4)]
-    slower = [_block(rng, extra=0.015) for _ in range(4)]  # 15% on a 0.1 s step
+    base = [_block(rng) for _ in range(MIN_BLOCKS)]
+    slower = [_block(rng, extra=0.015) for _ in range(MIN_BLOCKS)]  # 15% on a 0.1 s step
     r = cross_ratio(base, slower, normalise=True, between_sd=0.0)
     assert r.hierarchical and r.value == pytest.approx(1 / 1.15, rel=0.03)
     assert verdict(r, noise_threshold(0.0)) == "slower"
@@ -57,12 +61,12 @@ def test_hierarchical_interval_carries_between_block_spread():
     # each launch runs at its own speed (sd 10% between blocks), steps tightly around it
     def side():
         return [_block(rng, slow=math.exp(0.1 * rng.standard_normal()), noise=0.005,
-                       ref=0.01 / math.exp(0)) for _ in range(6)]  # fmt: skip
+                       ref=0.01 / math.exp(0)) for _ in range(MIN_BLOCKS)]  # fmt: skip
 
     a, b = side(), side()
     r = cross_ratio(a, b, normalise=False, between_sd=0.0)
     within_only = cross_ratio(a[:1], b[:1], normalise=False, between_sd=0.0)
-    # the between-block sd of 0.1 gives a log-ratio sd of about 0.1*sqrt(2/6) = 0.058
+    # the between-block sd of 0.1 gives a log-ratio sd of about 0.1*sqrt(2/8) = 0.05
     half = (math.log(r.high) - math.log(r.low)) / 2
     assert 0.05 < half < 0.25 and r.hierarchical
     assert (math.log(within_only.high) - math.log(within_only.low)) / 2 < 0.02
@@ -79,6 +83,23 @@ def test_single_blocks_are_widened_by_the_run_to_run_spread():
     assert wide.low < narrow.low and wide.high > narrow.high
     half = (math.log(wide.high) - math.log(wide.low)) / 2
     assert half == pytest.approx(math.hypot(wide.within, wide.between), rel=1e-9)
+
+
+def test_few_launches_widen_by_students_t():
+    """A spread estimated from few launches is uncertain itself: the interval uses Student's t
+    for its degrees of freedom, falling to the normal quantile as they grow."""
+    assert t_quantile(None) == Z and t_quantile(4) == pytest.approx(2.776, abs=1e-3)
+    assert t_quantile(11) == t_quantile(10) > t_quantile(20) > t_quantile(1000) == Z
+    with pytest.raises(ValueError):
+        t_quantile(0)
+    rng = np.random.default_rng(4)
+    a, b = [_block(rng), _block(rng)], [_block(rng), _block(rng)]
+    known = cross_ratio(a, b, normalise=True, between_sd=0.05)
+    guessed = cross_ratio(a, b, normalise=True, between_sd=0.05, between_dof=4)
+    assert guessed.between == pytest.approx(known.between * 2.776 / Z, rel=1e-3)
+    assert guessed.low < known.low and guessed.high > known.high
+    sd, dof = between_block_spread([a, b], normalise=True)
+    assert dof == 2 and sd == pytest.approx(between_block_sd([a, b], normalise=True))
 
 
 def test_verdict_rules_and_host_differed():

@@ -20,6 +20,7 @@ undefined (say, a ratio over no busy time). Adding a metric is one :func:`regist
 
 from __future__ import annotations
 
+import math
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from functools import cached_property
@@ -39,7 +40,7 @@ from vpipe.metrics.per_run import (
 if TYPE_CHECKING:
     from vpipe.sim import SimResult
 
-SOURCES = ("steps", "events", "sim", "memory", "simulated", "row")
+SOURCES = ("steps", "refs", "events", "sim", "memory", "simulated", "row")
 
 
 @dataclass(frozen=True)
@@ -59,6 +60,8 @@ class Inputs:
     """What one run's metrics are computed from; any source may be missing (None)."""
 
     steps: Sequence[float] | None = None
+    refs: Sequence[float] | None = None  # host-speed reference time before each step
+    blocks: Sequence[int] | None = None  # each step's launch (``vpipe bench --blocks``)
     events: pd.DataFrame | None = None
     sim: Simulated | None = None
     memory: pd.DataFrame | None = None
@@ -117,7 +120,10 @@ class Show:
 @dataclass(frozen=True)
 class Track:
     """An asv ``track_<name>`` benchmark of a metric. asv takes lower as better, so a
-    higher-is-better metric is tracked through its reciprocal (``reciprocal=True``)."""
+    higher-is-better metric is tracked through its reciprocal (``reciprocal=True``). asv
+    compares one value per commit against a factor, so only figures that hold when the host
+    changes are tracked (the normalised step, peak bytes): raw seconds and bubble ratios move
+    with other jobs on the host and raised false alarms."""
 
     name: str
     unit: str
@@ -228,6 +234,20 @@ def _step_time(i: int) -> dict[str | tuple[str, ...], Callable[[Inputs], Any]]:
     }
 
 
+def _normalised_step(x: Inputs) -> float | None:
+    """Median step time over median reference time per launch, averaged in log over the
+    launches (the figure :mod:`vpipe.report.crossrun` compares across runs)."""
+    steps = pd.Series(x.steps, dtype="float64")
+    refs = pd.Series(x.refs, dtype="float64")
+    if len(refs) != len(steps) or not len(steps) or not (refs > 0).all():
+        return None
+    launch = pd.Series(x.blocks if x.blocks is not None else [0] * len(steps))
+    logs = [
+        math.log(steps[launch == b].median() / refs[launch == b].median()) for b in launch.unique()
+    ]
+    return math.exp(sum(logs) / len(logs))
+
+
 _MS = {"scale": 1e3, "unit": "ms"}
 
 BUILTIN = (
@@ -238,7 +258,16 @@ BUILTIN = (
         _step_time(1),
         show=Show(**_MS, text_digits=3, group="step time", note="median",
                   spread=Spread("step_time_q1_s", "step_time_q3_s", "step ms IQR")),
-        asv=Track("seconds_per_step", "seconds"),
+    ),
+    Metric(
+        "normalised_step", "step / reference", "reference units", "lower",
+        "median step time over the median time of the host-speed reference timed before each "
+        "step (vpipe.sweep.reference), averaged in log over the run's launches: a figure that "
+        "a uniformly slower or faster host leaves unchanged, for comparisons across runs",
+        {("steps", "refs"): _normalised_step},
+        show=Show(digits=2, group="step time", note="in units of the host-speed reference",
+                  table=False),
+        asv=Track("normalised_step", "reference units"),
     ),
     Metric("step_time_q1_s", "step ms q1", "s", "lower", "first quartile of the step time",
            _step_time(0)),
@@ -249,7 +278,6 @@ BUILTIN = (
         "throughput: samples per step (the batch) over the step time",
         {"row": _per_second(lambda x: x.batch)},
         show=Show(unit="samples/s", digits=1, group="throughput", baseline="thru"),
-        asv=Track("seconds_per_sample", "seconds", reciprocal=True),
     ),
     Metric(
         "tokens_per_s", "tokens/s", "tokens/s", "higher",
@@ -273,7 +301,6 @@ BUILTIN = (
         {"events": lambda x: x.step_median("bubble_ratio"),
          "sim": lambda x: x.sim.result.bubble_ratio},
         show=Show(digits=3, group="bubble ratio", note="whole step"),
-        asv=Track("bubble_ratio", "ratio"),
     ),
     Metric(
         "bubble_ratio_excl_skew", "bubble excl. skew", "ratio", "lower",

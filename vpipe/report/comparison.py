@@ -135,7 +135,7 @@ def comparison_table(sweeps: Sequence[Sweep]) -> pd.DataFrame:
     b = base.runs.set_index(CONFIG)
     available = all(normalisation_note(base, s) is None for s in sweeps[1:])
     normalise, _ = choose_normalisation([s.steps for s in sweeps], available)
-    between_sd, _ = run_to_run_sd([s.steps for s in sweeps], normalise)
+    spread = run_to_run_sd([s.steps for s in sweeps], normalise)
     rows = []
     for run in sweeps[1:]:
         r = run.runs.set_index(CONFIG)
@@ -150,7 +150,7 @@ def comparison_table(sweeps: Sequence[Sweep]) -> pd.DataFrame:
                     config_blocks(base.steps, *idx),
                     config_blocks(run.steps, *idx),
                     normalise=normalise,
-                    between_sd=between_sd,
+                    spread=spread,
                     host_differences=hosts,
                     rounds=int(run.meta_value("rounds", 3)),
                 )
@@ -386,16 +386,16 @@ def _comparison_note(sweeps: Sequence[Sweep], differs: str) -> str:
     words.extend(f"Note: {n}." for n in sorted(notes))
     normalise, why = choose_normalisation([s.steps for s in sweeps], not notes)
     words.append(f"Figure compared: {why}.")
-    between_sd, source = run_to_run_sd([s.steps for s in sweeps], normalise)
+    spread = run_to_run_sd([s.steps for s in sweeps], normalise)
     words.append(
         "ratio = base figure / the run's (> 1: the run is faster); the figure is a block's "
         "median step time over its median reference time (normalised; raw when a sweep has no "
         f"reference timings), averaged in log over blocks. {CONFIDENCE:.0%} interval: a "
         f"hierarchical bootstrap (blocks, then steps; {RESAMPLES} resamples, seed {SEED}) when "
         f"both sweeps have {MIN_BLOCKS}+ blocks, else the steps' bootstrap widened by the "
-        f"run-to-run spread, sd {between_sd:.3f} in log ({source}). Verdict: faster/slower "
+        f"run-to-run spread, sd {spread.sd:.3f} in log ({spread.source}). Verdict: faster/slower "
         "only when the interval excludes 1 and the ratio is beyond the A/A noise band "
-        f"(+-{noise_threshold(between_sd):.1%}: two launches of the same code differ by less "
+        f"(+-{noise_threshold(spread.sd):.1%}: two launches of the same code differ by less "
         '95% of the time); "within noise" when the ratio is inside the band and the interval '
         'inside twice the band; "host differed" when the hosts\' states differed (see Host) '
         'and the ratio is not within noise; else "inconclusive", with the rounds '

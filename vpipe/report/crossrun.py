@@ -42,7 +42,10 @@ import numpy.typing as npt
 
 from vpipe.stats import CONFIDENCE, MIN_SAMPLES, RESAMPLES, SEED, outliers
 
-MIN_BLOCKS = 3  # a bootstrap over fewer blocks has too few distinct outcomes to mean much
+# A percentile bootstrap over few blocks understates their spread (3 blocks: by a factor of
+# sqrt(2/3), with 10 distinct outcomes); below this many per side the interval is the
+# analytic one, with Student's t for the spread's degrees of freedom.
+MIN_BLOCKS = 8
 # Run-to-run spread (sd of log normalised medians between independent launches of one config)
 # used when the sweeps have no repeated blocks; measured by bench.false_alarms (see README).
 DEFAULT_BETWEEN_SD = 0.04
@@ -51,6 +54,20 @@ MIN_EFFECT = 0.02  # never call a difference under 2% (log) a speedup or a slowd
 # honest answer is "inconclusive", not that nothing changed
 MAX_WITHIN_NOISE = 0.10
 Z = 1.959963984540054  # two-sided 95% normal quantile
+# two-sided 95% quantiles of Student's t by degrees of freedom (beyond the last: Z)
+_T95 = {1: 12.706, 2: 4.303, 3: 3.182, 4: 2.776, 5: 2.571, 6: 2.447, 7: 2.365, 8: 2.306,
+        9: 2.262, 10: 2.228, 12: 2.179, 15: 2.131, 20: 2.086, 30: 2.042, 60: 2.000}  # fmt: skip
+
+
+def t_quantile(dof: int | None) -> float:
+    """The two-sided 95% quantile of Student's t with ``dof`` degrees of freedom (the table's
+    value at the largest tabulated dof not above it, so never too small); ``Z`` when the spread
+    is known (None)."""
+    if dof is None:
+        return Z
+    if dof < 1:
+        raise ValueError(f"degrees of freedom must be >= 1, got {dof}")
+    return _T95[max(k for k in _T95 if k <= dof)] if dof <= 60 else Z
 
 
 @dataclass(frozen=True)
@@ -141,11 +158,17 @@ def side_draws(
 
 
 def cross_ratio(
-    base: Sequence[Block], run: Sequence[Block], *, normalise: bool, between_sd: float
+    base: Sequence[Block],
+    run: Sequence[Block],
+    *,
+    normalise: bool,
+    between_sd: float,
+    between_dof: int | None = None,
 ) -> CrossRatio:
     """base / run of a config's (normalised) figure with a 95% interval that includes the
     run-to-run spread: hierarchical when both sides have :data:`MIN_BLOCKS` blocks, else the
-    within-run bootstrap widened by ``between_sd`` (see the module's doc)."""
+    within-run bootstrap widened by ``between_sd`` (estimated with ``between_dof`` degrees of
+    freedom, None: known), see the module's doc."""
     cleaned = [[b.cleaned() for b in side] for side in (base, run)]
     dropped = sum(n for side in cleaned for _, n in side)
     sides = [[b for b, _ in side if b.steps.size] for side in cleaned]
@@ -170,7 +193,8 @@ def cross_ratio(
     tail = (1 - CONFIDENCE) / 2 * 100
     lo, hi = (float(x) for x in np.percentile(draws, [tail, 100 - tail]))
     within = (hi - lo) / 2
-    between = 0.0 if hierarchical else Z * between_sd * math.sqrt(1 / blocks[0] + 1 / blocks[1])
+    spread = t_quantile(between_dof) * between_sd
+    between = 0.0 if hierarchical else spread * math.sqrt(1 / blocks[0] + 1 / blocks[1])
     if not hierarchical:  # widen around the bootstrap's centre by the run-to-run spread
         centre, half = (lo + hi) / 2, math.hypot(within, between)
         lo, hi = centre - half, centre + half
@@ -189,9 +213,19 @@ def cross_ratio(
 
 
 def between_block_sd(configs: Iterable[Sequence[Block]], normalise: bool) -> float | None:
-    """The pooled run-to-run spread: the standard deviation of blocks' log figures around
-    their config's mean, over every config with at least two blocks (an A/A measurement: the
-    same code launched several times); None when no config has two blocks."""
+    """The pooled run-to-run spread (:func:`between_block_spread`'s sd); None when no config
+    has two blocks."""
+    spread = between_block_spread(configs, normalise)
+    return None if spread is None else spread[0]
+
+
+def between_block_spread(
+    configs: Iterable[Sequence[Block]], normalise: bool
+) -> tuple[float, int] | None:
+    """The pooled run-to-run spread and its degrees of freedom: the standard deviation of
+    blocks' log figures around their config's mean, over every config with at least two blocks
+    (an A/A measurement: the same code launched several times); None when no config has two
+    blocks."""
     squares, dof = 0.0, 0
     for blocks in configs:
         kept = [b.cleaned()[0] for b in blocks]
@@ -201,7 +235,7 @@ def between_block_sd(configs: Iterable[Sequence[Block]], normalise: bool) -> flo
         logs = np.array([b.log_figure(normalise) for b in kept])
         squares += float(((logs - logs.mean()) ** 2).sum())
         dof += len(logs) - 1
-    return math.sqrt(squares / dof) if dof else None
+    return (math.sqrt(squares / dof), dof) if dof else None
 
 
 def noise_threshold(between_sd: float) -> float:

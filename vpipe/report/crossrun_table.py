@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import math
 from collections.abc import Sequence
+from dataclasses import dataclass
 from typing import Any
 
 import pandas as pd
@@ -20,6 +21,7 @@ from vpipe.report.crossrun import (
     Block,
     CrossRatio,
     between_block_sd,
+    between_block_spread,
     cross_ratio,
     noise_threshold,
     normalisable,
@@ -54,14 +56,35 @@ def all_blocks(steps: pd.DataFrame | None) -> list[list[Block]]:
     return [config_blocks(steps, *k) for k in keys]
 
 
-def run_to_run_sd(steps: Sequence[pd.DataFrame | None], normalise: bool) -> tuple[float, str]:
-    """The run-to-run spread for the comparison: pooled over every config with several
-    blocks in any of the sweeps, else :data:`DEFAULT_BETWEEN_SD`; and where it came from."""
+@dataclass(frozen=True)
+class RunToRun:
+    """The run-to-run spread a comparison uses: sd of log figures between launches, its
+    degrees of freedom (None: the measured default, taken as known) and where it came from."""
+
+    sd: float
+    dof: int | None
+    source: str
+
+
+def run_to_run_sd(steps: Sequence[pd.DataFrame | None], normalise: bool) -> RunToRun:
+    """The run-to-run spread for the comparison: pooled over every config with several blocks
+    in any of the sweeps, never below :data:`DEFAULT_BETWEEN_SD` (a spread estimated from a
+    few launches can come out far too small by chance), with its degrees of freedom; else the
+    default alone."""
     configs = [c for s in steps for c in all_blocks(s)]
-    sd = between_block_sd(configs, normalise)
-    if sd is not None:
-        return sd, "measured from the sweeps' repeated blocks"
-    return DEFAULT_BETWEEN_SD, "the default measured by bench.false_alarms (no repeated blocks)"
+    measured = between_block_spread(configs, normalise)
+    if measured is None:
+        return RunToRun(
+            DEFAULT_BETWEEN_SD, None, "the default measured by bench.false_alarms (no repeated blocks)"
+        )
+    sd, dof = measured
+    floor = " (the default floor)" if sd < DEFAULT_BETWEEN_SD else ""
+    return RunToRun(
+        max(sd, DEFAULT_BETWEEN_SD),
+        dof,
+        f"measured from the sweeps' repeated blocks, sd {sd:.3f} with {dof} degrees of "
+        f"freedom{floor}; Student's t",
+    )
 
 
 def choose_normalisation(steps: Sequence[pd.DataFrame | None], available: bool) -> tuple[bool, str]:
@@ -96,7 +119,7 @@ def cross_cells(
     run: list[Block],
     *,
     normalise: bool,
-    between_sd: float,
+    spread: RunToRun,
     host_differences: Sequence[str],
     rounds: int,
 ) -> dict[str, Any]:
@@ -104,9 +127,10 @@ def cross_cells(
     its interval, the raw ratio, the verdict and, when inconclusive, the rounds per block
     that would settle it."""
     use = normalise and normalisable(base) and normalisable(run)
-    r = cross_ratio(base, run, normalise=use, between_sd=between_sd)
-    raw = r if not use else cross_ratio(base, run, normalise=False, between_sd=between_sd)
-    threshold = noise_threshold(between_sd)
+    between = {"between_sd": spread.sd, "between_dof": spread.dof}
+    r = cross_ratio(base, run, normalise=use, **between)
+    raw = r if not use else cross_ratio(base, run, normalise=False, **between)
+    threshold = noise_threshold(spread.sd)
     word = verdict(r, threshold, host_differences)
     return {
         label: _fmt(r.value),

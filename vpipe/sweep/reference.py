@@ -12,19 +12,28 @@ import torch.
 
 from __future__ import annotations
 
+import math
 from collections.abc import Mapping
 from typing import Any
 
-REPEATS = 4  # matmul+copy pairs per timing: long enough to rise above the timer's jitter
+# Floating-point work per timing (about 10-20 ms on one CPU core): long enough to span several
+# of the OS scheduler's time slices, so that a process competing for the core slows the
+# reference as it slows a step. A short one (under a millisecond) starts right after a barrier,
+# where the scheduler favours the woken rank over a CPU hog, and did not slow at all.
+TARGET_FLOPS = 2e8
+MIN_REPEATS = 4
 
 
 def reference_shape(sizes: Mapping[str, int], batch: int, microbatches: int) -> dict[str, int]:
-    """The reference's shape for a sweep: one microbatch's rows (of the smallest microbatch
-    count's), the model's width and hidden width (defaults where the model has none)."""
+    """The reference's shape for a sweep: one microbatch's rows (of the largest microbatch
+    count's), the model's width and hidden width (defaults where the model has none), and as
+    many repeats as make :data:`TARGET_FLOPS` (fixed by the shape, so every run of the same
+    sweep does the same work)."""
     d_in = int(sizes.get("d_model", 256))
     d_out = int(sizes.get("d_hidden", 4 * d_in))
-    return {"rows": max(batch // max(microbatches, 1), 1), "d_in": d_in, "d_out": d_out,
-            "repeats": REPEATS}  # fmt: skip
+    rows = max(batch // max(microbatches, 1), 1)
+    repeats = max(MIN_REPEATS, math.ceil(TARGET_FLOPS / (4 * rows * d_in * d_out)))
+    return {"rows": rows, "d_in": d_in, "d_out": d_out, "repeats": repeats}
 
 
 class Reference:

@@ -195,8 +195,11 @@ def collect(
             "microbatches": cfg.microbatches,
             "stages": r0["n_stages"][cfg.key],
         }
+        per_block = spec.rounds * spec.steps
         measured = Inputs(
             steps=times,
+            refs=None if None in refs else refs,
+            blocks=[j // per_block for j in range(len(times))],
             events=ev if traced else None,
             memory=_rank_peaks(results, cfg),
             simulated=sim_row,
