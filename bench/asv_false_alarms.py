@@ -1,0 +1,153 @@
+"""False alarms and detections of ``asv continuous`` on this suite.
+
+    python -m bench.asv_false_alarms [--tries 3] [--delay-ms 2] [--schedules 1f1b,zbv]
+                                     [--microbatches 4] [--busy]
+
+In a scratch clone of this checkout's HEAD it makes two commits on top: one that changes only
+the README (benchmarked code identical: any "PERFORMANCE DECREASED" or "INCREASED" is a false
+alarm), and one that makes every pipeline step sleep ``--delay-ms`` longer (the default of
+``RankSpec.inject_delay_s``: a real slowdown, which asv must report). It then runs ``asv
+continuous`` (asv's own virtualenv, default factor 1.1) ``--tries`` times on the identical pair
+and once on the slowed pair, and prints each verdict and the wall time. ``--busy`` keeps one
+core busy (a pinned busy loop) while the second commit of each pair is benchmarked, so the
+identical pair is also compared across a busy and a quiet host. The pipeline grid is narrowed
+by ``--schedules`` and ``--microbatches`` (VPIPE_ASV_SCHEDULES / VPIPE_ASV_MICROBATCHES).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import re
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+HARNESS = "vpipe/sweep/harness.py"
+DELAY_FIELD = "    inject_delay_s: float = 0.0"
+HOG = "import os\nos.sched_setaffinity(0, {0})\nwhile True: pass"  # one core kept busy
+
+
+def git(repo: Path, *args: str) -> str:
+    out = subprocess.run(["git", *args], cwd=repo, capture_output=True, text=True, check=True)
+    return out.stdout.strip()
+
+
+def commit(repo: Path, message: str) -> str:
+    git(
+        repo,
+        "-c",
+        "user.name=vpipe-bench",
+        "-c",
+        "user.email=bench@vpipe",
+        "commit",
+        "-qam",
+        message,
+    )
+    return git(repo, "rev-parse", "HEAD")
+
+
+def make_commits(repo: Path, delay_ms: float) -> tuple[str, str, str]:
+    """(base, identical code, slowed code) commits in ``repo``."""
+    base = git(repo, "rev-parse", "HEAD")
+    readme = repo / "README.md"
+    readme.write_text(readme.read_text() + "\n<!-- a change outside the benchmarked code -->\n")
+    same = commit(repo, "README only")
+    git(repo, "checkout", "-q", base)
+    harness = repo / HARNESS
+    text = harness.read_text()
+    if DELAY_FIELD not in text:
+        raise SystemExit(f"{HARNESS} has no line {DELAY_FIELD.strip()!r} to slow the steps with")
+    harness.write_text(text.replace(DELAY_FIELD, f"    inject_delay_s: float = {delay_ms / 1e3}"))
+    slow = commit(repo, f"every step {delay_ms} ms slower")
+    return base, same, slow
+
+
+def asv_config(repo: Path, work: Path) -> Path:
+    conf = json.loads((repo / "asv.conf.json").read_text())
+    conf.update(
+        repo=str(repo),
+        benchmark_dir=str(repo / "bench"),
+        results_dir=str(work / "results"),
+        html_dir=str(work / "html"),
+        env_dir=str(work / "env"),
+    )
+    path = work / "asv.conf.json"
+    path.write_text(json.dumps(conf))
+    return path
+
+
+def continuous(
+    conf: Path, work: Path, a: str, b: str, env: dict[str, str], busy: bool
+) -> tuple[str, list[str]]:
+    """asv continuous a b; its verdict line(s) ("PERFORMANCE DECREASED", ...) and changes."""
+    cmd = [sys.executable, "-m", "asv", "continuous", "--config", str(conf), "--machine", "vpipe-aa",
+           a, b]  # fmt: skip
+    if busy:  # the busy loop runs while asv benchmarks commit b (asv names each commit)
+        proc = subprocess.Popen(cmd, cwd=work, env=env, stdout=subprocess.PIPE, text=True,
+                                stderr=subprocess.STDOUT)  # fmt: skip
+        assert proc.stdout is not None
+        lines: list[str] = []
+        hog = None
+        for line in proc.stdout:
+            lines.append(line)
+            if "commit" in line and b[:8] in line and hog is None:
+                hog = subprocess.Popen([sys.executable, "-c", HOG])
+            elif "commit" in line and a[:8] in line and hog is not None:
+                hog.terminate()
+                hog.wait()
+                hog = None
+        proc.wait()
+        if hog is not None:
+            hog.terminate()
+            hog.wait()
+        out = "".join(lines)
+    else:
+        out = subprocess.run(cmd, cwd=work, env=env, capture_output=True, text=True).stdout
+    # asv's table rows of changed benchmarks: "| + | before | after | ratio | name |"
+    changes = [ln.strip() for ln in out.splitlines() if re.match(r"\s*\|?\s*[+-]\s*\|", ln)]
+    words = [w for w in ("PERFORMANCE DECREASED", "PERFORMANCE INCREASED") if w in out]
+    if "Traceback" in out or "failed" in out.lower():
+        words.append("BENCHMARK FAILED")
+    return " and ".join(words) or "no change", changes
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--tries", type=int, default=3, help="A/A runs of asv continuous (default 3)")
+    p.add_argument("--delay-ms", type=float, default=2.0, help="slowdown per step (default 2)")
+    p.add_argument("--schedules", default="1f1b,zbv")
+    p.add_argument("--microbatches", default="4")
+    p.add_argument("--busy", action="store_true", help="a busy core while the 2nd commit runs")
+    args = p.parse_args(argv)
+    t0 = time.perf_counter()
+    with tempfile.TemporaryDirectory() as tmp:
+        work = Path(tmp)
+        repo = work / "repo"
+        subprocess.run(["git", "clone", "-q", str(ROOT), str(repo)], check=True)
+        base, same, slow = make_commits(repo, args.delay_ms)
+        conf = asv_config(repo, work)
+        (work / "home").mkdir()
+        env = {**os.environ, "HOME": str(work / "home"), "VPIPE_ASV_SCHEDULES": args.schedules,
+               "VPIPE_ASV_MICROBATCHES": args.microbatches}  # fmt: skip
+        subprocess.run([sys.executable, "-m", "asv", "machine", "--yes", "--machine", "vpipe-aa",
+                        "--config", str(conf)], cwd=work, env=env, capture_output=True, check=True)  # fmt: skip
+        alarms = 0
+        for i in range(args.tries):
+            word, changes = continuous(conf, work, base, same, env, args.busy)
+            alarms += word != "no change"
+            print(f"A/A  try {i + 1}: {word}", *(f"    {c}" for c in changes), sep="\n", flush=True)
+        word, changes = continuous(conf, work, base, slow, env, False)
+        print(f"A/A' ({args.delay_ms} ms per step): {word}", *(f"    {c}" for c in changes),
+              sep="\n")  # fmt: skip
+    print(f"false alarms: {alarms}/{args.tries}; slowdown reported: "
+          f"{'yes' if 'DECREASED' in word else 'no'}; wall time {time.perf_counter() - t0:.0f} s")  # fmt: skip
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
