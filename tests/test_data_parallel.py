@@ -19,9 +19,9 @@ SIZES = {"d_model": 16, "d_hidden": 32}
 BUCKET_BYTES = 2048  # several buckets per stage: 16x32 floats is one
 
 
-def _every_family(rank: int, world: int, specs: list[RankSpec]) -> dict:
-    """Per family: this rank's reference findings after two accumulated steps; and the span
-    names of one profiled zbv step (the reductions among them)."""
+def _every_family(rank: int, world: int, specs: list[RankSpec], out_dir: str) -> dict:
+    """Per family: this rank's reference findings after two accumulated steps, and its
+    reductions; and the reduction rows of the event table of one profiled zbv step."""
     findings = {}
     for spec in specs:
         h = build(spec, rank)
@@ -32,14 +32,13 @@ def _every_family(rank: int, world: int, specs: list[RankSpec]) -> dict:
             p.grad /= 2
         findings[spec.schedule.name] = (h.check(losses, 1e-5), h.stats["reductions"])
     h = build(specs[[s.schedule.name for s in specs].index("zbv")], rank)
-    h.step()
-    with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU]) as prof:
-        h.step()
-    spans = sorted({e.name for e in prof.events() if "REDUCE" in e.name})
-    return {"findings": findings, "spans": spans, "stages": h.stages, "pp_rank": h.pp_rank}
+    events = h.profiled_step(out_dir, {"run_id": "dp", "impl": "vpipe", "schedule": "zbv"})
+    reduce_rows = events[events["name"].astype(str).str.contains("REDUCE")]
+    rows = reduce_rows[["kind", "stage", "microbatch", "start_ns", "end_ns"]].astype({"kind": str})
+    return {"findings": findings, "rows": rows.to_dict("records"), "stages": h.stages}
 
 
-def test_every_family_p2_dp2_matches_the_global_batch_reference():
+def test_every_family_p2_dp2_matches_the_global_batch_reference(tmp_path):
     specs = [
         RankSpec(
             make_schedule(name, P, M),
@@ -51,21 +50,27 @@ def test_every_family_p2_dp2_matches_the_global_batch_reference():
         )
         for name in schedule_names()
     ]
-    results = spawn(_every_family, P * DP, specs, timeout_s=300)
+    results = spawn(_every_family, P * DP, specs, str(tmp_path), timeout_s=300)
     for rank, r in enumerate(results):
-        assert r["pp_rank"] == rank % P
         for name, (findings, reductions) in r["findings"].items():
             bad = [f for f in findings if not f["ok"]]
             assert findings and not bad, (rank, name, bad)
-            assert {x["stage"] for x in reductions} == set(
-                make_schedule(name, P, M).stages_of(rank % P)
-            )
+            stages = set(make_schedule(name, P, M).stages_of(rank % P))
+            assert {x["stage"] for x in reductions} == stages, (rank, name)
             assert all(x["end_ns"] >= x["start_ns"] > 0 for x in reductions)
-        # each stage's buckets: a start span and a wait span each, named with the stage
-        reduced = {parse_reduce(n.removeprefix("PP:").removeprefix("WAIT:")) for n in r["spans"]}
-        assert {s for s, _ in reduced} == set(r["stages"]), (rank, r["spans"])
-        assert any(b > 0 for _, b in reduced)  # several buckets per stage
-        assert any(n.startswith("PP:WAIT:") for n in r["spans"])
+        # the event table: each stage's buckets, a REDUCE row (start to completion) and a WAIT
+        # row (the step's end waiting for it) each, with the stage and the bucket
+        rows = r["rows"]
+        reduced = [(x["stage"], x["microbatch"]) for x in rows if x["kind"] == "REDUCE"]
+        waited = [(x["stage"], x["microbatch"]) for x in rows if x["kind"] == "WAIT"]
+        assert sorted(reduced) == sorted(waited) and len(set(reduced)) == len(reduced)
+        assert (
+            {s for s, _ in reduced}
+            == set(r["stages"])
+            == set(make_schedule("zbv", P, M).stages_of(rank % P))
+        )
+        assert max(b for _, b in reduced) > 0  # several buckets per stage
+        assert all(x["end_ns"] >= x["start_ns"] for x in rows)
 
 
 def test_reduction_names_are_strict_and_not_schedule_actions():
