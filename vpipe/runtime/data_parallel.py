@@ -31,7 +31,14 @@ from vpipe.errors import PipelineError, VpipeError
 from vpipe.ir import Action
 from vpipe.ir.reduction import format_reduce, gradient_points
 
-__all__ = ["DataParallelError", "GradientReducer", "Mesh", "check_layout", "make_mesh"]
+__all__ = [
+    "DataParallelError",
+    "GradientReducer",
+    "Mesh",
+    "check_fsdp",
+    "check_layout",
+    "make_mesh",
+]
 
 DEFAULT_BUCKET_BYTES = 25 * 2**20  # DDP's default bucket size
 
@@ -62,14 +69,20 @@ def check_layout(
             f"the dp group cannot reduce on backend {backend!r}: use gloo or nccl"
         )
     if fsdp:
-        why = (
-            "gloo has no reduce_scatter_tensor, which fully_shard's gradient reduction needs"
-            if backend == "gloo"
-            else "vpipe's runtime does not run fully_shard stages yet"
-        )
-        raise DataParallelError(
-            f"--fsdp cannot run here: {why}; reduce gradients with all-reduce (leave out --fsdp)"
-        )
+        check_fsdp(backend)
+
+
+def check_fsdp(backend: str) -> None:
+    """Raise DataParallelError: FSDP2 stages cannot run here (gloo has no reduce-scatter of
+    tensors; on NCCL vpipe's runtime does not shard stages yet)."""
+    why = (
+        "gloo has no reduce_scatter_tensor, which fully_shard's gradient reduction needs"
+        if backend == "gloo"
+        else "vpipe's runtime does not run fully_shard stages yet"
+    )
+    raise DataParallelError(
+        f"--fsdp cannot run on {backend}: {why}; leave out --fsdp to all-reduce gradients"
+    )
 
 
 class Mesh(NamedTuple):

@@ -76,7 +76,7 @@ class Pipeline:
     ``group`` is this replica's pipeline group) averages each stage's gradients across it, in
     buckets of ``dp_bucket_bytes``, started as soon as the stage's gradients are complete
     (:mod:`vpipe.runtime.data_parallel`); the step ends when they are all done, and
-    ``stats["reductions"]`` lists them.
+    ``stats["reductions"]`` lists them (``stats["dp_wait_s"]``: what waiting for them took).
     """
 
     def __init__(
@@ -198,7 +198,9 @@ class Pipeline:
         try:
             losses = ex.run(mb_inputs, mb_targets, n)
             self._finish_key_broadcast()
+            t_wait = time.perf_counter()
             reductions = reducer.finish() if reducer is not None else None
+            t_wait = time.perf_counter() - t_wait
         except VpipeError:
             ex.reset()
             if reducer is not None:
@@ -218,6 +220,7 @@ class Pipeline:
         }
         if reductions is not None:
             self.stats["reductions"] = reductions
+            self.stats["dp_wait_s"] = t_wait  # the step's end waiting for its reductions
         if self._step == 1 and self.comm is not None and self.comm.connect_s is not None:
             self.stats["comm_setup_s"] = self.comm.connect_s  # reported once
         if ex.clock is not None:  # after the synchronise: reading the events does not stall
