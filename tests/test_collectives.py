@@ -102,3 +102,25 @@ def test_bad_collective_costs():
         CollectiveCost(group=2, latency=math.nan)
     with pytest.raises(CollectiveError, match="no gradient bytes for stage 1"):
         _dp(vpipe.make_schedule("gpipe", 2, 2), "f=1,b=1,w=1", CollectiveCost(2), {0: [1]})
+
+
+def test_plan_with_dp_adds_the_reductions_and_changes_the_ranking():
+    from vpipe.predict.dp_costs import DPCostError, DPCosts
+    from vpipe.predict.plan import Budget, SpecCosts, candidates, recommend
+
+    costs = SpecCosts.parse("f=1000,b=1000,w=1000,comm=50")
+    kw = {"microbatches": [8], "schedules": ["zb-h1", "looped-bfs", "zbv"]}
+    alone = candidates(costs, 4, 32, **kw)
+    one = candidates(costs, 4, 32, dp=DPCosts.parse("grad_bytes=2e9,bw=25,lat=20", 1), **kw)
+    assert [c.predicted_step_s for c in one] == [c.predicted_step_s for c in alone]
+    eight = candidates(costs, 4, 256, dp=DPCosts.parse("grad_bytes=2e9,bw=25,lat=20", 8), **kw)
+    for a, b in zip(alone, eight, strict=True):  # same per-replica work, plus the reductions
+        assert b.predicted_step_s == pytest.approx(a.predicted_step_s + b.dp_exposed_s)
+        assert b.dp_exposed_s > 0
+    budget = Budget.parse("100units")
+    assert recommend(alone, budget).schedule == "zb-h1"
+    assert recommend(eight, budget).schedule == "looped-bfs"
+    with pytest.raises(DPCostError, match="needs --dp-cost grad_bytes"):
+        DPCosts.parse("lat=3", 8)
+    with pytest.raises(DPCostError, match="bw=0: must be a number > 0"):
+        DPCosts.parse("grad_bytes=1,bw=0", 8)
