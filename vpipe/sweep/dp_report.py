@@ -49,34 +49,29 @@ def print_reductions(rank: int, world: int, stats: Mapping[str, Any], pp: int) -
 
 
 def fit_collective(reductions: Sequence[Mapping[str, Any]], group: int) -> dict[str, float]:
-    """A ring all-reduce cost (``latency`` per ring step and ``bandwidth`` in bytes per us)
-    fitted by least squares to measured reductions (``bytes``, ``start_ns``, ``end_ns``) that
-    did not queue behind another on their rank (each started after the previous one ended).
-    With one size only, the latency is 0 and the bandwidth their median rate."""
+    """A ring all-reduce cost (``latency`` per ring step in us, ``bandwidth`` in bytes per us)
+    fitted by least squares to measured reductions (``rank``, ``bytes``, ``start_ns``,
+    ``end_ns``). A rank's reductions run one after another, as the simulator's collective
+    stream runs them: each one's own time is from its start, or the previous one's end if
+    later, to its end. With one size only, the latency is 0 and the bandwidth their median
+    rate."""
     steps = 2 * (group - 1)
-    alone = []
     by_rank: dict[Any, list] = {}
     for r in reductions:
         by_rank.setdefault(r.get("rank"), []).append(r)
+    xs, ys = [], []
     for rows in by_rank.values():
-        rows = sorted(rows, key=lambda r: r["start_ns"])
         free = -1
-        for r in rows:
-            if r["start_ns"] >= free:
-                alone.append(r)
+        for r in sorted(rows, key=lambda r: r["start_ns"]):
+            xs.append(2 * (group - 1) / group * r["bytes"])
+            ys.append((r["end_ns"] - max(r["start_ns"], free)) / 1e3)
             free = max(free, r["end_ns"])
-    xs = [2 * (group - 1) / group * r["bytes"] for r in alone]
-    ys = [(r["end_ns"] - r["start_ns"]) / 1e3 for r in alone]
     if not xs:
         raise ValueError("no measured reduction to fit a collective cost to")
     if len(set(xs)) < 2:
-        return {
-            "latency": 0.0,
-            "bandwidth": statistics.median(x / y for x, y in zip(xs, ys, strict=True)),
-        }
+        rate = statistics.median(x / y for x, y in zip(xs, ys, strict=True))
+        return {"latency": 0.0, "bandwidth": rate}
     mx, my = statistics.fmean(xs), statistics.fmean(ys)
-    slope = sum((x - mx) * (y - my) for x, y in zip(xs, ys, strict=True)) / sum(
-        (x - mx) ** 2 for x in xs
-    )
-    slope = max(slope, 1e-12)
+    cov = sum((x - mx) * (y - my) for x, y in zip(xs, ys, strict=True))
+    slope = max(cov / sum((x - mx) ** 2 for x in xs), 1e-12)
     return {"latency": max(0.0, (my - slope * mx) / steps), "bandwidth": 1.0 / slope}
