@@ -30,7 +30,7 @@ EVENT_COLUMNS: dict[str, str] = {
     "step": "int32",
     "stage": "int32",
     "microbatch": "int32",
-    "kind": "category",  # F B I W SEND_F RECV_F SEND_B RECV_B WAIT other
+    "kind": "category",  # F B I W SEND_F RECV_F SEND_B RECV_B WAIT REDUCE other
     "name": "category",  # the action string (e.g. 2F3) or span name
     "start_ns": "int64",
     "end_ns": "int64",
@@ -46,7 +46,7 @@ CLOCKS = ("host", "device", "sim")
 
 COMPUTE_KINDS = ("F", "B", "I", "W")
 COMM_KINDS = ("SEND_F", "RECV_F", "SEND_B", "RECV_B")
-EVENT_KINDS = (*COMPUTE_KINDS, *COMM_KINDS, "WAIT", "other")
+EVENT_KINDS = (*COMPUTE_KINDS, *COMM_KINDS, "WAIT", "REDUCE", "other")  # REDUCE: data parallel
 
 MEMORY_COLUMNS: dict[str, str] = {
     "run_id": "category",

@@ -7,8 +7,31 @@ import argparse
 
 
 def add_runtime_flags(p: argparse.ArgumentParser) -> None:
-    """``--recv-lookahead``, ``--no-bundle`` and ``--no-post-thread`` (see
-    :class:`vpipe.runtime.Pipeline`)."""
+    """``--recv-lookahead``, ``--no-bundle``, ``--no-post-thread`` (see
+    :class:`vpipe.runtime.Pipeline`) and data parallel's ``--dp``, ``--dp-bucket-mb``,
+    ``--fsdp`` (:mod:`vpipe.runtime.data_parallel`)."""
+    p.add_argument(
+        "--dp",
+        type=int,
+        default=1,
+        metavar="N",
+        help="data-parallel replicas of the pipeline (ranks x N processes; --batch is the "
+        "global batch, sharded across them; gradients all-reduced per stage as soon as it "
+        "has them; default 1)",
+    )
+    p.add_argument(
+        "--dp-bucket-mb",
+        type=float,
+        default=25.0,
+        metavar="MB",
+        help="gradient bucket size of the --dp reductions in MiB (default %(default)s)",
+    )
+    p.add_argument(
+        "--fsdp",
+        action="store_true",
+        help="shard stages with FSDP2 (fully_shard) instead of all-reducing: refused where "
+        "it cannot run (gloo), with the reason",
+    )
     p.add_argument(
         "--recv-lookahead",
         type=int,
@@ -33,3 +56,19 @@ def add_runtime_flags(p: argparse.ArgumentParser) -> None:
         help="on gloo, post sends and receives from the compute thread instead of the "
         "process's poster thread",
     )
+
+
+def dp_fields(args: argparse.Namespace) -> dict:
+    """RankSpec's data-parallel fields from the flags (refusing --fsdp, and a bad --dp or
+    bucket size, in one line: :func:`vpipe.runtime.data_parallel.check_layout`)."""
+    from vpipe.errors import VpipeError
+
+    if args.dp < 1:
+        raise VpipeError(f"--dp must be >= 1, got {args.dp}")
+    if not args.dp_bucket_mb > 0:
+        raise VpipeError(f"--dp-bucket-mb must be > 0, got {args.dp_bucket_mb}")
+    if args.fsdp:
+        from vpipe.runtime.data_parallel import check_fsdp
+
+        check_fsdp(args.backend or ("nccl" if args.device == "cuda" else "gloo"))
+    return {"dp": args.dp, "dp_bucket_bytes": int(args.dp_bucket_mb * 2**20)}

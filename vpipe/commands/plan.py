@@ -28,6 +28,20 @@ def register(subparsers: argparse._SubParsersAction) -> None:
         help="per full stage (1/P of the model) and microbatch of `rows` rows, microseconds: "
         "f=..,b=..,w=..[,comm=..,handshake=..,act_bytes=..,rows=..,post=..,gap=..]",
     )
+    p.add_argument(
+        "--dp",
+        type=int,
+        default=1,
+        metavar="N",
+        help="data-parallel replicas: --batch is the global batch, and each step ends when "
+        "its per-stage gradient all-reduces (--dp-cost) do",
+    )
+    p.add_argument(
+        "--dp-cost",
+        metavar="SPEC",
+        help="the reduction's costs: grad_bytes=.. (per full stage, 1/P of the model), bw=.. "
+        "(GB/s), lat=.. (us per ring step)[,launch=..,bucket_mb=..]",
+    )
     p.add_argument("--run", help="the calibration run in --from (vpipe runs STORE lists them)")
     p.add_argument("--microbatches", "-m", help="comma-separated counts (default: divisors of "
                    "the batch up to 8P)")  # fmt: skip
@@ -40,6 +54,7 @@ def register(subparsers: argparse._SubParsersAction) -> None:
 
 def plan_command(args: argparse.Namespace) -> int:
     from vpipe.outputs import atomic_write, check_output_file
+    from vpipe.predict.dp_costs import DPCosts
     from vpipe.predict.plan import Budget, PlanError, SpecCosts, from_run, plan
     from vpipe.sweep.driver import parse_list
 
@@ -61,7 +76,10 @@ def plan_command(args: argparse.Namespace) -> int:
     except ValueError:
         raise PlanError(f"--microbatches must be integers, got {args.microbatches!r}") from None
     schedules = parse_list(args.schedules) if args.schedules else None
-    result = plan(costs, args.ranks, args.batch, budget, microbatches=mbs, schedules=schedules)
+    dp = DPCosts.parse(args.dp_cost, args.dp) if args.dp > 1 or args.dp_cost else None
+    result = plan(
+        costs, args.ranks, args.batch, budget, microbatches=mbs, schedules=schedules, dp=dp
+    )
     if args.plot:
         from vpipe.predict.plan import pareto_frame
         from vpipe.report.plots import plot_pareto, to_png
@@ -71,23 +89,25 @@ def plan_command(args: argparse.Namespace) -> int:
     if args.json:
         print(json.dumps(result))
         return 0
-    print(render(result, budget, args.top))
+    print(render(result, budget, args.top, dp is not None))
     return 0
 
 
-def render(result: dict, budget: object, top: int) -> str:
-    """The ranked table and the recommendation as text."""
+def render(result: dict, budget: object, top: int, dp: bool = False) -> str:
+    """The ranked table and the recommendation as text (with ``dp``: the reductions' exposed
+    and hidden ms and the exposed share of the step)."""
     rec = result["recommended"]
+    dp_head = f"{'dp exp ms':>10}{'hidden ms':>10}{'dp share':>9}" if dp else ""
     lines = [
         f"{'schedule':<18}{'v':>3}{'M':>5}{'step ms':>10}{'samples/s':>11}{'bubble':>8}"
-        f"{'peak/rank':>12}{'fits':>6}"
+        f"{'peak/rank':>12}{'fits':>6}{dp_head}"
     ]
     for c in result["candidates"][:top]:
         lines.append(
             f"{c['schedule']:<18}{c['stages_per_rank']:>3}{c['microbatches']:>5}"
             f"{c['predicted_step_s'] * 1e3:>10.2f}{c['samples_per_s']:>11.1f}"
             f"{c['bubble_ratio']:>8.3f}{budget.describe(_peak(budget, c)):>12}"
-            f"{'yes' if c['fits'] else 'no':>6}"
+            f"{'yes' if c['fits'] else 'no':>6}" + (_dp_cells(c) if dp else "")
         )
     shown = min(top, len(result["candidates"]))
     lines.append(f"({shown} of {len(result['candidates'])} candidates shown)")
@@ -107,3 +127,8 @@ def render(result: dict, budget: object, top: int) -> str:
 
 def _peak(budget: object, c: dict) -> float:
     return max(c["peak_activation_units"] if budget.units else c["peak_activation_bytes"])
+
+
+def _dp_cells(c: dict) -> str:
+    share = c["dp_exposed_s"] / c["predicted_step_s"] if c["predicted_step_s"] else 0.0
+    return f"{c['dp_exposed_s'] * 1e3:>10.2f}{c['dp_hidden_s'] * 1e3:>10.2f}{share:>9.1%}"

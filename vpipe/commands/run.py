@@ -15,7 +15,7 @@ import sys
 from dataclasses import dataclass, field
 from typing import Any
 
-from vpipe.commands._runtime_flags import add_runtime_flags
+from vpipe.commands._runtime_flags import add_runtime_flags, dp_fields
 from vpipe.errors import PipelineError, VpipeError, one_line
 from vpipe.ir import Schedule
 from vpipe.schedules.load import is_csv_source
@@ -93,9 +93,13 @@ def run_command(args: argparse.Namespace) -> int:
     cfg = build_config(args)
     from vpipe.runtime import launch
 
-    n_ranks = cfg.rank.schedule.n_ranks
+    n_ranks = cfg.rank.world_size  # pipeline ranks x --dp replicas
     if launch.in_torchrun():
         world = int(os.environ["WORLD_SIZE"])
+        if cfg.rank.dp > 1:
+            from vpipe.runtime.data_parallel import check_layout
+
+            check_layout(world, cfg.rank.schedule.n_ranks, cfg.rank.dp, cfg.rank.process_backend)
         if world != n_ranks:
             raise PipelineError(
                 f"torchrun started {world} processes but the schedule has {n_ranks} ranks"
@@ -157,6 +161,7 @@ def build_config(args: argparse.Namespace) -> RunConfig:
         bundle_messages=args.bundle_messages,
         recv_lookahead=args.recv_lookahead,  # what lowered the schedule (resolve_schedule)
         post_thread=args.post_thread,
+        **dp_fields(args),
     )
     spec.check()
     meta = {
@@ -173,6 +178,7 @@ def build_config(args: argparse.Namespace) -> RunConfig:
         "recv_lookahead": args.recv_lookahead,
         "bundle_messages": args.bundle_messages,
         "post_thread": spec.posts_from_thread,
+        "dp": spec.dp,
     }
     return RunConfig(
         spec,
@@ -254,6 +260,10 @@ def run_rank(rank: int, n_ranks: int, cfg: RunConfig) -> dict[str, Any]:
             _print_check(gathered, bad)
     if rank == 0:
         _print_summary(cfg, h.tokens_per_sample, times, peaks)
+    if cfg.rank.dp > 1:
+        from vpipe.sweep.dp_report import print_reductions
+
+        print_reductions(rank, n_ranks, h.stats, cfg.rank.schedule.n_ranks)
     return {
         "rank": rank,
         "ok": ok,

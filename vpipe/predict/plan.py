@@ -209,6 +209,9 @@ class Candidate:
     peak_activation_bytes: list[float]
     peak_activation_units: list[float]  # microbatch activations of a full stage (1/P of model)
     fits: bool = True
+    # data parallel (--dp N): reduction time the step grew by, and what ran under compute
+    dp_exposed_s: float = 0.0
+    dp_hidden_s: float = 0.0
 
     def to_dict(self) -> dict[str, Any]:
         return asdict(self)
@@ -228,10 +231,17 @@ def candidates(
     microbatches: Sequence[int] | None = None,
     schedules: Sequence[str] | None = None,
     time_unit_s: float = 1e-6,
+    dp: Any = None,
 ) -> list[Candidate]:
     """Every family (or those named) x stages per rank x microbatch count it can build, with
     the simulator's prediction. ``costs.cost_model(schedule, rows)`` gives each one's costs,
-    in units of ``time_unit_s`` seconds."""
+    in units of ``time_unit_s`` seconds. With ``dp`` (:class:`vpipe.predict.dp_costs.DPCosts`)
+    ``batch`` is the global batch of ``dp.replicas`` pipelines, and each step ends when its
+    gradient reductions do."""
+    replicas = dp.replicas if dp is not None else 1
+    if batch % replicas:
+        raise PlanError(f"batch {batch} does not split into {replicas} replicas")
+    batch_per_replica = batch // replicas
     from vpipe.schedules import catalogue
     from vpipe.sim import simulate
 
@@ -240,15 +250,18 @@ def candidates(
     for fam in families:
         for v in sorted({fam.stages_per_rank, 1, 2, 4}):
             for m in microbatches or microbatch_choices(batch, ranks):
-                if batch % m:
-                    raise PlanError(f"batch {batch} does not split into {m} microbatches")
+                if batch_per_replica % m:
+                    raise PlanError(
+                        f"batch {batch_per_replica} per replica does not split into {m} microbatches"
+                    )
                 try:
                     schedule = fam.generator(ranks, m, v)
-                    cm = costs.cost_model(schedule, batch / m)
+                    cm = costs.cost_model(schedule, batch_per_replica / m)
                 except ScheduleError:
                     continue  # the family cannot build this combination
                 r = simulate(schedule, cm)
-                step_s = r.makespan * time_unit_s
+                reduced = dp.step(schedule, r.columns, r.makespan) if dp is not None else None
+                step_s = (reduced.step_end if reduced else r.makespan) * time_unit_s
                 out.append(
                     Candidate(
                         fam.name,
@@ -259,6 +272,8 @@ def candidates(
                         r.bubble_ratio,
                         [float(x) for x in r.peak_activation_bytes or [0.0]],
                         [x * ranks / schedule.n_stages for x in r.peak_activations],
+                        dp_exposed_s=reduced.exposed * time_unit_s if reduced else 0.0,
+                        dp_hidden_s=reduced.hidden * time_unit_s if reduced else 0.0,
                     )  # fmt: skip
                 )
     return out
@@ -314,7 +329,8 @@ def plan(
     schedule = catalogue.get(best.schedule).generator(
         ranks, best.microbatches, best.stages_per_rank
     )
-    k, steps = best_lookahead(schedule, costs.cost_model(schedule, batch / best.microbatches))
+    rows = batch / (kw["dp"].replicas if kw.get("dp") else 1) / best.microbatches
+    k, steps = best_lookahead(schedule, costs.cost_model(schedule, rows))
     lookahead = {
         "best": k,
         "predicted_step_s": {str(n): s * time_unit_s for n, s in steps.items()},

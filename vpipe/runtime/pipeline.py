@@ -71,6 +71,12 @@ class Pipeline:
     ``peak_live_activation_bytes`` (the same in bytes kept for backward), ``step_time_s``;
     after the first, also ``comm_setup_s``: what creating the channels' communicators took
     (one tiny exchange per channel when the pipeline was built, :meth:`P2P.connect`).
+
+    ``dp_group`` (data parallel: this rank's stages' copies in the other pipeline replicas; then
+    ``group`` is this replica's pipeline group) averages each stage's gradients across it, in
+    buckets of ``dp_bucket_bytes``, started as soon as the stage's gradients are complete
+    (:mod:`vpipe.runtime.data_parallel`); the step ends when they are all done, and
+    ``stats["reductions"]`` lists them (``stats["dp_wait_s"]``: what waiting for them took).
     """
 
     def __init__(
@@ -86,6 +92,8 @@ class Pipeline:
         comm_channels: bool | None = None,
         post_thread: bool | None = None,
         time_actions: bool = False,
+        dp_group: dist.ProcessGroup | None = None,
+        dp_bucket_bytes: int | None = None,
     ) -> None:
         from vpipe.ir.bundling import comm_bundles
         from vpipe.ir.lowering import lower, validate
@@ -123,6 +131,14 @@ class Pipeline:
             self.device,
             comm_bundles(program)[self.rank] if bundle_messages and distributed else (),
         )
+        self.reducer = None
+        if dp_group is not None:
+            from vpipe.runtime.data_parallel import DEFAULT_BUCKET_BYTES, GradientReducer
+
+            self.reducer = GradientReducer(
+                modules, dp_group, dp_bucket_bytes or DEFAULT_BUCKET_BYTES
+            )
+            self._executor._program = self.reducer.wrap(self._executor._program)
         if self.comm is not None and self.comm.channels:
             self.comm.connect()  # communicators made now, not in the first step
         if time_actions and self.device.type == "cuda":
@@ -175,13 +191,20 @@ class Pipeline:
                 f"rank {self.rank}: step {self._step}: exchanging input shapes failed: "
                 f"{one_line(e)}"
             ) from e
-        ex = self._executor
+        ex, reducer = self._executor, self.reducer
         ex.profiling = profiling
+        if reducer is not None:
+            reducer.profiling = profiling
         try:
             losses = ex.run(mb_inputs, mb_targets, n)
             self._finish_key_broadcast()
+            t_wait = time.perf_counter()
+            reductions = reducer.finish() if reducer is not None else None
+            t_wait = time.perf_counter() - t_wait
         except VpipeError:
             ex.reset()
+            if reducer is not None:
+                reducer.discard()
             raise
         left = ex.leftovers()
         if left:
@@ -195,6 +218,9 @@ class Pipeline:
             "peak_live_activation_bytes": ex.peak_live_bytes,
             "step_time_s": time.perf_counter() - t0,
         }
+        if reductions is not None:
+            self.stats["reductions"] = reductions
+            self.stats["dp_wait_s"] = t_wait  # the step's end waiting for its reductions
         if self._step == 1 and self.comm is not None and self.comm.connect_s is not None:
             self.stats["comm_setup_s"] = self.comm.connect_s  # reported once
         if ex.clock is not None:  # after the synchronise: reading the events does not stall

@@ -64,6 +64,14 @@ class RankSpec:
     # a known slowdown to check that comparisons catch one: seconds slept per step on one rank
     inject_delay_s: float = 0.0
     inject_delay_rank: int = 0
+    # data parallel: replicas of the pipeline (world = ranks x dp; vpipe.runtime.data_parallel),
+    # each on its own shard of the batch, gradients all-reduced in buckets of dp_bucket_bytes
+    dp: int = 1
+    dp_bucket_bytes: int | None = None
+
+    @property
+    def world_size(self) -> int:
+        return self.schedule.n_ranks * self.dp
 
     @property
     def process_backend(self) -> str:
@@ -87,10 +95,17 @@ class RankSpec:
             )
         if self.device not in DEVICES:
             raise VpipeError(f"unknown device {self.device!r}: choose cpu or cuda")
-        if self.batch < 1 or self.batch % s.n_microbatches:
+        if self.batch < 1 or self.batch % (s.n_microbatches * self.dp):
+            per = f"{self.dp} replicas x " if self.dp > 1 else ""
             raise VpipeError(
-                f"batch {self.batch} does not split into {s.n_microbatches} equal microbatches"
+                f"batch {self.batch} does not split into {per}{s.n_microbatches} equal microbatches"
             )
+        if self.dp > 1:
+            from vpipe.runtime.data_parallel import DataParallelError, check_layout
+
+            check_layout(self.world_size, s.n_ranks, self.dp, self.process_backend, self.device)
+            if self.impl != "vpipe":
+                raise DataParallelError("--dp runs vpipe's runtime only (not --impl torch)")
         if self.impl == "torch" and not self.torch_program:
             check_torch_placement(s)
         if build:
@@ -118,13 +133,22 @@ class RankHarness:
         s = spec.schedule
         self.device = local_device(spec.device, rank)
         self.model = build_model(spec.model, s.n_stages, spec.seed, **spec.sizes)
-        self.stages = s.stages_of(rank)
+        self.mesh = None
+        if spec.dp > 1:  # rank = replica * P + pipeline rank
+            from vpipe.runtime.data_parallel import make_mesh
+
+            self.mesh = make_mesh(s.n_ranks, spec.dp, self.device.type)
+        self.pp_rank, self.replica = rank % s.n_ranks, rank // s.n_ranks
+        self.stages = s.stages_of(self.pp_rank)
         modules = {i: self.model.stages[i].to(self.device) for i in self.stages}
         self.params = [p for m in modules.values() for p in m.parameters()]
         self.inputs_full, self.targets_full = self.model.make_batch(spec.batch, spec.seed)
-        self.inputs = self.inputs_full.to(self.device) if 0 in modules else None
-        self.targets = self.targets_full.to(self.device) if s.loss_stage in modules else None
-        self.pipe = _make_pipeline(spec, modules, self.model.loss_fn, self.device)
+        mine = slice(
+            self.replica * spec.batch // spec.dp, (self.replica + 1) * spec.batch // spec.dp
+        )
+        self.inputs = self.inputs_full[mine].to(self.device) if 0 in modules else None
+        self.targets = self.targets_full[mine].to(self.device) if s.loss_stage in modules else None
+        self.pipe = _make_pipeline(spec, modules, self.model.loss_fn, self.device, self.mesh)
         self.cuda = self.device.type == "cuda"
         self.losses: list[Any] | None = None  # the last step's, on the loss rank
 
@@ -233,6 +257,8 @@ class RankHarness:
             self.targets_full,
             self.spec.schedule.n_microbatches,
             tol,
+            replicas=self.spec.dp,
+            replica=self.replica,
         )
 
 
@@ -241,7 +267,9 @@ def build(spec: RankSpec, rank: int) -> RankHarness:
     return RankHarness(spec, rank)
 
 
-def _make_pipeline(spec: RankSpec, modules: dict[int, Any], loss_fn: Any, device: Any) -> Any:
+def _make_pipeline(
+    spec: RankSpec, modules: dict[int, Any], loss_fn: Any, device: Any, mesh: Any = None
+) -> Any:
     s = spec.schedule
     if spec.impl == "torch":
         from vpipe.baselines.torch_pp import TorchPipeline
@@ -268,6 +296,9 @@ def _make_pipeline(spec: RankSpec, modules: dict[int, Any], loss_fn: Any, device
         comm_channels=spec.comm_channels,
         post_thread=spec.post_thread,
         time_actions=spec.time_actions,
+        group=mesh.pp_group if mesh is not None else None,
+        dp_group=mesh.dp_group if mesh is not None else None,
+        dp_bucket_bytes=spec.dp_bucket_bytes,
     )
 
 
@@ -296,16 +327,21 @@ def check_against_reference(
     y: Any,
     n_microbatches: int,
     tol: float,
+    replicas: int = 1,
+    replica: int = 0,
 ) -> list[dict[str, Any]]:
     """Compare losses and stage gradients with ``reference`` (the unsplit model, on the CPU)
     on the same batch.
 
     The reference computes each microbatch's loss and backpropagates their mean. Errors are
-    relative to the largest magnitude of the reference tensor.
+    relative to the largest magnitude of the reference tensor. With data parallel ``replicas``
+    (each ran ``n_microbatches`` of its shard of ``x``), the reference runs the whole batch as
+    replicas x n_microbatches microbatches, and ``losses`` are ``replica``'s.
     """
     import torch
 
-    ref_losses = reference_step(reference, model.loss_fn, x, y, n_microbatches)
+    all_losses = reference_step(reference, model.loss_fn, x, y, n_microbatches * replicas)
+    ref_losses = all_losses[replica * n_microbatches : (replica + 1) * n_microbatches]
     out = []
     if losses is not None:
         if len(losses) != n_microbatches:

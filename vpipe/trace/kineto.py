@@ -16,6 +16,9 @@ What becomes a row of the event table (:mod:`vpipe.events` schema, ``source="mea
   profiler's own, e.g. for torch.distributed.pipelining programs): ``kind="other"``,
   ``name="STEP"``, step k or N. Every row's ``step`` is the step span that contains its start,
   per rank; rows outside every step span are dropped. A trace with neither is one step, 0.
+- ``PP:{stage}REDUCE{bucket}`` spans (data parallel, :mod:`vpipe.ir.reduction`): ``kind="REDUCE"``
+  with the stage and the bucket as ``microbatch``, from the reduction's start to its completion;
+  ``PP:WAIT:{stage}REDUCE{bucket}``: a WAIT row, the step's end waiting for it.
 - Other ``PP:`` spans (e.g. torch's ``PP:0UNSHARD``): ``kind="other"``, stage/microbatch -1.
 
 Rows come from the CPU-side spans, one per span. On CUDA, Kineto also writes a
@@ -60,6 +63,7 @@ from vpipe.events import (
     memory_frame,
 )
 from vpipe.ir import Kind, parse_action
+from vpipe.ir.reduction import parse_reduce
 from vpipe.trace.device_clock import (
     DEV_END,
     DEV_START,
@@ -106,6 +110,9 @@ def _classify(name: str) -> tuple[str, int, int, str, tuple]:
     body = name[3:] if name.startswith("PP:") else name
     if body.startswith("STEP:") and body[5:].isdigit():
         return _STEP_MARK, -1, int(body[5:]), "STEP", ()
+    reduce = parse_reduce(body.removeprefix("WAIT:"))
+    if reduce is not None:  # a data-parallel gradient reduction (vpipe.ir.reduction)
+        return ("WAIT" if body.startswith("WAIT:") else "REDUCE"), *reduce, body, ()
     try:
         if body.startswith("WAIT:"):
             a = parse_action(body[5:])

@@ -1,0 +1,164 @@
+"""Data-parallel gradient reductions on top of a simulated pipeline step.
+
+With N replicas every stage's gradients are all-reduced across its N copies. The replicas run
+the same program, so one replica's simulated timeline says when each stage's gradients are
+complete: the end of the action after which the stage has no W or B left
+(:func:`vpipe.ir.reduction.gradient_points`, the runtime's rule). From there its buckets are
+reduced, in order, on the rank's one collective stream, which overlaps compute: a reduction
+starts when its stage is ready and the stream is free, and takes :meth:`CollectiveCost.all_reduce`
+(a ring: 2(N-1) steps of ``latency``, plus 2(N-1)/N of the bytes over ``bandwidth``). The
+step ends when the pipeline and the last reduction have ended. Exposed reduction time is what
+the step grew by; the rest of the reductions ran hidden under compute.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass, field
+
+from vpipe.errors import VpipeError
+from vpipe.ir import Schedule
+from vpipe.ir.reduction import gradient_points
+
+__all__ = ["CollectiveCost", "DPStep", "Reduction", "bucket_sizes", "simulate_reductions"]
+
+COMPUTE_CODES = 4  # simulator kind codes 0-3 are F, B, I, W
+
+
+class CollectiveError(VpipeError, ValueError):
+    """A collective cost or gradient size that makes no sense; the message names it."""
+
+
+@dataclass(frozen=True)
+class CollectiveCost:
+    """One all-reduce across ``group`` replicas: ``latency`` per ring step (time units),
+    ``bandwidth`` in bytes per time unit, ``launch`` a fixed cost per reduction (posting it,
+    the copy into its flat bucket)."""
+
+    group: int = 1
+    bandwidth: float = math.inf
+    latency: float = 0.0
+    launch: float = 0.0
+
+    def __post_init__(self) -> None:
+        if self.group < 1:
+            raise CollectiveError(f"dp group size must be >= 1, got {self.group}")
+        for name in ("bandwidth", "latency", "launch"):
+            v = getattr(self, name)
+            if not v >= 0 or (name == "bandwidth" and v == 0):
+                raise CollectiveError(f"collective {name} must be positive, got {v}")
+
+    def all_reduce(self, nbytes: float) -> float:
+        """Time of a ring all-reduce of ``nbytes`` (0 for a group of one)."""
+        n = self.group
+        if n == 1:
+            return 0.0
+        return self.launch + 2 * (n - 1) * self.latency + 2 * (n - 1) / n * nbytes / self.bandwidth
+
+
+def bucket_sizes(nbytes: float, bucket_bytes: float) -> list[float]:
+    """A stage's ``nbytes`` of gradients cut into buckets of ``bucket_bytes`` (the last one
+    the remainder)."""
+    if bucket_bytes <= 0:
+        raise CollectiveError(f"bucket size must be positive, got {bucket_bytes}")
+    full, rest = divmod(nbytes, bucket_bytes)
+    return [float(bucket_bytes)] * int(full) + ([float(rest)] if rest > 0 else [])
+
+
+@dataclass(frozen=True)
+class Reduction:
+    """One bucket's all-reduce on its rank's collective stream."""
+
+    rank: int
+    stage: int
+    bucket: int
+    nbytes: float
+    ready: float  # its stage's gradients complete
+    start: float
+    end: float
+
+
+@dataclass(frozen=True)
+class DPStep:
+    """A simulated pipeline step with its reductions."""
+
+    pipeline_end: float  # the pipeline's makespan, without the reductions
+    reductions: list[Reduction] = field(default_factory=list)
+
+    @property
+    def step_end(self) -> float:
+        return max([self.pipeline_end, *(r.end for r in self.reductions)])
+
+    @property
+    def exposed(self) -> float:
+        """What the reductions added to the step."""
+        return self.step_end - self.pipeline_end
+
+    def busy(self, rank: int) -> float:
+        return sum(r.end - r.start for r in self.reductions if r.rank == rank)
+
+    @property
+    def hidden(self) -> float:
+        """Reduction time under compute, on the rank whose reductions end the step (the most
+        hidden of all ranks when none exceeds the pipeline)."""
+        if not self.reductions:
+            return 0.0
+        last = max(self.reductions, key=lambda r: r.end)
+        if last.end > self.pipeline_end:
+            return self.busy(last.rank) - self.exposed
+        return max(self.busy(r) for r in {x.rank for x in self.reductions})
+
+    @property
+    def dp_share(self) -> float:
+        """Exposed reduction time as a share of the step."""
+        return self.exposed / self.step_end if self.step_end > 0 else 0.0
+
+
+def ready_times(
+    schedule: Schedule, columns: Mapping[str, Sequence]
+) -> dict[tuple[int, int], float]:
+    """(rank, stage) -> when the stage's gradients are complete in a simulated timeline
+    (:attr:`vpipe.sim.SimResult.columns` of ``schedule``)."""
+    rank, kind, end = columns["rank"], columns["kind"], columns["end"]
+    rows: dict[int, list[float]] = {}
+    for r, k, e in zip(rank, kind, end, strict=True):
+        if k < COMPUTE_CODES:
+            rows.setdefault(int(r), []).append(float(e))
+    out = {}
+    for r in range(schedule.n_ranks):
+        program = [a for a in schedule.actions[r] if a.is_compute]
+        ends, i = [], 0
+        for a in program:  # an overlap action's parts are rows of their own
+            n = len(a.compute_parts())
+            ends.append(max(rows[r][i : i + n]))
+            i += n
+        for at, stages in gradient_points(program, schedule.stages_of(r)).items():
+            for s in stages:
+                out[r, s] = ends[at]
+    return out
+
+
+def simulate_reductions(
+    schedule: Schedule,
+    columns: Mapping[str, Sequence],
+    makespan: float,
+    cost: CollectiveCost,
+    stage_buckets: Mapping[int, Sequence[float]],
+) -> DPStep:
+    """The reductions of one step whose pipeline timeline is ``columns`` (see the module
+    docstring); ``stage_buckets`` gives each stage's bucket sizes in bytes."""
+    missing = sorted(set(range(schedule.n_stages)) - set(stage_buckets))
+    if missing:
+        raise CollectiveError(f"no gradient bytes for stage {missing[0]}")
+    ready = ready_times(schedule, columns)
+    out = []
+    for r in range(schedule.n_ranks):
+        free = 0.0
+        mine = sorted((t, s) for (rr, s), t in ready.items() if rr == r)
+        for t, s in mine:
+            for b, nbytes in enumerate(stage_buckets[s]):
+                start = max(t, free)
+                free = start + cost.all_reduce(nbytes)
+                out.append(Reduction(r, s, b, nbytes, t, start, free))
+    return DPStep(makespan, out)
