@@ -13,7 +13,7 @@ run.
 
 Across commits the host changes, so the step is tracked as ``track_normalised_step``: each
 config's median step time over the median time of the host-speed reference timed before
-every step (:mod:`vpipe.sweep.reference`), averaged in log over ``VPIPE_ASV_BLOCKS`` independent
+every step (:mod:`vpipe.sweep.reference`), the median over ``VPIPE_ASV_BLOCKS`` independent
 launches (default 3), in units of the reference (a dimensionless figure that a uniformly
 slower host leaves unchanged); raw seconds and bubble ratios are in the reports, not tracked
 (asv compares one value per commit, and those move with the host). ``VPIPE_ASV_INJECT_DELAY_MS`` sleeps that long per step on rank

@@ -162,9 +162,10 @@ def test_registry_rejects_duplicates_and_bad_entries():
         Metric("y", "y", "1/s", "higher", "", {"row": lambda x: 1.0}, asv=Track("y", "1/s"))
 
 
-def test_normalised_step_is_the_geometric_mean_over_launches():
-    """Per launch median step over median reference, then the mean in log over launches: a
-    host twice as slow in the second launch (steps and reference alike) changes nothing."""
+def test_normalised_step_is_the_median_over_launches():
+    """Per launch median step over median reference, then the median over launches (the
+    geometric mean of two): a host twice as slow in the second launch (steps and reference
+    alike) changes nothing, and one disturbed launch of three does not move it."""
     steps = [2.0, 2.2, 1.8, 4.0, 4.4, 3.6]
     refs = [1.0, 1.0, 1.0, 2.0, 2.0, 2.0]
     row = compute(Inputs(steps=steps, refs=refs, blocks=[0, 0, 0, 1, 1, 1]))
@@ -174,3 +175,5 @@ def test_normalised_step_is_the_geometric_mean_over_launches():
     mixed = compute(Inputs(steps=[2.0, 8.0], refs=[1.0, 2.0], blocks=[0, 1]))
     assert mixed["normalised_step"] == pytest.approx(math.sqrt(2.0 * 4.0))
     assert compute(Inputs(steps=[1.0, 2.0], refs=[1.0, 0.0]))["normalised_step"] is None
+    one_bad = compute(Inputs(steps=[2.0, 2.0, 9.0], refs=[1.0, 1.0, 1.0], blocks=[0, 1, 2]))
+    assert one_bad["normalised_step"] == pytest.approx(2.0)

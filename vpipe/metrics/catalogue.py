@@ -21,6 +21,7 @@ undefined (say, a ratio over no busy time). Adding a metric is one :func:`regist
 from __future__ import annotations
 
 import math
+import statistics
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from functools import cached_property
@@ -235,8 +236,9 @@ def _step_time(i: int) -> dict[str | tuple[str, ...], Callable[[Inputs], Any]]:
 
 
 def _normalised_step(x: Inputs) -> float | None:
-    """Median step time over median reference time per launch, averaged in log over the
-    launches (the figure :mod:`vpipe.report.crossrun` compares across runs)."""
+    """Median step time over median reference time per launch, then the median over launches
+    (in log: with two launches, their geometric mean), so one disturbed launch of three does
+    not move it."""
     steps = pd.Series(x.steps, dtype="float64")
     refs = pd.Series(x.refs, dtype="float64")
     if len(refs) != len(steps) or not len(steps) or not (refs > 0).all():
@@ -245,7 +247,7 @@ def _normalised_step(x: Inputs) -> float | None:
     logs = [
         math.log(steps[launch == b].median() / refs[launch == b].median()) for b in launch.unique()
     ]
-    return math.exp(sum(logs) / len(logs))
+    return math.exp(statistics.median(logs))
 
 
 _MS = {"scale": 1e3, "unit": "ms"}
@@ -262,7 +264,7 @@ BUILTIN = (
     Metric(
         "normalised_step", "step / reference", "reference units", "lower",
         "median step time over the median time of the host-speed reference timed before each "
-        "step (vpipe.sweep.reference), averaged in log over the run's launches: a figure that "
+        "step (vpipe.sweep.reference), the median over the run's launches: a figure that "
         "a uniformly slower or faster host leaves unchanged, for comparisons across runs",
         {("steps", "refs"): _normalised_step},
         show=Show(digits=2, group="step time", note="in units of the host-speed reference",
