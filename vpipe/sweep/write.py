@@ -45,6 +45,8 @@ def write_outputs(res: BenchResults, out: str | Path) -> dict[str, Path]:
     write_parquet(res.ranks, out / "ranks.parquet", {**meta, "table": "ranks"})
     if len(res.host):
         write_parquet(res.host, out / "host.parquet", {**meta, "table": "host"})
+    if len(res.dp_steps):  # --dp: every rank's reductions per timed step
+        write_parquet(res.dp_steps, out / "dp_steps.parquet", {**meta, "table": "dp_steps"})
     (out / "meta.json").write_text(json.dumps(res.meta, indent=1, default=str) + "\n")
     sections = report_sections(res)
     plots = out / "plots"
@@ -64,6 +66,7 @@ def report_sections(res: BenchResults) -> list[Section]:
     from vpipe.report.document import vpipe_only_note
     from vpipe.report.plots import plot_memory, plot_pareto, plot_throughput, to_png
     from vpipe.report.winner import winner_line
+    from vpipe.sweep.dp_section import dp_sections
 
     runs = res.measured
     regime = regime_section(runs)
@@ -103,6 +106,7 @@ def report_sections(res: BenchResults) -> list[Section]:
                 "torch step time / vpipe step time: > 1 means vpipe is faster. " + STATS_NOTE,
             )
         )
+    sections.extend(dp_sections(res))
     sections.extend(fidelity_sections(res))
     figs = Section("Throughput and memory")
     figs.images["Throughput per schedule"] = to_png(plot_throughput(res.steps))
