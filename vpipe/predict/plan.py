@@ -303,14 +303,22 @@ LOOKAHEADS = (0, 1, 2, 3)
 LOOKAHEAD_GAIN = 0.01
 
 
-def best_lookahead(schedule: Schedule, costs: CostModel) -> tuple[int, dict[int, float]]:
+def best_lookahead(
+    schedule: Schedule, costs: CostModel, dp: Any = None
+) -> tuple[int, dict[int, float]]:
     """The receive lookahead (:func:`vpipe.ir.lowering.lower`) to run ``schedule`` with, and the
     simulated step per lookahead tried: the smallest within ``LOOKAHEAD_GAIN`` of the fastest
     (a larger one holds more receive buffers). Posting receives earlier matters when the
-    link charges a handshake for receives posted after their send (gloo)."""
+    link charges a handshake for receives posted after their send (gloo). With ``dp``
+    (:class:`vpipe.predict.dp_costs.DPCosts`) each step ends with its gradient reductions, so
+    a lookahead that only moves work under an exposed reduction gains nothing."""
     from vpipe.sim import simulate
 
-    steps = {k: simulate(schedule, costs, recv_lookahead=k).makespan for k in LOOKAHEADS}
+    def step(k: int) -> float:
+        r = simulate(schedule, costs, recv_lookahead=k)
+        return dp.step(schedule, r.columns, r.makespan).step_end if dp else r.makespan
+
+    steps = {k: step(k) for k in LOOKAHEADS}
     fastest = min(steps.values())
     return min(k for k, s in steps.items() if s <= fastest * (1 + LOOKAHEAD_GAIN)), steps
 
@@ -330,7 +338,7 @@ def plan(
         ranks, best.microbatches, best.stages_per_rank
     )
     rows = batch / (kw["dp"].replicas if kw.get("dp") else 1) / best.microbatches
-    k, steps = best_lookahead(schedule, costs.cost_model(schedule, rows))
+    k, steps = best_lookahead(schedule, costs.cost_model(schedule, rows), kw.get("dp"))
     lookahead = {
         "best": k,
         "predicted_step_s": {str(n): s * time_unit_s for n, s in steps.items()},
