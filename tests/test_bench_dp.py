@@ -129,3 +129,5 @@ def test_quick_p2_dp2_sweep_reports_the_dp_share_per_schedule(tmp_path, capsys):
     table = [ln for ln in section.splitlines() if ln.startswith("| ") and "schedule" not in ln]
     assert sorted(ln.split(" | ")[0].strip("| ") for ln in table) == ["1f1b", "zbv"]
     assert all(ln.count("%") == 2 for ln in table)  # measured and simulated DP share
+    plan = report.split("## Plan for this host", 1)[1]
+    assert "Each candidate's step ends with its reductions across 2 replicas" in plan

@@ -141,3 +141,12 @@ def test_plan_lookahead_advice_includes_the_reductions():
     extra = [reduced["predicted_step_s"][k] - alone["predicted_step_s"][k] for k in "0123"]
     assert all(e > 7 for e in extra)
     assert reduced["best"] == 0
+
+
+def test_plan_with_dp_tries_microbatch_counts_of_the_replica_batch():
+    from vpipe.predict.dp_costs import DPCosts
+    from vpipe.predict.plan import SpecCosts, candidates
+
+    costs = SpecCosts.parse("f=1000,b=1000,w=1000")
+    found = candidates(costs, 2, 16, dp=DPCosts.parse("grad_bytes=1e8,bw=10", 2))
+    assert {c.microbatches for c in found} == {1, 2, 4, 8}  # divisors of 16 / 2 replicas

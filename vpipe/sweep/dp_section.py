@@ -4,12 +4,17 @@ the simulator predicts it, and each rank's reductions."""
 
 from __future__ import annotations
 
+from typing import TYPE_CHECKING
+
 import pandas as pd
 
 from vpipe.report.document import Section, table_section
 from vpipe.sweep.results import BenchResults
 
-__all__ = ["dp_sections", "dp_share_table"]
+if TYPE_CHECKING:
+    from vpipe.predict.dp_costs import DPCosts
+
+__all__ = ["dp_sections", "dp_share_table", "plan_dp"]
 
 
 def _ms(x: object) -> str:
@@ -99,8 +104,9 @@ def dp_sections(res: BenchResults) -> list[Section]:
         "of all ranks); medians over the timed steps. sim: the pipeline calibrated from replica "
         "0's profiled steps, plus the reductions with the measured buckets and a ring all-reduce "
         "cost fitted to this config's own measured reductions (in sample for the collective). "
-        "Events, bubble, memory, fidelity and plan sections describe replica 0; the fidelity "
-        "tables predict the pipeline without its reductions."
+        "Medians are taken separately (reducing need not equal exposed + hidden). Events, "
+        "bubble, memory and fidelity sections describe replica 0, and the fidelity tables "
+        "predict the pipeline without its reductions; the plan includes them."
     )
     sections = [table_section("Data parallel: DP share per schedule", share, note)]
     ranks = rank_table(res)
@@ -114,3 +120,32 @@ def dp_sections(res: BenchResults) -> list[Section]:
             )
         )
     return sections
+
+
+def plan_dp(res: BenchResults, run_id: str) -> tuple[DPCosts | None, str]:
+    """The plan section's data-parallel side for a ``--dp`` sweep: this sweep's replicas, the
+    gradient bytes per full stage (1/P of the model) measured, and the ring all-reduce cost
+    fitted to the reductions of the run the plan is calibrated on; with a sentence saying so.
+    (None, "") without ``--dp`` or a simulated row to take the link from."""
+    from vpipe.predict.dp_costs import DPCosts
+
+    spec, runs = res.spec, res.runs
+    sim = runs[runs["run_id"] == f"{run_id}-sim"]
+    measured = runs[runs["run_id"] == run_id]
+    if spec.dp <= 1 or sim.empty or "dp_bandwidth_GBps" not in sim or measured.empty:
+        return None, ""
+    link, grads = sim.iloc[0], float(measured.iloc[0]["dp_bytes"])
+    bucket_mb = (spec.dp_bucket_bytes or 25 * 2**20) / 2**20
+    costs = DPCosts(
+        spec.dp,
+        grad_bytes=grads / spec.ranks,
+        bw=float(link["dp_bandwidth_GBps"]),
+        lat=float(link["dp_latency_us"]),
+        bucket_mb=bucket_mb,
+    )
+    return costs, (
+        f" Each candidate's step ends with its reductions across {spec.dp} replicas (the global "
+        f"batch {spec.batch} sharded): {grads / 2**20:.2f} MiB of gradients per replica in "
+        f"{bucket_mb:g} MiB buckets, a ring at {costs.bw:.3g} GB/s and {costs.lat:.3g} us per ring "
+        "step, fitted to that run's reductions."
+    )

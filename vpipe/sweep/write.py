@@ -163,6 +163,7 @@ def plan_sections(res: BenchResults, top: int = 10) -> list[Section]:
     ranks and batch, within the most memory any config of the sweep used."""
     from vpipe.predict.plan import Budget, PlanError, calibrated_costs, plan
     from vpipe.schedules import make_schedule
+    from vpipe.sweep.dp_section import plan_dp
 
     runs = res.measured
     traced = [
@@ -179,11 +180,13 @@ def plan_sections(res: BenchResults, top: int = 10) -> list[Section]:
     ]
     peaks = dict(zip(rank_rows["rank"], rank_rows["peak_bytes"], strict=True))
     schedule = make_schedule(base.schedule, res.spec.ranks, int(base.microbatches))
-    meta = {"model": res.spec.model, "sizes": res.meta.get("model_sizes"), "batch": res.spec.batch}
+    meta = {"model": res.spec.model, "sizes": res.meta.get("model_sizes"), "batch": res.spec.batch,
+            "dp": res.spec.dp}  # fmt: skip
     budget = Budget(float(res.ranks["peak_bytes"].max()))
+    dp, dp_note = plan_dp(res, base.run_id)  # --dp: each step ends with its reductions
     try:
         costs = calibrated_costs(res.events[base.run_id], peaks, schedule, meta)
-        result = plan(costs, res.spec.ranks, res.spec.batch, budget)
+        result = plan(costs, res.spec.ranks, res.spec.batch, budget, dp=dp)
     except PlanError as e:
         return [Section("Plan for this host", f'<p class="note">{e}</p>', str(e))]
     rec = result["recommended"]
@@ -207,7 +210,7 @@ def plan_sections(res: BenchResults, top: int = 10) -> list[Section]:
         f"{rec['microbatches']} microbatches, {rec['predicted_step_s'] * 1e3:.2f} ms per step "
         f"predicted. Fastest {min(top, len(result['candidates']))} of "
         f"{len(result['candidates'])} candidates; `vpipe plan --from STORE --run "
-        f"{base.run_id} --memory ...` plans for another budget."
+        f"{base.run_id} --memory ...` plans for another budget." + dp_note
     )
     return [table_section("Plan for this host", table, note)]
 
