@@ -176,3 +176,32 @@ def test_overlap_factor_from_measured_compound_spans():
     assert simulate(make_schedule("zbv", 2, 8), CostModel(overlap=0.5)).makespan == (
         simulate(make_schedule("zbv", 2, 8), CostModel()).makespan
     )  # no overlap actions: nothing changes
+
+
+def test_data_parallel_reductions_are_not_pipeline_costs():
+    """A --dp run's REDUCE span and the step end's WAIT for it (named like the action
+    grammar, stage 0 bucket 0) change no pipeline cost; the wait counts as covered time."""
+    base = [
+        row(0, "other", "STEP", 0, 160, -1, -1),
+        row(0, "F", "0F0", 0, 30),
+        row(0, "SEND_F", "0SEND_F0", 32, 34),
+        row(0, "WAIT", "WAIT:0RECV_B0", 40, 80),
+        row(0, "B", "0B0", 80, 96),
+        row(1, "other", "STEP", 0, 100, -1, -1),
+        row(1, "WAIT", "WAIT:1RECV_F0", 0, 44, stage=1),
+        row(1, "F", "1F0", 46, 60, stage=1),
+        row(1, "B", "1B0", 60, 76, stage=1),
+        row(1, "SEND_B", "1SEND_B0", 77, 78, stage=1),
+    ]
+    reduced = [
+        *base,
+        row(0, "REDUCE", "0REDUCE0", 96, 150),
+        row(0, "WAIT", "WAIT:0REDUCE0", 97, 160),
+    ]
+    plain, dp = calibrate(events_frame(base)), calibrate(events_frame(reduced))
+    assert dp.comm_latency == plain.comm_latency == pytest.approx(6.0)
+    assert dp.post == plain.post and dp.w_share == plain.w_share
+    for costs in ("f", "b", "w"):
+        assert getattr(dp, costs).tolist() == getattr(plain, costs).tolist()
+    # rank 0's uncovered time: 72 us, less the 63 us of the step end's wait
+    assert plain.gap == pytest.approx((72 + 25) / 6) and dp.gap == pytest.approx((9 + 25) / 6)

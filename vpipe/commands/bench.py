@@ -7,7 +7,7 @@ import argparse
 import os
 import time
 
-from vpipe.commands._runtime_flags import add_runtime_flags
+from vpipe.commands._runtime_flags import add_runtime_flags, dp_fields
 
 
 def register(subparsers: argparse._SubParsersAction) -> None:
@@ -53,7 +53,9 @@ def register(subparsers: argparse._SubParsersAction) -> None:
         f"--quick: {','.join(QUICK_SCHEDULES)})",
     )
     p.add_argument("--microbatches", "-m", help="comma-separated counts (default 8; --quick: 4)")
-    p.add_argument("--impl", default="vpipe,torch", help="vpipe, torch or both (default both)")
+    p.add_argument(
+        "--impl", default=None, help="vpipe, torch or both (default both; with --dp: vpipe)"
+    )
     p.add_argument("--warmup", type=int, help="warm-up steps per config (default 2; --quick: 1)")
     p.add_argument(
         "--steps", type=int, help="timed steps per config per round (default 3; --quick: 2)"
@@ -152,8 +154,9 @@ def run_bench(args: argparse.Namespace) -> int:
     )
 
     sizes = parse_sizes(args.sizes)
+    dp = dp_fields(args)  # --dp N: N replicas of the pipeline (vpipe.sweep.dp_bench)
     if args.ranks is None:  # torchrun sets WORLD_SIZE; validate before importing torch
-        args.ranks = int(os.environ.get("WORLD_SIZE", 2))
+        args.ranks = max(1, int(os.environ.get("WORLD_SIZE", 2 * args.dp)) // args.dp)
     if args.quick:
         defaults = dict(batch=16, schedules=QUICK_SCHEDULES, microbatches="4", warmup=1, steps=2,
                         rounds=2, profile_steps=1)  # fmt: skip
@@ -174,7 +177,7 @@ def run_bench(args: argparse.Namespace) -> int:
         batch=opts["batch"],
         schedules=tuple(parse_list(opts["schedules"])),
         microbatches=tuple(_ints(opts["microbatches"])),
-        impls=tuple(parse_list(args.impl)),
+        impls=tuple(parse_list(args.impl or ("vpipe" if args.dp > 1 else "vpipe,torch"))),
         warmup=opts["warmup"],
         steps=opts["steps"],
         rounds=opts["rounds"],
@@ -186,6 +189,7 @@ def run_bench(args: argparse.Namespace) -> int:
         blocks=args.blocks,
         inject_delay_ms=args.inject_delay_ms,
         inject_delay_rank=args.inject_delay_rank,
+        **dp,
     )
     spec.validate()
     from vpipe.outputs import check_output_dir, clear_dir
@@ -211,6 +215,10 @@ def run_bench(args: argparse.Namespace) -> int:
 
     print(winner_line(res.steps, spec.rounds))
     print(res.summary_text())
+    if spec.dp > 1:
+        from vpipe.sweep.dp_section import dp_share_table
+
+        print(dp_share_table(res).to_string(index=False))
     print(f"sweep {sweep_s:.1f} s, total {total_s:.1f} s; report: {paths['html']}")
     return 0
 

@@ -30,6 +30,9 @@ communication latency:
   then split as above). Overheads are per action and do not scale.
   This is exact for equal blocks; a model with a heavier first or last piece (GPT's embedding
   and head) is approximated.
+- **Data parallel**: a ``--dp`` run's gradient reductions (REDUCE rows and the step end's WAIT
+  for them, :mod:`vpipe.ir.reduction`) are not pipeline work: calibration leaves them out, and
+  the reductions are added by :mod:`vpipe.sim.collectives`.
 
 Times in the cost model are microseconds (``time_unit_ns=1000``).
 """
@@ -140,7 +143,8 @@ def calibrate(events: pd.DataFrame, *, w_share: float = 0.5, stat: str = "median
     """Calibrate from one measured run's event table (see the module docstring)."""
     if events.empty:
         raise TraceError("cannot calibrate from an empty event table")
-    ev = events[events["step"] >= 0]
+    in_steps = events[events["step"] >= 0]
+    ev = without_reductions(in_steps)
     kind = ev["kind"].astype(str)
     dur_us = (ev["end_ns"] - ev["start_ns"]) / US
     plain = ~ev["name"].astype(str).str.startswith("(")  # overlap parts share one span
@@ -167,7 +171,7 @@ def calibrate(events: pd.DataFrame, *, w_share: float = 0.5, stat: str = "median
     if (kind == "WAIT").any():
         comm = dur_us[kind.isin(["SEND_F", "RECV_F", "SEND_B", "RECV_B"])]
         post = float(comm.mean() / _posting_share(ev)) if len(comm) else 0.0
-        gap = _gap_per_action_us(ev)
+        gap = _gap_per_action_us(without_reductions(in_steps, waits=False))
     latency, handshake = comm_link_us(ev)
     return Calibration(
         f,
@@ -221,6 +225,15 @@ def compound_parts(ev: pd.DataFrame, f: np.ndarray, b: np.ndarray, w: np.ndarray
     distinct = parts.drop_duplicates([*COMPOUND_KEYS, "start_ns", "end_ns"])
     computing = distinct.groupby(COMPOUND_KEYS, observed=True)["us"].sum().rename("computing")
     return parts.join(computing, on=COMPOUND_KEYS)
+
+
+def without_reductions(ev: pd.DataFrame, *, waits: bool = True) -> pd.DataFrame:
+    """``ev`` less its data-parallel reduction rows: REDUCE spans and, with ``waits``, the
+    step end's WAITs for them (kept for the gap per action: that wait is no executor gap)."""
+    reduction = ev["kind"].astype(str) == "REDUCE"
+    if waits:
+        reduction |= ev["name"].astype(str).str.fullmatch(r"WAIT:\d+REDUCE\d+")
+    return ev[~reduction] if reduction.any() else ev
 
 
 def _posting_share(ev: pd.DataFrame) -> float:

@@ -180,7 +180,7 @@ def calibrated_costs(
     """Costs from a measured run: calibrated per-action medians (:mod:`vpipe.predict.calibrate`) and
     the bytes saved for backward per model piece and row, from the run's measured peak per
     rank (``peak_bytes``) against the simulated peak of the same schedule. ``meta`` names the
-    model, its sizes, stages and batch."""
+    model, its sizes, stages and batch (the global batch of ``meta["dp"]`` replicas, if any)."""
     from vpipe.predict.calibrate import calibrate, model_units, split_sizes
     from vpipe.sim import simulate
 
@@ -189,11 +189,19 @@ def calibrated_costs(
         raise PlanError(
             f"model {meta.get('model')!r}: its pieces are unknown (built-in models only)"
         )
-    rows = int(meta["batch"]) / schedule.n_microbatches
+    rows = int(meta["batch"]) / _replicas(meta) / schedule.n_microbatches
     units = split_sizes(pieces, schedule.n_stages)
     sim = simulate(schedule, CostModel(activation_bytes=[u * rows for u in units]))
     ratios = [peak_bytes.get(r, 0) / p for r, p in enumerate(sim.peak_activation_bytes) if p]
     return CalibratedCosts(calibrate(events), pieces, rows, float(max(ratios, default=0.0)))
+
+
+def _replicas(meta: dict[str, Any]) -> int:
+    """Data-parallel replicas of a run (``vpipe bench --dp``; 1 when not recorded)."""
+    try:
+        return max(1, int(meta.get("dp") or 1))
+    except (TypeError, ValueError):  # NA: a store mixing runs with and without --dp
+        return 1
 
 
 @dataclass
@@ -249,7 +257,7 @@ def candidates(
     out = []
     for fam in families:
         for v in sorted({fam.stages_per_rank, 1, 2, 4}):
-            for m in microbatches or microbatch_choices(batch, ranks):
+            for m in microbatches or microbatch_choices(batch_per_replica, ranks):
                 if batch_per_replica % m:
                     raise PlanError(
                         f"batch {batch_per_replica} per replica does not split into {m} microbatches"
@@ -303,14 +311,22 @@ LOOKAHEADS = (0, 1, 2, 3)
 LOOKAHEAD_GAIN = 0.01
 
 
-def best_lookahead(schedule: Schedule, costs: CostModel) -> tuple[int, dict[int, float]]:
+def best_lookahead(
+    schedule: Schedule, costs: CostModel, dp: Any = None
+) -> tuple[int, dict[int, float]]:
     """The receive lookahead (:func:`vpipe.ir.lowering.lower`) to run ``schedule`` with, and the
     simulated step per lookahead tried: the smallest within ``LOOKAHEAD_GAIN`` of the fastest
     (a larger one holds more receive buffers). Posting receives earlier matters when the
-    link charges a handshake for receives posted after their send (gloo)."""
+    link charges a handshake for receives posted after their send (gloo). With ``dp``
+    (:class:`vpipe.predict.dp_costs.DPCosts`) each step ends with its gradient reductions, so
+    a lookahead that only moves work under an exposed reduction gains nothing."""
     from vpipe.sim import simulate
 
-    steps = {k: simulate(schedule, costs, recv_lookahead=k).makespan for k in LOOKAHEADS}
+    def step(k: int) -> float:
+        r = simulate(schedule, costs, recv_lookahead=k)
+        return dp.step(schedule, r.columns, r.makespan).step_end if dp else r.makespan
+
+    steps = {k: step(k) for k in LOOKAHEADS}
     fastest = min(steps.values())
     return min(k for k, s in steps.items() if s <= fastest * (1 + LOOKAHEAD_GAIN)), steps
 
@@ -330,7 +346,7 @@ def plan(
         ranks, best.microbatches, best.stages_per_rank
     )
     rows = batch / (kw["dp"].replicas if kw.get("dp") else 1) / best.microbatches
-    k, steps = best_lookahead(schedule, costs.cost_model(schedule, rows))
+    k, steps = best_lookahead(schedule, costs.cost_model(schedule, rows), kw.get("dp"))
     lookahead = {
         "best": k,
         "predicted_step_s": {str(n): s * time_unit_s for n, s in steps.items()},

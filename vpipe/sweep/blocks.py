@@ -34,8 +34,8 @@ def run_blocks(spec: SweepSpec, bench_id: str) -> list[dict[str, Any]]:
 
 def merge_blocks(blocks: list[list[dict[str, Any]]]) -> list[dict[str, Any]]:
     """One result per rank: the first block's, with every block's step and reference times
-    appended per config (block after block) and every block's host rounds, each marked with
-    its block."""
+    appended per config (block after block) and every block's host rounds (and ``--dp``
+    reduction records), each marked with its block."""
     merged = []
     for per_rank in zip(*(sorted(b, key=lambda r: r["rank"]) for b in blocks), strict=True):
         first = dict(per_rank[0])
@@ -44,5 +44,9 @@ def merge_blocks(blocks: list[list[dict[str, Any]]]) -> list[dict[str, Any]]:
         first["host_rounds"] = [
             {**row, "block": b} for b, r in enumerate(per_rank) for row in r.get("host_rounds", [])
         ]
+        if "dp_steps" in first:  # --dp: every block's reductions
+            first["dp_steps"] = [
+                {**row, "block": b} for b, r in enumerate(per_rank) for row in r["dp_steps"]
+            ]
         merged.append(first)
     return merged

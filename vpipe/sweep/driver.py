@@ -4,7 +4,8 @@ A sweep is schedules x microbatch counts x implementations (vpipe's runtime, tor
 ``torch.distributed.pipelining``) on one model. All configs are built once per rank, warmed
 up, then measured in interleaved rounds (for each round, for each config, ``steps`` timed
 steps) so that machine noise hits every config alike. Each timed step starts after a barrier;
-its time is the slowest rank's. Before each timed step every rank times a short host-speed
+its time is the slowest rank's (with ``dp`` replicas, of all ranks x replicas:
+:mod:`vpipe.sweep.dp_bench`). Before each timed step every rank times a short host-speed
 reference (:mod:`vpipe.sweep.reference`), and each round records the host's state
 (:mod:`vpipe.trace.host_state`), so that runs can be compared across time (:mod:`vpipe.report.crossrun`).
 After each of the first rounds each config runs one profiled step (interleaved, so
@@ -96,6 +97,14 @@ class SweepSpec:
     blocks: int = 1
     inject_delay_ms: float = 0.0  # extra sleep per step on rank inject_delay_rank
     inject_delay_rank: int = 0
+    # data parallel (vpipe.sweep.dp_bench): replicas of the pipeline, ranks x dp processes
+    dp: int = 1
+    dp_bucket_bytes: int | None = None
+
+    @property
+    def world_size(self) -> int:
+        """Processes of the sweep: pipeline ranks x data-parallel replicas."""
+        return self.ranks * self.dp
 
     def __post_init__(self) -> None:
         self.schedules = tuple(catalogue.canonical(s) for s in self.schedules)
@@ -131,6 +140,7 @@ class SweepSpec:
             ("profile-steps", self.profile_steps, 1),
             ("blocks", self.blocks, 1),
             ("inject-delay-ms", self.inject_delay_ms, 0),
+            ("dp", self.dp, 1),
         ):
             if value < low:
                 raise BenchError(f"--{what} must be >= {low}, got {value}")
@@ -161,6 +171,10 @@ class SweepSpec:
             raise BenchError(
                 f"--inject-delay-rank {self.inject_delay_rank} is not a rank of {self.ranks}"
             )
+        if self.dp > 1:
+            from vpipe.sweep.dp_bench import check_dp_sweep
+
+            check_dp_sweep(self)
         for m in self.microbatches:
             if m < 1 or self.batch % m:
                 raise BenchError(f"batch {self.batch} is not divisible into {m} microbatches")
@@ -199,6 +213,8 @@ class SweepSpec:
                 post_thread=self.post_thread,
                 inject_delay_s=self.inject_delay_ms / 1e3,
                 inject_delay_rank=self.inject_delay_rank,
+                dp=self.dp,
+                dp_bucket_bytes=self.dp_bucket_bytes,
             )
             for c in configs
         }
@@ -260,12 +276,14 @@ def rank_worker(
     import torch
     import torch.distributed as dist
 
+    from vpipe.sweep.dp_bench import step_record
     from vpipe.sweep.harness import build
     from vpipe.sweep.reference import Reference
     from vpipe.trace import host_state
 
-    if world != spec.ranks:
-        raise BenchError(f"the job has {world} ranks but the sweep asks for {spec.ranks}")
+    if world != spec.world_size:
+        asks = f"{spec.ranks} x {spec.dp} replicas" if spec.dp > 1 else f"{spec.ranks}"
+        raise BenchError(f"the job has {world} ranks but the sweep asks for {asks}")
     configs = list(rank_specs)  # the launcher's view: ranks may not know a plugin family
     temp_traces = spec.profile and spec.trace_dir is None
     if temp_traces:  # per host, so multi-host jobs need no shared filesystem
@@ -287,6 +305,7 @@ def rank_worker(
         reference = Reference(ref_shape, harnesses[0].device)
         own_cpu = torch.zeros(spec.rounds, dtype=torch.float64)
         samples = []
+        dp_steps: list[dict[str, Any]] = []
         traced: dict[str, list[Any]] = {cfg.key: [] for cfg in configs}
 
         def profile_round(r: int) -> None:  # interleaved with the timed rounds
@@ -305,6 +324,8 @@ def rank_worker(
                 for k in range(spec.steps):
                     refs[i, r * spec.steps + k] = reference.timed()
                     times[i, r * spec.steps + k] = h.timed_step()
+                    if spec.dp > 1:  # this rank's reductions in the step, every replica's
+                        dp_steps.append(step_record(i, r * spec.steps + k, rank, spec.ranks, h))
                 progress.advance(f"round {r + 1}/{spec.rounds} {cfg.key}")
             after = host_state.sample()
             own_cpu[r] = after["own_cpu_s"] - before["own_cpu_s"]
@@ -340,6 +361,7 @@ def rank_worker(
         "host_rounds": host,
         "memory": memory,
         "events": events,
+        **({"dp_steps": dp_steps} if spec.dp > 1 else {}),
     }
 
 
@@ -390,7 +412,13 @@ def run_sweep(spec: SweepSpec, run_id: str | None = None) -> list[dict[str, Any]
             launch.leave_job()
         return list(gathered) if rank == 0 else []
     return launch.spawn(
-        rank_worker, spec.ranks, spec, run_id, rank_specs, backend=spec.backend, timeout_s=1800
+        rank_worker,
+        spec.world_size,
+        spec,
+        run_id,
+        rank_specs,
+        backend=spec.backend,
+        timeout_s=1800,
     )
 
 
@@ -400,8 +428,10 @@ def new_run_id() -> str:
 
 
 def spec_dict(spec: SweepSpec) -> dict[str, Any]:
-    """The spec as JSON-ready metadata."""
+    """The spec as JSON-ready metadata (the data-parallel fields only with ``dp > 1``)."""
     d = asdict(spec)
+    if spec.dp == 1:
+        del d["dp"], d["dp_bucket_bytes"]
     for k in ("schedules", "microbatches", "impls"):
         d[k] = list(d[k])
     return d

@@ -42,6 +42,8 @@ class BenchResults:
     events: dict[str, pd.DataFrame] = field(default_factory=dict)  # run_id -> events
     memory: dict[str, pd.DataFrame] = field(default_factory=dict)  # run_id -> memory samples
     host: pd.DataFrame = field(default_factory=pd.DataFrame)  # one row per (block, round)
+    # --dp N: every rank's reductions per timed step (vpipe.sweep.dp_bench.steps_frame)
+    dp_steps: pd.DataFrame = field(default_factory=pd.DataFrame)
 
     @property
     def measured(self) -> pd.DataFrame:
@@ -109,11 +111,18 @@ def collect(
     simulate: bool = True,
 ) -> BenchResults:
     """Tables of a finished sweep (``results``: every rank's return value); with ``simulate``,
-    each profiled config is also simulated with costs calibrated from its measured events."""
-    results = sorted(results, key=lambda r: r["rank"])
+    each profiled config is also simulated with costs calibrated from its measured events.
+
+    With ``spec.dp`` replicas, events and memory are those of replica 0's P pipeline ranks
+    (the replicas run the same program); the reductions' figures come from every rank of every
+    replica (:mod:`vpipe.sweep.dp_bench`)."""
+    from vpipe.sweep.dp_bench import measured_dp, steps_frame
+
+    everyone = sorted(results, key=lambda r: r["rank"])
+    results = everyone[: spec.ranks]  # replica 0
     r0 = results[0]
     created = time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime())
-    hosts = sorted({r["host"] for r in results})
+    hosts = sorted({r["host"] for r in everyone})
     meta = {
         "bench_id": bench_id,
         "created": created,
@@ -146,7 +155,10 @@ def collect(
         "measured_steps": spec.blocks * spec.rounds * spec.steps,
         "blocks": spec.blocks,
         "inject_delay_ms": spec.inject_delay_ms,
+        **({"dp": spec.dp} if spec.dp > 1 else {}),
     }
+    dp_records = [x for r in everyone for x in r.get("dp_steps", [])]
+    dp_steps = steps_frame(dp_records)
     runs, steps, ranks = [], [], []
     events: dict[str, pd.DataFrame] = {}
     memory: dict[str, pd.DataFrame] = {}
@@ -186,8 +198,9 @@ def collect(
         memory[run_id] = _config_memory(results, cfg, run_id)
         traced = has_actions(ev)  # torch's single-stage classes record no per-action spans
         sim_row = None
+        mine = [x for x in dp_records if x["config"] == i]
         if traced and simulate:
-            sim_row, events[sim_id] = simulate_config(spec, cfg, ev, sim_id)
+            sim_row, events[sim_id] = simulate_config(spec, cfg, ev, sim_id, mine or None)
         config = {
             **common,
             "impl": cfg.impl,
@@ -206,8 +219,18 @@ def collect(
             batch=spec.batch,
             tokens_per_sample=r0["tokens_per_sample"],
         )
+        dp_figures = (
+            measured_dp(dp_steps[dp_steps["config"] == i], times, per_block) if mine else {}
+        )
         runs.append(
-            {**config, **compute(measured), "run_id": run_id, "source": "measured", "status": "ok"}
+            {
+                **config,
+                **compute(measured),
+                **dp_figures,
+                "run_id": run_id,
+                "source": "measured",
+                "status": "ok",
+            }
         )
         if sim_row is not None:
             runs.append(
@@ -225,6 +248,7 @@ def collect(
         events,
         memory,
         host_table(r0.get("host_rounds", []), pd.DataFrame(steps), spec),
+        dp_steps,
     )
 
 
@@ -249,20 +273,31 @@ def has_actions(events: pd.DataFrame) -> bool:
 
 
 def simulate_config(
-    spec: SweepSpec, cfg: Config, events: pd.DataFrame, run_id: str
+    spec: SweepSpec,
+    cfg: Config,
+    events: pd.DataFrame,
+    run_id: str,
+    dp_records: list[dict[str, Any]] | None = None,
 ) -> tuple[dict[str, Any], pd.DataFrame]:
     """Simulate a config's schedule with the cost model calibrated from its own measured
-    events (per-stage F/I/W medians, overhead, comm latency): its metrics and events."""
+    events (per-stage F/I/W medians, overhead, comm latency): its metrics and events. With
+    ``dp_records`` (``--dp``: its measured reductions), the step ends with its reductions
+    (:func:`vpipe.sweep.dp_bench.simulate_dp`) and the row holds the predicted DP figures."""
     from vpipe.predict.calibrate import calibrate, predict
     from vpipe.schedules import make_schedule
 
     schedule = make_schedule(cfg.schedule, spec.ranks, cfg.microbatches)
     sim = predict(calibrate(events), schedule, recv_lookahead=spec.recv_lookahead)
+    dp_figures: dict[str, Any] = {}
+    if dp_records:
+        from vpipe.sweep.dp_bench import simulate_dp
+
+        sim, dp_figures = simulate_dp(spec.dp, schedule, sim, dp_records)
     ev = sim.to_events(run_id, schedule, time_unit_ns=1000)
     ev = ev.astype({"impl": "object"}).assign(impl=cfg.impl)  # whose costs were simulated
     # the calibrated cost model is in microseconds
     row = compute(Inputs(sim=Simulated(sim, 1e-6), batch=spec.batch))
-    return row, events_frame(ev)
+    return {**row, **dp_figures}, events_frame(ev)
 
 
 def _rank_peaks(results: list[dict[str, Any]], cfg: Config) -> pd.DataFrame:

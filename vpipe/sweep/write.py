@@ -45,6 +45,8 @@ def write_outputs(res: BenchResults, out: str | Path) -> dict[str, Path]:
     write_parquet(res.ranks, out / "ranks.parquet", {**meta, "table": "ranks"})
     if len(res.host):
         write_parquet(res.host, out / "host.parquet", {**meta, "table": "host"})
+    if len(res.dp_steps):  # --dp: every rank's reductions per timed step
+        write_parquet(res.dp_steps, out / "dp_steps.parquet", {**meta, "table": "dp_steps"})
     (out / "meta.json").write_text(json.dumps(res.meta, indent=1, default=str) + "\n")
     sections = report_sections(res)
     plots = out / "plots"
@@ -64,6 +66,7 @@ def report_sections(res: BenchResults) -> list[Section]:
     from vpipe.report.document import vpipe_only_note
     from vpipe.report.plots import plot_memory, plot_pareto, plot_throughput, to_png
     from vpipe.report.winner import winner_line
+    from vpipe.sweep.dp_section import dp_sections
 
     runs = res.measured
     regime = regime_section(runs)
@@ -103,6 +106,7 @@ def report_sections(res: BenchResults) -> list[Section]:
                 "torch step time / vpipe step time: > 1 means vpipe is faster. " + STATS_NOTE,
             )
         )
+    sections.extend(dp_sections(res))
     sections.extend(fidelity_sections(res))
     figs = Section("Throughput and memory")
     figs.images["Throughput per schedule"] = to_png(plot_throughput(res.steps))
@@ -159,6 +163,7 @@ def plan_sections(res: BenchResults, top: int = 10) -> list[Section]:
     ranks and batch, within the most memory any config of the sweep used."""
     from vpipe.predict.plan import Budget, PlanError, calibrated_costs, plan
     from vpipe.schedules import make_schedule
+    from vpipe.sweep.dp_section import plan_dp
 
     runs = res.measured
     traced = [
@@ -175,11 +180,13 @@ def plan_sections(res: BenchResults, top: int = 10) -> list[Section]:
     ]
     peaks = dict(zip(rank_rows["rank"], rank_rows["peak_bytes"], strict=True))
     schedule = make_schedule(base.schedule, res.spec.ranks, int(base.microbatches))
-    meta = {"model": res.spec.model, "sizes": res.meta.get("model_sizes"), "batch": res.spec.batch}
+    meta = {"model": res.spec.model, "sizes": res.meta.get("model_sizes"), "batch": res.spec.batch,
+            "dp": res.spec.dp}  # fmt: skip
     budget = Budget(float(res.ranks["peak_bytes"].max()))
+    dp, dp_note = plan_dp(res, base.run_id)  # --dp: each step ends with its reductions
     try:
         costs = calibrated_costs(res.events[base.run_id], peaks, schedule, meta)
-        result = plan(costs, res.spec.ranks, res.spec.batch, budget)
+        result = plan(costs, res.spec.ranks, res.spec.batch, budget, dp=dp)
     except PlanError as e:
         return [Section("Plan for this host", f'<p class="note">{e}</p>', str(e))]
     rec = result["recommended"]
@@ -203,7 +210,7 @@ def plan_sections(res: BenchResults, top: int = 10) -> list[Section]:
         f"{rec['microbatches']} microbatches, {rec['predicted_step_s'] * 1e3:.2f} ms per step "
         f"predicted. Fastest {min(top, len(result['candidates']))} of "
         f"{len(result['candidates'])} candidates; `vpipe plan --from STORE --run "
-        f"{base.run_id} --memory ...` plans for another budget."
+        f"{base.run_id} --memory ...` plans for another budget." + dp_note
     )
     return [table_section("Plan for this host", table, note)]
 
