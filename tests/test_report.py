@@ -377,3 +377,10 @@ def test_html_renders_in_headless_chromium(tmp_path):
     colorful = (img.max(axis=2) - img.min(axis=2)) > 0.2
     assert img.std() > 0.05
     assert colorful.mean() > 0.01, f"screenshot looks blank ({colorful.mean():.4f} colored)"
+
+
+def test_a_data_parallel_sweep_is_not_a_speedup_over_a_pipeline_only_one(tmp_path, capsys):
+    """A pipeline-only sweep records no dp column: it compares as dp 1."""
+    _, md = _compare(tmp_path, _runs(1.0, "aaaa", "h1"), _runs(0.8, "bbbb", "h1").assign(dp=2))
+    assert "| ratio (not a speedup: data-parallel replicas differs: 1 vs 2) |" in md
+    assert "| faster |" not in md

@@ -80,13 +80,17 @@ SETUP = {
     "model": "model",
     "sizes": "model sizes",
     "batch": "batch",
+    "dp": "data-parallel replicas",
 }
+# Settings a sweep leaves out of its runs table at their default (a pipeline-only sweep
+# records no "dp"), so older sweeps compare as what they were.
+DEFAULTS = {"dp": "1"}
 
 
 def setting(runs: pd.DataFrame, column: str) -> str | None:
     """A sweep's distinct values of a runs-table column, joined; None when not recorded."""
     values = runs[column].dropna() if column in runs.columns else pd.Series(dtype=object)
-    return ",".join(sorted({str(v) for v in values})) or None
+    return ",".join(sorted({str(v) for v in values})) or DEFAULTS.get(column)
 
 
 def setup_differences(base: Sweep, run: Sweep) -> list[str]:
