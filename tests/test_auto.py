@@ -81,11 +81,14 @@ def test_auto_is_never_slower_than_a_fixed_family_that_fits(c):
         ("v", 2, 4, CostModel(f=2, b=1, w=2), "zbv", 42),  # the best block: 43
     ],
 )
-def test_a_fixed_family_wins_where_every_block_is_slower(placement, p, m, costs, family, makespan):
-    """Cases where every filled block is slower than a fixed family: auto takes the family."""
+def test_a_fixed_family_is_matched_where_every_block_is_slower(
+    placement, p, m, costs, family, makespan
+):
+    """Cases where every filled block is slower than a fixed family: auto is at least as fast
+    as the family (the list scheduler ties it, or the family itself is taken)."""
     s = auto_schedule(p, m, costs, 2 * p, placement)
-    assert s.meta["source"] == family
-    assert simulate(s, costs).makespan == makespan
+    assert simulate(make_schedule(family, p, m), costs).makespan == makespan
+    assert simulate(s, costs).makespan <= makespan
 
 
 def test_less_memory_costs_time():
@@ -122,7 +125,7 @@ def test_a_limit_of_one_stage_keeps_one_microbatch_in_flight():
 @pytest.mark.parametrize(
     "kwargs,needle",
     [
-        ({"memory_limit": 0.5}, "below one microbatch"),
+        ({"memory_limit": 0.5}, "smallest feasible limit is 1"),
         ({"memory_limit": math.nan}, "must be a number"),
         ({"memory_limit": "2"}, "must be a number"),
         ({"memory_limit": 4, "placement": "zigzag"}, "placement"),
