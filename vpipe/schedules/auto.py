@@ -17,7 +17,7 @@ from typing import Protocol
 from vpipe.errors import ScheduleError
 from vpipe.ir import Action, Schedule, loop_placement, v_placement
 from vpipe.schedules._common import build, check_counts, resolve_stages_per_rank
-from vpipe.schedules.adaptive import MemoryModel, make_problem, search
+from vpipe.schedules.adaptive import WORK_BUDGET, MemoryModel, make_problem, search
 from vpipe.schedules.blocks import Block, fi_peak, loop_block, plan, v_block
 from vpipe.schedules.controllable import v_half, v_min, zb_h2
 from vpipe.schedules.fill import fill
@@ -31,7 +31,9 @@ __all__ = ["PLACEMENTS", "MemoryModel", "StageCosts", "auto", "auto_schedule"]
 PLACEMENTS = ("loop", "v", "interleaved")
 # actions the building-block candidates may fill in all (skipped above: the list scheduler
 # covers large pipelines on its own)
-BLOCK_BUDGET = 400_000
+BLOCK_BUDGET = 200_000
+# the catalogue row's search: small, since every sweep and runtime test builds it
+CATALOGUE_BUDGET = 20_000
 
 # (down, up, back_up, back_down): forward offsets down chunk 0 and up chunk 1, backward
 # offsets back down chunk 1 and up chunk 0; each pair sums to the same sigma (2, 3, 4, 6).
@@ -84,6 +86,7 @@ def auto_schedule(
     objective: str = "makespan",
     memory: MemoryModel | None = None,
     stages_per_rank: int | None = None,
+    search_budget: int = WORK_BUDGET,
 ) -> Schedule:
     """The best schedule under ``costs`` whose every rank's activation memory stays within
     ``memory_limit``, by ``objective`` (``"makespan"`` or ``"span"``, see
@@ -95,7 +98,7 @@ def auto_schedule(
     V-Min's about P/3).
     ``placement``: ``"v"`` (2 stages per rank), ``"loop"`` (1 stage per rank) or
     ``"interleaved"`` (``stages_per_rank`` stages per rank, stage s on rank s mod P; default
-    2).
+    2). ``search_budget``: actions the list scheduler's search may schedule (its time).
     Candidates, each timed as it would run (messages across boundaries cost
     ``costs.boundary_costs``): the cost-adaptive list scheduler
     (:mod:`vpipe.schedules.adaptive`: several priority rules, warm-ups derived from the costs,
@@ -133,14 +136,12 @@ def auto_schedule(
     f, b, w = (list(map(float, x)) for x in costs.stage_times(n))
     times = (f, b, w, list(map(float, costs.boundary_costs(n))))
     problem = make_problem(place, m, times, model, float(memory_limit))
-    found = search(problem, objective)  # refuses a limit nothing fits
-    cands: list[tuple[object, list[list[Action]], int | None]] = [
-        (found.describe(), found.timed.actions, None)
-    ]
+    found = search(problem, objective, search_budget)  # refuses a limit nothing fits
+    cands: list[tuple[object, list[list[Action]], int | None]] = []
     if placement in _FIXED:
         unit = min(model.alloc)
         cap = math.floor(memory_limit / unit + 1e-9) if math.isfinite(memory_limit) else 2 * n * m
-        if 3 * m * n * len(_blocks(placement, p, 3 * spr)) <= BLOCK_BUDGET:
+        if 6 * m * n * len(_blocks(placement, p, 3 * spr)) <= BLOCK_BUDGET:
             for block, orders, c in _plans(_blocks(placement, p, 3 * spr), place, m, cap):
                 filled = fill(place, orders, c, *times)
                 cands.append((block, filled.actions, c))
@@ -153,14 +154,15 @@ def auto_schedule(
             except ScheduleError:
                 continue
     cands += [(s.name, s.actions, None) for s in fixed]
-    best = None
+    best = ((found.timed.objective(objective), max(found.timed.peaks), -1),
+            found.describe(), found.timed.actions, None, found.timed)  # fmt: skip
     for k, (source, actions, c) in enumerate(cands):
         timed = time_programs(problem, actions)
         peak = max(timed.peaks)
         if peak > problem.limit + 1e-9:
             continue
         key = (timed.objective(objective), peak, k)
-        if best is None or key < best[0]:
+        if key < best[0]:
             best = (key, source, actions, c, timed)
     _, source, actions, c, timed = best
     return build(
@@ -203,7 +205,7 @@ def auto(ranks: int, microbatches: int, stages_per_rank: int | None = None) -> S
     resolve_stages_per_rank(
         "auto", stages_per_rank, default=2, fixed="V placement: rank r holds stages r and 2P-1-r"
     )
-    return auto_schedule(p, m, _UnitCosts(), 2 * p)
+    return auto_schedule(p, m, _UnitCosts(), 2 * p, search_budget=CATALOGUE_BUDGET)
 
 
 class _UnitCosts:

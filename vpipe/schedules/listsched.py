@@ -71,6 +71,8 @@ def list_schedule(
             )
     f, b, w, alloc = problem.f, problem.b, problem.w, problem.alloc
     place = problem.placement
+    down = [problem.link(s, s + 1) for s in range(n - 1)]
+    up = [0.0] + [problem.link(s, s - 1) for s in range(1, n)]
     arrive: dict[tuple[int, int, int], float] = {}  # (0 F / 1 I, stage, mb) -> input time
     nf = [0] * n  # next forward microbatch per stage
     ni = [0] * n  # next input gradient per stage
@@ -163,7 +165,7 @@ def list_schedule(
                 reserve[r] -= alloc[s]
             live[r] += alloc[s]
             if s + 1 < n:
-                post((0, s + 1, m), end + problem.link(s, s + 1))
+                post((0, s + 1, m), end + down[s])
             else:
                 post((1, s, m), end)
         elif action.kind is Kind.I:
@@ -173,7 +175,7 @@ def list_schedule(
             live[r] -= problem.freed_by_i[s]
             owed[r].append((s, m))
             if s > 0:
-                post((1, s - 1, m), end + problem.link(s, s - 1))
+                post((1, s - 1, m), end + up[s])
         else:
             end = t + w[s]
             live[r] -= alloc[s] - problem.freed_by_i[s]

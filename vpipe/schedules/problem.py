@@ -144,6 +144,9 @@ def time_programs(problem: Problem, actions: Sequence[Sequence[Action]]) -> Time
     start: list[list[float]] = [[] for _ in range(ranks)]
     end: list[list[float]] = [[] for _ in range(ranks)]
     done_i: dict[tuple[int, int], float] = {}
+    down = [problem.link(s, s + 1) for s in range(last)]  # forward hand-over after stage s
+    up = [0.0] + [problem.link(s, s - 1) for s in range(1, last + 1)]  # backward, to s - 1
+    f, b, w = problem.f, problem.b, problem.w
     progress = True
     while progress:
         progress = False
@@ -154,13 +157,13 @@ def time_programs(problem: Problem, actions: Sequence[Sequence[Action]]) -> Time
                 s, m = a.stage, a.microbatch
                 if a.kind is Kind.F:
                     at = 0.0 if s == 0 else arrive.get((0, s, m))
-                    cost = problem.f[s]
+                    cost = f[s]
                 elif a.kind is Kind.W:
                     at = done_i.get((s, m))
-                    cost = problem.w[s]
+                    cost = w[s]
                 else:
                     at = arrive.get((1, s, m))
-                    cost = problem.b[s] + (problem.w[s] if a.kind is Kind.B else 0.0)
+                    cost = b[s] + (w[s] if a.kind is Kind.B else 0.0)
                 if at is None:
                     break
                 t0 = max(free[r], at)
@@ -172,13 +175,13 @@ def time_programs(problem: Problem, actions: Sequence[Sequence[Action]]) -> Time
                 progress = True
                 if a.kind is Kind.F:
                     if s < last:
-                        arrive[(0, s + 1, m)] = t1 + problem.link(s, s + 1)
+                        arrive[(0, s + 1, m)] = t1 + down[s]
                     else:
                         arrive[(1, s, m)] = t1
                 elif a.kind is not Kind.W:
                     done_i[(s, m)] = t1
                     if s > 0:
-                        arrive[(1, s - 1, m)] = t1 + problem.link(s, s - 1)
+                        arrive[(1, s - 1, m)] = t1 + up[s]
     stuck = [r for r in range(ranks) if pos[r] < len(actions[r])]
     if stuck:
         r = stuck[0]
