@@ -41,7 +41,7 @@ def case(draw, comm: bool):
     return placement, p, m, CostModel(per_stage=per, comm_latency=latency), limit
 
 
-@settings(max_examples=60, deadline=None)
+@settings(max_examples=30, deadline=None)
 @given(case(comm=True))
 def test_auto_never_exceeds_its_limit(c):
     placement, p, m, costs, limit = c
@@ -56,7 +56,7 @@ def test_auto_never_exceeds_its_limit(c):
         assert max(res.peak_activations) <= s.meta["cap"]
 
 
-@settings(max_examples=60, deadline=None)
+@settings(max_examples=30, deadline=None)
 @given(case(comm=False))
 def test_auto_is_never_slower_than_a_fixed_family_that_fits(c):
     """No communication cost: auto's makespan is the simulator's, and no fixed family of its

@@ -15,7 +15,7 @@ from dataclasses import dataclass
 
 from vpipe.errors import ScheduleError
 from vpipe.schedules.listsched import Rule, list_schedule, warmup
-from vpipe.schedules.problem import Problem, Timed
+from vpipe.schedules.problem import Problem, Timed, time_programs
 
 __all__ = ["MemoryModel", "Found", "make_problem", "search"]
 
@@ -147,12 +147,14 @@ def search(problem: Problem, objective: str, budget: int = WORK_BUDGET) -> Found
         if spent >= budget and k >= 12:
             break
         in_flight = None if extra is None else _tapered(wu, extra, order)
+        spent += per_run
         try:
             timed = list_schedule(problem, rule, cap, in_flight)
         except ScheduleError:
-            spent += per_run
             continue
-        spent += per_run
+        # as the programs will run: each action as early as its rank and input allow (the
+        # list scheduler may have waited where its order, replayed, does not)
+        timed = time_programs(problem, timed.actions)
         key = (timed.objective(objective), max(timed.peaks))
         if best is None or key < best[0]:
             best = (key, Found(timed, rule, extra, cap))

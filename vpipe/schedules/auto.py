@@ -87,6 +87,9 @@ def auto_schedule(
     memory: MemoryModel | None = None,
     stages_per_rank: int | None = None,
     search_budget: int = WORK_BUDGET,
+    exact: bool = False,
+    time_limit: float = 60.0,
+    workers: int = 2,
 ) -> Schedule:
     """The best schedule under ``costs`` whose every rank's activation memory stays within
     ``memory_limit``, by ``objective`` (``"makespan"`` or ``"span"``, see
@@ -108,6 +111,10 @@ def auto_schedule(
     1F1B, ZB-H1, ZB-H2; interleaved 1F1B and ZB-H1) as they are. So it is never worse than
     any of those families whose peak fits the limit. A limit below one microbatch's own
     footprint on a rank is refused, naming the smallest feasible limit.
+    ``exact``: then hand the best of them to the constraint solver as its starting point
+    (:mod:`vpipe.schedules.exact`, OR-Tools, ``time_limit`` seconds on ``workers`` threads)
+    and return its best schedule; ``meta["exact"]`` has its status, objective, proven lower
+    bound and gap.
     """
     name = "auto"
     p, m = check_counts(name, ranks, microbatches)
@@ -165,20 +172,19 @@ def auto_schedule(
         if key < best[0]:
             best = (key, source, actions, c, timed)
     _, source, actions, c, timed = best
+    extra = {}
+    if exact:
+        from vpipe.schedules.exact import solve
+
+        answer = solve(problem, objective, timed, time_limit=time_limit, workers=workers)
+        if answer.timed is not timed:
+            source, actions, c, timed = "exact", answer.timed.actions, None, answer.timed
+        extra["exact"] = answer.to_dict()
     return build(
-        name,
-        p,
-        m,
-        place,
-        actions,
-        stages_per_rank=spr,
-        source=source,
-        cap=c,
-        memory_limit=memory_limit,
-        objective=objective,
-        objective_value=timed.objective(objective),
-        placement_kind=placement,
-    )
+        name, p, m, place, actions, stages_per_rank=spr, source=source, cap=c,
+        memory_limit=memory_limit, objective=objective,
+        objective_value=timed.objective(objective), peak=max(timed.peaks), **extra,
+    )  # fmt: skip
 
 
 Candidate = tuple[object, list[list[Action]], int | None]  # (block or family, orders, cap)
