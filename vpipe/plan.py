@@ -209,6 +209,7 @@ class Candidate:
     peak_activation_bytes: list[float]
     peak_activation_units: list[float]  # microbatch activations of a full stage (1/P of model)
     fits: bool = True
+    placement: str | None = None  # auto's rows: the placement it was scheduled on
 
     def to_dict(self) -> dict[str, Any]:
         return asdict(self)
@@ -228,27 +229,41 @@ def candidates(
     microbatches: Sequence[int] | None = None,
     schedules: Sequence[str] | None = None,
     time_unit_s: float = 1e-6,
+    budget: Budget | None = None,
+    objective: str = "makespan",
 ) -> list[Candidate]:
     """Every family (or those named) x stages per rank x microbatch count it can build, with
-    the simulator's prediction. ``costs.cost_model(schedule, rows)`` gives each one's costs,
-    in units of ``time_unit_s`` seconds."""
+    the simulator's prediction by ``objective`` (makespan or longest rank span).
+    ``costs.cost_model(schedule, rows)`` gives each one's costs, in units of ``time_unit_s``
+    seconds. With a ``budget``, ``auto`` is scheduled for these costs, this budget and this
+    objective on each placement (:mod:`vpipe.plan_auto`) rather than taken from the
+    catalogue."""
+    from vpipe.plan_auto import PLACEMENTS, auto_for_plan
     from vpipe.schedules import catalogue
     from vpipe.sim import simulate
 
     families = catalogue.families() if schedules is None else [catalogue.get(s) for s in schedules]
     out = []
     for fam in families:
-        for v in sorted({fam.stages_per_rank, 1, 2, 4}):
+        adaptive = fam.name == "auto" and budget is not None
+        spr = sorted({fam.stages_per_rank, 1, 2, 4})
+        shapes = PLACEMENTS if adaptive else [(None, v) for v in spr]
+        for placement, v in shapes:
             for m in microbatches or microbatch_choices(batch, ranks):
                 if batch % m:
                     raise PlanError(f"batch {batch} does not split into {m} microbatches")
                 try:
-                    schedule = fam.generator(ranks, m, v)
+                    if adaptive:
+                        schedule = auto_for_plan(
+                            costs, ranks, m, batch / m, placement, v, budget, objective
+                        )
+                    else:
+                        schedule = fam.generator(ranks, m, v)
                     cm = costs.cost_model(schedule, batch / m)
                 except ScheduleError:
                     continue  # the family cannot build this combination
                 r = simulate(schedule, cm)
-                step_s = r.makespan * time_unit_s
+                step_s = r.objective(objective) * time_unit_s
                 out.append(
                     Candidate(
                         fam.name,
@@ -259,6 +274,7 @@ def candidates(
                         r.bubble_ratio,
                         [float(x) for x in r.peak_activation_bytes or [0.0]],
                         [x * ranks / schedule.n_stages for x in r.peak_activations],
+                        placement=placement,
                     )  # fmt: skip
                 )
     return out
@@ -301,19 +317,35 @@ def best_lookahead(schedule: Schedule, costs: CostModel) -> tuple[int, dict[int,
 
 
 def plan(
-    costs: Any, ranks: int, batch: int, budget: Budget, *, time_unit_s: float = 1e-6, **kw: Any
+    costs: Any,
+    ranks: int,
+    batch: int,
+    budget: Budget,
+    *,
+    time_unit_s: float = 1e-6,
+    objective: str = "makespan",
+    **kw: Any,
 ) -> dict[str, Any]:
-    """``{"recommended": ..., "candidates": [...], "recv_lookahead": ...}`` (fitting
-    candidates first, fastest first; the lookahead for the recommended one), as ``vpipe plan
-    --json`` prints it."""
+    """``{"recommended": ..., "candidates": [...], "recv_lookahead": ..., "objective": ...}``
+    (fitting candidates first, fastest by ``objective`` first; the lookahead for the
+    recommended one), as ``vpipe plan --json`` prints it."""
+    from vpipe.plan_auto import auto_for_plan
     from vpipe.schedules import catalogue
 
-    found = candidates(costs, ranks, batch, time_unit_s=time_unit_s, **kw)
+    found = candidates(
+        costs, ranks, batch, time_unit_s=time_unit_s, budget=budget, objective=objective, **kw
+    )
     best = recommend(found, budget)
     ranked = sorted(found, key=lambda c: (not c.fits, c.predicted_step_s, budget.peak(c)))
-    schedule = catalogue.get(best.schedule).generator(
-        ranks, best.microbatches, best.stages_per_rank
-    )
+    if best.placement is not None:
+        schedule = auto_for_plan(
+            costs, ranks, best.microbatches, batch / best.microbatches, best.placement,
+            best.stages_per_rank, budget, objective,
+        )  # fmt: skip
+    else:
+        schedule = catalogue.get(best.schedule).generator(
+            ranks, best.microbatches, best.stages_per_rank
+        )
     k, steps = best_lookahead(schedule, costs.cost_model(schedule, batch / best.microbatches))
     lookahead = {
         "best": k,
@@ -323,6 +355,7 @@ def plan(
         "recommended": best.to_dict(),
         "candidates": [c.to_dict() for c in ranked],
         "recv_lookahead": lookahead,
+        "objective": objective,
     }
 
 

@@ -22,6 +22,7 @@ __all__ = ["MemoryModel", "Found", "make_problem", "search"]
 # actions the search may schedule in all (about 1 s per 150 000 on one core)
 WORK_BUDGET = 400_000
 _LOWER_CAPS = 4
+_MIN_RUNS = 4  # configurations tried whatever the budget
 _EXTRAS = (None, -1, 0, 1, 2)
 
 
@@ -130,7 +131,7 @@ def _configs(problem: Problem) -> Iterator[tuple[Rule, int | None, float]]:
 def search(problem: Problem, objective: str, budget: int = WORK_BUDGET) -> Found:
     """The best list schedule of ``problem`` under ``objective`` (ties: lower peak), trying
     configurations until ``budget`` actions have been scheduled (always at least one full
-    round of rules at the limit). A ScheduleError when the limit is below a microbatch's
+    few rules at the limit). A ScheduleError when the limit is below a microbatch's
     footprint on some rank, naming the smallest feasible limit."""
     low = max(problem.footprint(r) for r in range(problem.n_ranks))
     if problem.limit < low - 1e-9:
@@ -144,7 +145,7 @@ def search(problem: Problem, objective: str, budget: int = WORK_BUDGET) -> Found
     best: tuple[tuple[float, float], Found] | None = None
     spent = 0
     for k, (rule, extra, cap) in enumerate(_configs(problem)):
-        if spent >= budget and k >= 12:
+        if spent >= budget and k >= _MIN_RUNS:
             break
         in_flight = None if extra is None else _tapered(wu, extra, order)
         spent += per_run
