@@ -24,6 +24,7 @@ from vpipe.schedules.fill import fill
 from vpipe.schedules.interleaved import interleaved_1f1b, zb_h1
 from vpipe.schedules.problem import check_objective, time_programs
 from vpipe.schedules.simple import one_f_one_b
+from vpipe.schedules.squeeze import squeeze
 from vpipe.schedules.v import zbv
 
 __all__ = ["PLACEMENTS", "MemoryModel", "StageCosts", "auto", "auto_schedule"]
@@ -37,7 +38,9 @@ CATALOGUE_BUDGET = 20_000
 
 # (down, up, back_up, back_down): forward offsets down chunk 0 and up chunk 1, backward
 # offsets back down chunk 1 and up chunk 0; each pair sums to the same sigma (2, 3, 4, 6).
-_V_OFFSETS = ((1, 1, 1, 1), (1, 2, 1, 2), (1, 3, 1, 3), (1, 5, 1, 5), (2, 4, 2, 4))
+_V_OFFSETS = (
+    (1, 1, 1, 1), (1, 2, 1, 2), (2, 1, 2, 1), (1, 3, 1, 3), (1, 5, 1, 5), (2, 4, 2, 4),
+)  # fmt: skip
 _V_TURNS = (1, 3, 4)
 # (forward, backward) offsets on the loop placement: sigma 2, 3, 4, 6.
 _LOOP_OFFSETS = ((1, 1), (1, 2), (1, 3), (1, 5), (2, 4), (3, 3))
@@ -148,7 +151,7 @@ def auto_schedule(
     if placement in _FIXED:
         unit = min(model.alloc)
         cap = math.floor(memory_limit / unit + 1e-9) if math.isfinite(memory_limit) else 2 * n * m
-        if 6 * m * n * len(_blocks(placement, p, 3 * spr)) <= BLOCK_BUDGET:
+        if 12 * m * n * len(_blocks(placement, p, 3 * spr)) <= BLOCK_BUDGET:
             for block, orders, c in _plans(_blocks(placement, p, 3 * spr), place, m, cap):
                 filled = fill(place, orders, c, *times)
                 cands.append((block, filled.actions, c))
@@ -191,12 +194,13 @@ Candidate = tuple[object, list[list[Action]], int | None]  # (block or family, o
 
 
 def _plans(blocks: list[Block], place: dict[int, int], m: int, cap: int) -> list[Candidate]:
-    """(block, F/I orders, cap) for every block at its own least cap and at ``cap``."""
+    """(block, F/I orders, cap) for every block, as planned and squeezed
+    (:mod:`vpipe.schedules.squeeze`), at its own least cap and at ``cap``."""
     out = []
     for block in blocks:
-        orders = plan(block, place, m)
-        need = fi_peak(orders)
-        out += [(block, orders, c) for c in sorted({need, cap}) if need <= c <= cap]
+        for orders in (plan(block, place, m), squeeze(block, place, m)):
+            need = fi_peak(orders)
+            out += [(block, orders, c) for c in sorted({need, cap}) if need <= c <= cap]
     return out
 
 
