@@ -207,7 +207,7 @@ def _plans(blocks: list[Block], place: dict[int, int], m: int, cap: int) -> list
 def auto(ranks: int, microbatches: int, stages_per_rank: int | None = None) -> Schedule:
     """The catalogue's ``auto`` row: :func:`auto_schedule` on the V placement with unit costs
     (f = b = w = 1, no communication) and a memory limit of 2P 1F1B stage-activations (twice
-    1F1B's peak). Shape, memory and bubble are those of the block it picks; with this
+    1F1B's peak). Shape, memory and bubble are those of the candidate it picks; with this
     generous limit it is never slower than ZB-V at unit costs.
     Constraints: exactly 2 stages per rank; any P >= 1, any M >= 1.
     """
