@@ -9,6 +9,9 @@ Three tables, all simulated (:func:`vpipe.sim.simulate`), bubble = 1 - busiest r
    placement), the loop families that fit (1F1B, ZB-H1, ZB-H2), sail-sg's heuristic (zb.py,
    measured outside vpipe on the same costs and limits: reference figures, not rerun here) and,
    with ``--solver-time``, the solver's best and proven bound within that time.
+1b. V-Half and V-Min adapted to the costs (``auto`` on the V placement at their memory) next
+   to the catalogue's block-built ones and sail-sg's (zbv_greedy.py, reference figures), unit
+   costs at P = 4, 6, 8 (M = 3P) and the 1.5B costs at P = 8, M = 24.
 2. A grid of small pipelines (P <= 4, M <= 8, unit and 1.5B costs, limits P and 2P, both
    objectives): the heuristic, the solver's proven optimum and the heuristic's distance from it.
 3. The heuristic's wall time at P = 32, M = 256.
@@ -31,6 +34,14 @@ SAIL_SG = {
     (16, 24): 0.1015, (16, 32): 0.0781, (16, 64): 0.0407,
 }  # fmt: skip
 LOOP_FAMILIES = ("1f1b", "zb-h1", "zb-h2")
+# sail-sg's V-Half / V-Min (zbv_greedy.py), measured outside vpipe and replayed in vpipe's
+# simulator: bubble by (P, M, costs, family), per V stage half a full stage's costs.
+SAIL_SG_V = {
+    (4, 12, "unit", "v-half"): 0.0649, (4, 12, "unit", "v-min"): 0.1325,
+    (6, 18, "unit", "v-half"): 0.0924, (6, 18, "unit", "v-min"): 0.1360,
+    (8, 24, "unit", "v-half"): 0.1056, (8, 24, "unit", "v-min"): 0.1579,
+    (8, 24, "1.5B", "v-half"): 0.1702, (8, 24, "1.5B", "v-min"): 0.3353,
+}  # fmt: skip
 
 
 def _bubble(work: float, value: float) -> float:
@@ -127,6 +138,34 @@ def small_grid(quick: bool, solver_time: float) -> list[str]:
     return lines
 
 
+def v_rows() -> list[str]:
+    """Table 1b: V-Half and V-Min adapted to the costs (auto at their memory) against
+    vpipe's block-built V-Half/V-Min and sail-sg's, objective span."""
+    from vpipe.schedules import make_schedule
+    from vpipe.schedules.auto import adapted
+    from vpipe.sim import CostModel, simulate
+
+    lines = [
+        f"{'P':>2} {'M':>3} {'costs':>5} {'family':>7} {'adapted':>8} {'peak':>5} "
+        f"{'block':>7} {'sail-sg':>8} {'s':>5}"
+    ]
+    for (p, m, model, family), ref in SAIL_SG_V.items():
+        f, b, w, c = (1.0, 1.0, 1.0, 0.0) if model == "unit" else PAPER_15B
+        costs = CostModel(f=f / 2, b=b / 2, w=w / 2, comm_latency=c)
+        work = m * (f + b + w)
+        t0 = time.perf_counter()
+        s = adapted(family, p, m, costs)
+        wall = time.perf_counter() - t0
+        res = simulate(s, costs)
+        block = simulate(make_schedule(family, p, m), costs)
+        lines.append(
+            f"{p:>2} {m:>3} {model:>5} {family:>7} {_bubble(work, res.span):>8.4f} "
+            f"{max(res.peak_activations) / 2:>5g} {_bubble(work, block.span):>7.4f} "
+            f"{ref:>8.4f} {wall:>5.1f}"
+        )
+    return lines
+
+
 def large_timing() -> list[str]:
     """Table 3: the heuristic's wall time at P = 32, M = 256 on each placement."""
     from vpipe.schedules.auto import auto_schedule
@@ -158,6 +197,9 @@ def main(argv: Sequence[str] | None = None) -> int:
     print("1. 1.5B costs, P = 8, loop placement, strict count, objective span: bubble")
     paper_time = args.solver_time if solver and args.paper_solver else None
     print("\n".join(paper_rows(ms, paper_time)))
+    print()
+    print("1b. V-Half and V-Min adapted to the costs, at their own memory, objective span: bubble")
+    print("\n".join(v_rows()))
     print()
     if solver:
         print("2. small pipelines: heuristic vs the solver's optimum (loop placement)")

@@ -132,3 +132,27 @@ def test_interleaved_placement_with_any_stages_per_rank():
 def test_a_bad_objective_is_refused():
     with pytest.raises(ScheduleError, match="objective"):
         auto_schedule(2, 2, CostModel(), 2, objective="latency")
+
+
+# sail-sg's V-Half and V-Min (zbv_greedy.py: the paper's patterns, squeezed) measured outside
+# vpipe and replayed in vpipe's simulator: longest rank span per (P, M, costs, family), at
+# peaks of (P+2)/2 and floor((P+4)/3) 1F1B stages. Costs per V stage: half a full stage's.
+SAIL_SG_V = {
+    (4, 12, "unit", "v-half"): 38.5, (4, 12, "unit", "v-min"): 41.5,
+    (6, 18, "unit", "v-half"): 59.5, (6, 18, "unit", "v-min"): 62.5,
+    (8, 24, "unit", "v-half"): 80.5, (8, 24, "unit", "v-min"): 85.5,
+    (8, 24, "1.5B", "v-half"): 1328.772, (8, 24, "1.5B", "v-min"): 1658.825,
+}  # fmt: skip
+
+
+@pytest.mark.parametrize("p,m,model,family", sorted(SAIL_SG_V))
+def test_v_half_and_v_min_adapted_reach_sail_sgs(p, m, model, family):
+    from vpipe.schedules.auto import adapted
+
+    f, b, w, c = (1.0, 1.0, 1.0, 0.0) if model == "unit" else (18.522, 18.086, 9.337, 0.601)
+    costs = CostModel(f=f / 2, b=b / 2, w=w / 2, comm_latency=c)
+    s = adapted(family, p, m, costs, search_budget=BUDGET)
+    res = simulate(s, costs)
+    limit = (p + 2) / 2 if family == "v-half" else (p + 4) // 3
+    assert max(res.peak_activations) / 2 <= limit
+    assert res.span <= SAIL_SG_V[p, m, model, family] + 1e-6

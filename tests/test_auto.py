@@ -22,6 +22,7 @@ from vpipe.schedules.auto import auto_schedule
 from vpipe.sim import CostModel, simulate
 
 FIXED = {"v": ("zbv", "v-half", "v-min"), "loop": ("1f1b", "zb-h1", "zb-h2")}
+BUDGET = 20_000  # a small list-scheduler search: these properties hold for any budget
 
 
 def _memory(res, spr: int) -> float:
@@ -45,7 +46,7 @@ def case(draw, comm: bool):
 @given(case(comm=True))
 def test_auto_never_exceeds_its_limit(c):
     placement, p, m, costs, limit = c
-    s = auto_schedule(p, m, costs, limit, placement)
+    s = auto_schedule(p, m, costs, limit, placement, search_budget=BUDGET)
     spr = 2 if placement == "v" else 1
     place = v_placement(p) if placement == "v" else loop_placement(p, p)
     assert (s.name, s.n_ranks, s.n_microbatches, s.placement) == ("auto", p, m, place)
@@ -64,7 +65,7 @@ def test_auto_is_never_slower_than_a_fixed_family_that_fits(c):
     stages) that includes ZB-V."""
     placement, p, m, costs, limit = c
     spr = 2 if placement == "v" else 1
-    s = auto_schedule(p, m, costs, limit, placement)
+    s = auto_schedule(p, m, costs, limit, placement, search_budget=BUDGET)
     mine = simulate(s, costs)
     for name in FIXED[placement]:
         other = simulate(make_schedule(name, p, m), costs)
@@ -95,7 +96,10 @@ def test_less_memory_costs_time():
     """Unit costs, P = 8, M = 24: the limit controls the trade-off, from one microbatch in
     flight (one 1F1B stage) to ZB-V's zero bubble at P stages."""
     costs = CostModel()
-    runs = {lim: simulate(auto_schedule(8, 24, costs, lim), costs) for lim in (1, 2, 4, 5, 8)}
+    runs = {
+        lim: simulate(auto_schedule(8, 24, costs, lim, search_budget=BUDGET), costs)
+        for lim in (1, 2, 4, 5, 8)
+    }
     idle = {lim: r.makespan - 6 * 24 for lim, r in runs.items()}
     assert idle[8] == 7  # ZB-V's P - 1
     assert idle[5] <= 19 and idle[4] <= 27  # V-Half's 3P - 5, V-Min's 4P - 5

@@ -19,10 +19,10 @@ from vpipe.schedules.problem import Problem, Timed, time_programs
 
 __all__ = ["MemoryModel", "Found", "make_problem", "search"]
 
-# actions the search may schedule in all (about 1 s per 70 000 on one core)
-WORK_BUDGET = 200_000
+# actions the search may schedule in all (roughly 1 s per 50 000 on one core)
+WORK_BUDGET = 150_000
 _LOWER_CAPS = 4
-_MIN_RUNS = 4  # configurations tried whatever the budget
+_MIN_RUNS = 2  # configurations tried whatever the budget
 _EXTRAS = (None, -1, 0, 1, 2)
 
 

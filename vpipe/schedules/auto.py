@@ -27,7 +27,7 @@ from vpipe.schedules.simple import one_f_one_b
 from vpipe.schedules.squeeze import squeeze
 from vpipe.schedules.v import zbv
 
-__all__ = ["PLACEMENTS", "MemoryModel", "StageCosts", "auto", "auto_schedule"]
+__all__ = ["PLACEMENTS", "MemoryModel", "StageCosts", "adapted", "auto", "auto_schedule"]
 
 PLACEMENTS = ("loop", "v", "interleaved")
 # actions the building-block candidates may fill in all (skipped above: the list scheduler
@@ -151,10 +151,12 @@ def auto_schedule(
     if placement in _FIXED:
         unit = min(model.alloc)
         cap = math.floor(memory_limit / unit + 1e-9) if math.isfinite(memory_limit) else 2 * n * m
-        if 12 * m * n * len(_blocks(placement, p, 3 * spr)) <= BLOCK_BUDGET:
+        if 6 * m * n * len(_blocks(placement, p, 3 * spr)) <= BLOCK_BUDGET:
             for block, orders, c in _plans(_blocks(placement, p, 3 * spr), place, m, cap):
                 filled = fill(place, orders, c, *times)
                 cands.append((block, filled.actions, c))
+            if placement == "v":
+                cands += _squeezed(place, m, cap, times)
         fixed = [g(p, m) for g in _FIXED[placement]]
     else:
         fixed = []
@@ -194,14 +196,70 @@ Candidate = tuple[object, list[list[Action]], int | None]  # (block or family, o
 
 
 def _plans(blocks: list[Block], place: dict[int, int], m: int, cap: int) -> list[Candidate]:
-    """(block, F/I orders, cap) for every block, as planned and squeezed
-    (:mod:`vpipe.schedules.squeeze`), at its own least cap and at ``cap``."""
+    """(block, F/I orders, cap) for every block at its own least cap and at ``cap``."""
     out = []
     for block in blocks:
-        for orders in (plan(block, place, m), squeeze(block, place, m)):
-            need = fi_peak(orders)
-            out += [(block, orders, c) for c in sorted({need, cap}) if need <= c <= cap]
+        orders = plan(block, place, m)
+        need = fi_peak(orders)
+        out += [(block, orders, c) for c in sorted({need, cap}) if need <= c <= cap]
     return out
+
+
+def controllable_blocks(ranks: int) -> dict[str, Block]:
+    """V-Half's and V-Min's slot patterns as the controllable-memory paper lays them out
+    (V-Half: forwards 2 slots apart down chunk 0 and 1 up chunk 1, input gradients 2 apart back
+    up chunk 1 and 1 down chunk 0, a longer gap for even P; V-Min: every offset 1, a longer gap
+    when 3 divides P)."""
+    p = ranks
+    half_gap = 4 if p % 2 == 0 else 1
+    min_gap = 3 if p % 3 == 0 else 1
+    return {
+        "v-half": v_block(
+            p, down=2, up=1, turn=1, gap=half_gap, back_up=2, back_turn=2, back_down=1
+        ),
+        "v-min": v_block(p, down=1, up=1, turn=1, gap=min_gap, back_up=1, back_turn=1, back_down=1),
+    }
+
+
+def _squeezed(
+    place: dict[int, int], m: int, cap: int, times: tuple
+) -> list[tuple[object, list[list[Action]], int | None]]:
+    """V-Half and V-Min squeezed (:mod:`vpipe.schedules.squeeze`): their programs with W's in
+    the free slots, and their F/I orders with W's filled under the costs at their own least
+    cap and at ``cap``."""
+    p = max(place.values()) + 1
+    out: list[tuple[object, list[list[Action]], int | None]] = []
+    for name, block in controllable_blocks(p).items():
+        orders, programs = squeeze(block, place, m)
+        out.append((f"{name} squeezed", programs, None))
+        need = fi_peak(orders)
+        for c in sorted({need, cap}):
+            if need <= c <= cap:
+                out.append(
+                    (f"{name} squeezed, W by cost", fill(place, orders, c, *times).actions, c)
+                )
+    return out
+
+
+def adapted(
+    family: str,
+    ranks: int,
+    microbatches: int,
+    costs: StageCosts,
+    objective: str = "span",
+    search_budget: int = WORK_BUDGET,
+) -> Schedule:
+    """``"v-half"`` or ``"v-min"`` adapted to ``costs``: :func:`auto_schedule` on the V
+    placement at the family's memory ((P+2)/2 and floor((P+4)/3) 1F1B stages), whose
+    candidates include the family's squeezed pattern with W's placed in its free slots or by
+    the costs, so it is never worse than the family at its own memory."""
+    limits = {"v-half": (ranks + 2) / 2, "v-min": float((ranks + 4) // 3)}
+    if family not in limits:
+        raise ScheduleError(f"adapted: family must be 'v-half' or 'v-min', got {family!r}")
+    return auto_schedule(
+        ranks, microbatches, costs, limits[family], "v", objective=objective,
+        search_budget=search_budget,
+    )  # fmt: skip
 
 
 def auto(ranks: int, microbatches: int, stages_per_rank: int | None = None) -> Schedule:
