@@ -22,6 +22,7 @@ from vpipe.schedules.auto import auto_schedule
 from vpipe.sim import CostModel, simulate
 
 FIXED = {"v": ("zbv", "v-half", "v-min"), "loop": ("1f1b", "zb-h1", "zb-h2")}
+BUDGET = 20_000  # a small list-scheduler search: these properties hold for any budget
 
 
 def _memory(res, spr: int) -> float:
@@ -41,11 +42,11 @@ def case(draw, comm: bool):
     return placement, p, m, CostModel(per_stage=per, comm_latency=latency), limit
 
 
-@settings(max_examples=60, deadline=None)
+@settings(max_examples=30, deadline=None)
 @given(case(comm=True))
 def test_auto_never_exceeds_its_limit(c):
     placement, p, m, costs, limit = c
-    s = auto_schedule(p, m, costs, limit, placement)
+    s = auto_schedule(p, m, costs, limit, placement, search_budget=BUDGET)
     spr = 2 if placement == "v" else 1
     place = v_placement(p) if placement == "v" else loop_placement(p, p)
     assert (s.name, s.n_ranks, s.n_microbatches, s.placement) == ("auto", p, m, place)
@@ -56,7 +57,7 @@ def test_auto_never_exceeds_its_limit(c):
         assert max(res.peak_activations) <= s.meta["cap"]
 
 
-@settings(max_examples=60, deadline=None)
+@settings(max_examples=30, deadline=None)
 @given(case(comm=False))
 def test_auto_is_never_slower_than_a_fixed_family_that_fits(c):
     """No communication cost: auto's makespan is the simulator's, and no fixed family of its
@@ -64,7 +65,7 @@ def test_auto_is_never_slower_than_a_fixed_family_that_fits(c):
     stages) that includes ZB-V."""
     placement, p, m, costs, limit = c
     spr = 2 if placement == "v" else 1
-    s = auto_schedule(p, m, costs, limit, placement)
+    s = auto_schedule(p, m, costs, limit, placement, search_budget=BUDGET)
     mine = simulate(s, costs)
     for name in FIXED[placement]:
         other = simulate(make_schedule(name, p, m), costs)
@@ -81,18 +82,24 @@ def test_auto_is_never_slower_than_a_fixed_family_that_fits(c):
         ("v", 2, 4, CostModel(f=2, b=1, w=2), "zbv", 42),  # the best block: 43
     ],
 )
-def test_a_fixed_family_wins_where_every_block_is_slower(placement, p, m, costs, family, makespan):
-    """Cases where every filled block is slower than a fixed family: auto takes the family."""
+def test_a_fixed_family_is_matched_where_every_block_is_slower(
+    placement, p, m, costs, family, makespan
+):
+    """Cases where every filled block is slower than a fixed family: auto is at least as fast
+    as the family (the list scheduler ties it, or the family itself is taken)."""
     s = auto_schedule(p, m, costs, 2 * p, placement)
-    assert s.meta["source"] == family
-    assert simulate(s, costs).makespan == makespan
+    assert simulate(make_schedule(family, p, m), costs).makespan == makespan
+    assert simulate(s, costs).makespan <= makespan
 
 
 def test_less_memory_costs_time():
     """Unit costs, P = 8, M = 24: the limit controls the trade-off, from one microbatch in
     flight (one 1F1B stage) to ZB-V's zero bubble at P stages."""
     costs = CostModel()
-    runs = {lim: simulate(auto_schedule(8, 24, costs, lim), costs) for lim in (1, 2, 4, 5, 8)}
+    runs = {
+        lim: simulate(auto_schedule(8, 24, costs, lim, search_budget=BUDGET), costs)
+        for lim in (1, 2, 4, 5, 8)
+    }
     idle = {lim: r.makespan - 6 * 24 for lim, r in runs.items()}
     assert idle[8] == 7  # ZB-V's P - 1
     assert idle[5] <= 19 and idle[4] <= 27  # V-Half's 3P - 5, V-Min's 4P - 5
@@ -122,7 +129,7 @@ def test_a_limit_of_one_stage_keeps_one_microbatch_in_flight():
 @pytest.mark.parametrize(
     "kwargs,needle",
     [
-        ({"memory_limit": 0.5}, "below one microbatch"),
+        ({"memory_limit": 0.5}, "smallest feasible limit is 1"),
         ({"memory_limit": math.nan}, "must be a number"),
         ({"memory_limit": "2"}, "must be a number"),
         ({"memory_limit": 4, "placement": "zigzag"}, "placement"),

@@ -11,6 +11,7 @@ import pytest
 
 from vpipe.cli import main
 from vpipe.predict.plan import LOOKAHEADS, Budget, PlanError, SpecCosts, best_lookahead, plan
+from vpipe.predict.plan_auto import auto_for_plan
 from vpipe.schedules import catalogue
 from vpipe.sim import CostModel, simulate
 
@@ -42,9 +43,11 @@ def test_bad_cost_spec(text, message):
         SpecCosts.parse(text)
 
 
-def independent_step_s(spec: SpecCosts, name: str, ranks: int, v: int, m: int, batch: int):
+def independent_step_s(
+    spec: SpecCosts, name: str, ranks: int, v: int, m: int, batch: int, schedule=None
+):
     """The candidate's step time and peak bytes, from the spec's definition directly."""
-    s = catalogue.get(name).generator(ranks, m, v)
+    s = schedule or catalogue.get(name).generator(ranks, m, v)
     share = ranks / s.n_stages * (batch / m) / spec.rows
     cm = CostModel(f=spec.f * share, b=spec.b * share, w=spec.w * share,
                    comm_latency=spec.comm, comm_handshake=spec.handshake,
@@ -63,9 +66,14 @@ def test_recommendation_is_the_fastest_candidate_within_budget():
     result = plan(spec, ranks, batch, budget)
     fitting = []
     for c in result["candidates"]:
-        step_s, peak = independent_step_s(
-            spec, c["schedule"], ranks, c["stages_per_rank"], c["microbatches"], batch
-        )
+        m, v = c["microbatches"], c["stages_per_rank"]
+        schedule = None
+        if c["placement"] is not None:  # auto, scheduled for these costs and this budget
+            assert c["schedule"] == "auto"
+            schedule = auto_for_plan(
+                spec, ranks, m, batch / m, c["placement"], v, budget, "makespan"
+            )
+        step_s, peak = independent_step_s(spec, c["schedule"], ranks, v, m, batch, schedule)
         assert c["predicted_step_s"] == pytest.approx(step_s)
         assert max(c["peak_activation_bytes"]) == pytest.approx(peak)
         assert c["fits"] == (peak <= budget.value)

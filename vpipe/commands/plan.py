@@ -46,6 +46,11 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     p.add_argument("--microbatches", "-m", help="comma-separated counts (default: divisors of "
                    "the batch up to 8P)")  # fmt: skip
     p.add_argument("--schedules", help="comma-separated families (default: the whole catalogue)")
+    p.add_argument(
+        "--objective", choices=("makespan", "span"), default="makespan",
+        help="rank by the step's makespan (ranks start together; default) or the longest rank "
+        "span (iterations overlapping, the papers' measure)",
+    )  # fmt: skip
     p.add_argument("--top", type=int, default=15, help="rows of the table to print (default 15)")
     p.add_argument("--plot", metavar="PNG", help="throughput vs peak memory, Pareto front")
     p.add_argument("--json", action="store_true", help='print {"recommended", "candidates"}')
@@ -78,8 +83,9 @@ def plan_command(args: argparse.Namespace) -> int:
     schedules = parse_list(args.schedules) if args.schedules else None
     dp = DPCosts.parse(args.dp_cost, args.dp) if args.dp > 1 or args.dp_cost else None
     result = plan(
-        costs, args.ranks, args.batch, budget, microbatches=mbs, schedules=schedules, dp=dp
-    )
+        costs, args.ranks, args.batch, budget, microbatches=mbs, schedules=schedules, dp=dp,
+        objective=args.objective,
+    )  # fmt: skip
     if args.plot:
         from vpipe.predict.plan import pareto_frame
         from vpipe.report.plots import plot_pareto, to_png
@@ -99,7 +105,7 @@ def render(result: dict, budget: object, top: int, dp: bool = False) -> str:
     rec = result["recommended"]
     dp_head = f"{'dp exp ms':>10}{'hidden ms':>10}{'dp share':>9}" if dp else ""
     lines = [
-        f"{'schedule':<18}{'v':>3}{'M':>5}{'step ms':>10}{'samples/s':>11}{'bubble':>8}"
+        f"{'schedule':<18}{'v':>3}{'M':>5}{_step_header(result):>10}{'samples/s':>11}{'bubble':>8}"
         f"{'peak/rank':>12}{'fits':>6}{dp_head}"
     ]
     for c in result["candidates"][:top]:
@@ -113,7 +119,8 @@ def render(result: dict, budget: object, top: int, dp: bool = False) -> str:
     lines.append(f"({shown} of {len(result['candidates'])} candidates shown)")
     lines.append(
         f"recommended: {rec['schedule']} with {rec['stages_per_rank']} stages per rank and "
-        f"{rec['microbatches']} microbatches: {rec['predicted_step_s'] * 1e3:.2f} ms per step, "
+        f"{rec['microbatches']} microbatches: {rec['predicted_step_s'] * 1e3:.2f} ms per step "
+        f"({result.get('objective', 'makespan')}), "
         f"peak {budget.describe(_peak(budget, rec))} per rank (budget "
         f"{budget.describe(budget.value)})"
     )
@@ -132,3 +139,8 @@ def _peak(budget: object, c: dict) -> float:
 def _dp_cells(c: dict) -> str:
     share = c["dp_exposed_s"] / c["predicted_step_s"] if c["predicted_step_s"] else 0.0
     return f"{c['dp_exposed_s'] * 1e3:>10.2f}{c['dp_hidden_s'] * 1e3:>10.2f}{share:>9.1%}"
+
+
+def _step_header(result: dict) -> str:
+    """The step column's name: ``step ms``, or ``span ms`` when ranked by span."""
+    return "span ms" if result.get("objective") == "span" else "step ms"

@@ -19,6 +19,7 @@ import sys
 from collections.abc import Callable
 from typing import Any
 
+from vpipe.commands._auto_flags import add_auto_flags, auto_from_args, describe_auto, wants_auto
 from vpipe.errors import ScheduleError, VpipeError
 from vpipe.ir import Schedule, format_action
 from vpipe.outputs import check_output_file
@@ -45,6 +46,7 @@ def register(subparsers: argparse._SubParsersAction) -> None:
         metavar="N",
         help="wrap the grid at this many columns (default: terminal)",
     )
+    add_auto_flags(p, cost=True)
 
     p = _add(subparsers, "validate", "check a schedule CSV (torch's format)", _cmd_validate)
     p.add_argument("path", metavar="PATH.csv", help="CSV file, one row of actions per rank")
@@ -59,6 +61,7 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     _add_cost(p)
     p.add_argument("--json", action="store_true", help="print one JSON object")
     p.add_argument("--trace", metavar="PATH", help="write a Chrome/Perfetto trace JSON")
+    add_auto_flags(p, cost=False)
 
     p = _add(subparsers, "compare", "simulate several schedules side by side", _cmd_compare)
     p.add_argument("--ranks", "-p", type=_positive_int, default=4, metavar="P", help="default 4")
@@ -163,7 +166,11 @@ def _cmd_show(args: argparse.Namespace) -> int:
 
     if args.csv:
         check_output_file(args.csv, "--csv")
-    schedule = load_schedule(args.source, args.ranks, args.microbatches, args.stages_per_rank)
+    if wants_auto(args, cost_counts=True):
+        schedule = auto_from_args(args, _cost_model(args.cost))
+        print(describe_auto(schedule))
+    else:
+        schedule = load_schedule(args.source, args.ranks, args.microbatches, args.stages_per_rank)
     if args.lowered and not schedule.is_lowered:
         schedule = lower(schedule)
     if args.csv:
@@ -360,16 +367,25 @@ def _cmd_simulate(args: argparse.Namespace) -> int:
     costs = _cost_model(args.cost)
     if args.trace:
         check_output_file(args.trace, "--trace")
-    schedule = load_schedule(args.source, args.ranks, args.microbatches, args.stages_per_rank)
+    if wants_auto(args, cost_counts=False):
+        schedule = auto_from_args(args, costs)
+    else:
+        schedule = load_schedule(args.source, args.ranks, args.microbatches, args.stages_per_rank)
     result = simulate(schedule, costs)
+    objective = args.objective or "makespan"
     if args.trace:
         _write(args.trace, result.to_chrome_trace)
     if args.json:
         summary = {"schedule": schedule.name, **simulation_summary(result)}
+        summary.update(objective=objective, objective_value=result.objective(objective))
         print(json.dumps(summary, default=_json_default))
         return 0
     print(f"{schedule.name}: {describe(schedule)}; cost {args.cost or UNIT_COST}")
+    if schedule.name == "auto" and "objective" in schedule.meta:
+        print(describe_auto(schedule))
     print(f"makespan       {result.makespan:g}")
+    print(f"span           {result.span:g} (longest rank span, first action to last)")
+    print(f"objective      {objective} = {result.objective(objective):g}")
     print(
         f"bubble ratio   {result.bubble_ratio:.3f} whole step, "
         f"{result.bubble_ratio_excl_skew:.3f} excluding start-up skew"

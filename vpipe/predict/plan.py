@@ -220,6 +220,7 @@ class Candidate:
     # data parallel (--dp N): reduction time the step grew by, and what ran under compute
     dp_exposed_s: float = 0.0
     dp_hidden_s: float = 0.0
+    placement: str | None = None  # auto's rows: the placement it was scheduled on
 
     def to_dict(self) -> dict[str, Any]:
         return asdict(self)
@@ -240,12 +241,18 @@ def candidates(
     schedules: Sequence[str] | None = None,
     time_unit_s: float = 1e-6,
     dp: Any = None,
+    budget: Budget | None = None,
+    objective: str = "makespan",
 ) -> list[Candidate]:
     """Every family (or those named) x stages per rank x microbatch count it can build, with
-    the simulator's prediction. ``costs.cost_model(schedule, rows)`` gives each one's costs,
-    in units of ``time_unit_s`` seconds. With ``dp`` (:class:`vpipe.predict.dp_costs.DPCosts`)
-    ``batch`` is the global batch of ``dp.replicas`` pipelines, and each step ends when its
-    gradient reductions do."""
+    the simulator's prediction by ``objective`` (makespan or longest rank span).
+    ``costs.cost_model(schedule, rows)`` gives each one's costs, in units of ``time_unit_s``
+    seconds. With a ``budget``, ``auto`` is scheduled for these costs, this budget and this
+    objective on each placement (:mod:`vpipe.predict.plan_auto`) rather than taken from the
+    catalogue. With ``dp`` (:class:`vpipe.predict.dp_costs.DPCosts`) ``batch`` is the global
+    batch of ``dp.replicas`` pipelines, and each step ends when its gradient reductions do."""
+    from vpipe.predict.plan_auto import PLACEMENTS, auto_for_plan
+
     replicas = dp.replicas if dp is not None else 1
     if batch % replicas:
         raise PlanError(f"batch {batch} does not split into {replicas} replicas")
@@ -256,20 +263,29 @@ def candidates(
     families = catalogue.families() if schedules is None else [catalogue.get(s) for s in schedules]
     out = []
     for fam in families:
-        for v in sorted({fam.stages_per_rank, 1, 2, 4}):
+        adaptive = fam.name == "auto" and budget is not None
+        spr = sorted({fam.stages_per_rank, 1, 2, 4})
+        shapes = PLACEMENTS if adaptive else [(None, v) for v in spr]
+        for placement, v in shapes:
             for m in microbatches or microbatch_choices(batch_per_replica, ranks):
                 if batch_per_replica % m:
                     raise PlanError(
                         f"batch {batch_per_replica} per replica does not split into {m} microbatches"
                     )
+                rows = batch_per_replica / m
                 try:
-                    schedule = fam.generator(ranks, m, v)
-                    cm = costs.cost_model(schedule, batch_per_replica / m)
+                    if adaptive:
+                        schedule = auto_for_plan(
+                            costs, ranks, m, rows, placement, v, budget, objective
+                        )
+                    else:
+                        schedule = fam.generator(ranks, m, v)
+                    cm = costs.cost_model(schedule, rows)
                 except ScheduleError:
                     continue  # the family cannot build this combination
                 r = simulate(schedule, cm)
                 reduced = dp.step(schedule, r.columns, r.makespan) if dp is not None else None
-                step_s = (reduced.step_end if reduced else r.makespan) * time_unit_s
+                step_s = (reduced.step_end if reduced else r.objective(objective)) * time_unit_s
                 out.append(
                     Candidate(
                         fam.name,
@@ -282,6 +298,7 @@ def candidates(
                         [x * ranks / schedule.n_stages for x in r.peak_activations],
                         dp_exposed_s=reduced.exposed * time_unit_s if reduced else 0.0,
                         dp_hidden_s=reduced.hidden * time_unit_s if reduced else 0.0,
+                        placement=placement,
                     )  # fmt: skip
                 )
     return out
@@ -332,20 +349,36 @@ def best_lookahead(
 
 
 def plan(
-    costs: Any, ranks: int, batch: int, budget: Budget, *, time_unit_s: float = 1e-6, **kw: Any
+    costs: Any,
+    ranks: int,
+    batch: int,
+    budget: Budget,
+    *,
+    time_unit_s: float = 1e-6,
+    objective: str = "makespan",
+    **kw: Any,
 ) -> dict[str, Any]:
-    """``{"recommended": ..., "candidates": [...], "recv_lookahead": ...}`` (fitting
-    candidates first, fastest first; the lookahead for the recommended one), as ``vpipe plan
-    --json`` prints it."""
+    """``{"recommended": ..., "candidates": [...], "recv_lookahead": ..., "objective": ...}``
+    (fitting candidates first, fastest by ``objective`` first; the lookahead for the
+    recommended one), as ``vpipe plan --json`` prints it."""
+    from vpipe.predict.plan_auto import auto_for_plan
     from vpipe.schedules import catalogue
 
-    found = candidates(costs, ranks, batch, time_unit_s=time_unit_s, **kw)
+    found = candidates(
+        costs, ranks, batch, time_unit_s=time_unit_s, budget=budget, objective=objective, **kw
+    )
     best = recommend(found, budget)
     ranked = sorted(found, key=lambda c: (not c.fits, c.predicted_step_s, budget.peak(c)))
-    schedule = catalogue.get(best.schedule).generator(
-        ranks, best.microbatches, best.stages_per_rank
-    )
     rows = batch / (kw["dp"].replicas if kw.get("dp") else 1) / best.microbatches
+    if best.placement is not None:
+        schedule = auto_for_plan(
+            costs, ranks, best.microbatches, rows, best.placement,
+            best.stages_per_rank, budget, objective,
+        )  # fmt: skip
+    else:
+        schedule = catalogue.get(best.schedule).generator(
+            ranks, best.microbatches, best.stages_per_rank
+        )
     k, steps = best_lookahead(schedule, costs.cost_model(schedule, rows), kw.get("dp"))
     lookahead = {
         "best": k,
@@ -355,6 +388,7 @@ def plan(
         "recommended": best.to_dict(),
         "candidates": [c.to_dict() for c in ranked],
         "recv_lookahead": lookahead,
+        "objective": objective,
     }
 
 

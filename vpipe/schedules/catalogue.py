@@ -298,8 +298,8 @@ for _family in (
     Family(
         "auto",
         auto,
-        "fastest V building block under a cost model and memory limit (here unit costs, limit "
-        "2x 1F1B's); 2 stages/rank",
+        "best schedule for a cost model and memory limit: list scheduler, blocks, families "
+        "(here unit costs, limit 2x 1F1B's); 2 stages/rank",
         placement="v",
         stages_per_rank=2,
         order=90,

@@ -62,6 +62,7 @@ class SimResult:
     peak_activation_bytes: list[float] | None
     comm_ops: list[int]
     busy: list[float]
+    span: float = 0.0  # the longest rank span: a rank's first compute start to its last end
     _raw: _Raw | None = field(repr=False, default=None)
 
     @cached_property
@@ -113,7 +114,13 @@ class SimResult:
             "peak_activations": self.peak_activations,
             "peak_activation_bytes": self.peak_activation_bytes,
             "comm_ops": self.comm_ops,
+            "span": self.span,
         }
+
+    def objective(self, objective: str) -> float:
+        """The step time by ``objective``: ``makespan`` (ranks start together, the step ends
+        with the last) or ``span`` (the longest rank span, iterations overlapping)."""
+        return self.span if objective == "span" else self.makespan
 
     def to_events(
         self,
@@ -316,6 +323,7 @@ def _summarise(
         peak_activation_bytes=None if peak_bytes is None else [float(x) for x in peak_bytes],
         comm_ops=[int(x) for x in comm_ops],
         busy=[float(x) for x in busy],
+        span=float(span.max()) if len(span) else 0.0,
         _raw=raw,
     )
 
