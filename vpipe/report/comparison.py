@@ -400,9 +400,10 @@ def _comparison_note(sweeps: Sequence[Sweep], differs: str) -> str:
         f"run-to-run spread, sd {spread.sd:.3f} in log ({spread.source}). Verdict: faster/slower "
         "only when the interval excludes 1 and the ratio is beyond the A/A noise band "
         f"(+-{noise_threshold(spread.sd):.1%}: two launches of the same code differ by less "
-        '95% of the time); "within noise" when the ratio is inside the band and the interval '
-        'inside twice the band; "host differed" when the hosts\' states differed (see Host) '
-        'and the ratio is not within noise; else "inconclusive", with the rounds '
+        '95% of the time); "host differed" whenever the hosts\' states differed (see Host): '
+        "then normalising may hide a change as well as invent one; \"within noise\" when the "
+        'ratio is inside the band and the interval inside twice the band; else '
+        '"inconclusive", with the rounds '
         "per block (vpipe bench --rounds N) that would settle it. raw: the ratio of medians "
         f"without normalisation. Steps over {OUTLIER_FACTOR:g}x their block's median are "
         "outliers, counted and excluded."

@@ -19,9 +19,8 @@ interval that holds when the host changed between them, and the verdict rules.
 - **Verdict** (:func:`verdict`): "faster"/"slower" only when the interval excludes 1 and the
   estimate is beyond the A/A noise band (:func:`noise_threshold`: 95% of two single launches
   of the same code differ by less); "within noise" when the estimate is inside the band and
-  the interval leaves no effect of twice the band possible; "host differed" when the hosts'
-  states differed (:func:`vpipe.trace.host_state.judge_hosts`) and the figure is not within noise;
-  otherwise "inconclusive", with how many rounds per block would settle it
+  the interval leaves no effect of twice the band possible; "host differed" whenever the hosts'
+  states differed (:func:`vpipe.trace.host_state.judge_hosts`); otherwise "inconclusive", with how many rounds per block would settle it
   (:func:`rounds_to_settle`).
 
 Like pyperf (several processes, a significance test, "not significant") and criterion (a
@@ -248,27 +247,30 @@ def noise_threshold(between_sd: float) -> float:
 def verdict(r: CrossRatio, threshold: float, host_differences: Sequence[str] = ()) -> str:
     """The verdict of a cross-run ratio against the noise band ``threshold`` (log):
 
-    - interval excludes 1: "within noise" when the estimate is inside the band, "host
-      differed" when the hosts' states differed, else "faster"/"slower";
+    - "host differed" whenever the hosts' states differed: normalising by the reference can
+      hide a real change as well as invent one (a 15% delay measured on a loaded host against
+      a quiet one came out "within noise"), so neither a difference nor its absence is claimed;
+    - interval excludes 1: "within noise" when the estimate is inside the band, else
+      "faster"/"slower";
     - interval holds 1: "within noise" when it lies inside twice the band (no effect the
-      size of the noise is left possible; never wider than :data:`MAX_WITHIN_NOISE`), "host
-      differed" when the hosts differed, else "inconclusive".
+      size of the noise is left possible; never wider than :data:`MAX_WITHIN_NOISE`), else
+      "inconclusive".
 
     "too few steps" without an interval.
     """
     if not r.has_interval:
         return f"too few steps (< {MIN_SAMPLES})"
+    if host_differences:
+        return "host differed"
     lo, hi, d = math.log(r.low), math.log(r.high), math.log(r.value)
     if lo > 0 or hi < 0:
         if abs(d) <= threshold:
             return "within noise"
-        if host_differences:
-            return "host differed"
         return "faster" if lo > 0 else "slower"
     band = max(2 * MIN_EFFECT, min(2 * threshold, MAX_WITHIN_NOISE))
     if -band <= lo and hi <= band:
         return "within noise"
-    return "host differed" if host_differences else "inconclusive"
+    return "inconclusive"
 
 
 def rounds_to_settle(r: CrossRatio, threshold: float, rounds: int) -> int | None:
