@@ -33,7 +33,7 @@ def test_parsers_read_proc_text():
 
 def _sample(wall, busy, steal, total, load=1.0, mhz=2000.0):
     return {"wall_s": wall, "own_cpu_s": 0.0, "load1": load, "busy_j": busy, "steal_j": steal,
-            "total_j": total, "mhz": mhz}  # fmt: skip
+            "total_j": total, "cores": 2, "mhz": mhz}  # fmt: skip
 
 
 def test_round_state_subtracts_the_sweeps_own_cpu(monkeypatch):
@@ -43,7 +43,7 @@ def test_round_state_subtracts_the_sweeps_own_cpu(monkeypatch):
     before = _sample(10.0, 1000, 100, 5000, load=1.0)
     after = _sample(12.0, 1300, 140, 5400, load=2.0, mhz=2200.0)
     s = round_state(before, after, own_cpu_s=2.0)
-    assert s["other_cores"] == pytest.approx(0.5)
+    assert s["other_cores"] == pytest.approx(0.5) and s["free_cores"] == pytest.approx(1.5)
     assert s["steal"] == pytest.approx(0.1)
     assert s["load1"] == 1.5 and s["mhz"] == 2100.0
     # unreadable /proc: the figures are None, not an error
@@ -58,6 +58,13 @@ def test_judge_hosts_names_what_differed_with_figures():
     busy = {**quiet, "other_cores": 1.0, "load1": 3.0}
     assert judge_hosts(quiet, quiet) == []
     assert judge_hosts(quiet, busy) == ["other processes' CPU 0.05 vs 1.00 cores"]
+    # a saturated host: the extra job barely shows in other processes' CPU (0.41 cores more),
+    # but it halves what is left to the sweep
+    loaded = {**quiet, "other_cores": 1.08, "free_cores": 0.92}
+    hogged = {**quiet, "other_cores": 1.49, "free_cores": 0.51}
+    assert judge_hosts(loaded, hogged) == ["cores left to the sweep 0.92 vs 0.51"]
+    alike = {**quiet, "other_cores": 1.0, "free_cores": 1.0}
+    assert judge_hosts(loaded, alike) == []
     slow_ref = {**quiet, "ref_s": 1.5e-3, "mhz": 2000}
     words = judge_hosts(quiet, slow_ref)
     assert words == ["CPU MHz 2600 vs 2000", "reference time 0.001 s vs 0.0015 s"]

@@ -32,7 +32,12 @@ LIMITS = {
     "steal": 0.05,  # 5 points of stolen CPU time
     "mhz_ratio": 1.10,  # clock frequency 10% apart
     "ref_ratio": 1.25,  # the reference workload itself 25% slower or faster
+    # cores the others left free, 25% apart: when the host is saturated another job's extra
+    # load barely raises "other_cores" (there is no idle CPU left to take), yet it takes a
+    # share from the sweep (1.08 vs 1.49 other cores is 0.92 vs 0.51 left on 2 cores)
+    "free_ratio": 1.25,
 }
+FREE_FLOOR = 0.1  # cores: below this a run had next to nothing, whatever the figure
 
 
 def parse_loadavg(text: str) -> float:
@@ -102,6 +107,7 @@ def sample() -> dict[str, Any]:
         "busy_j": jiffies.get("busy"),
         "steal_j": jiffies.get("steal"),
         "total_j": jiffies.get("total"),
+        "cores": jiffies.get("cores") or None,
         "mhz": read_mhz(),
     }
 
@@ -116,11 +122,13 @@ def round_state(
     out: dict[str, float | None] = {"load1": _mean(before["load1"], after["load1"])}
     out["mhz"] = _mean(before["mhz"], after["mhz"])
     if before["busy_j"] is None or after["busy_j"] is None or wall <= 0:
-        out["other_cores"] = out["steal"] = None
+        out["other_cores"] = out["steal"] = out["free_cores"] = None
         return out
     busy_s = (after["busy_j"] - before["busy_j"]) / CLOCK_TICKS
     total = after["total_j"] - before["total_j"]
     out["other_cores"] = max(busy_s - own_cpu_s, 0.0) / wall
+    cores = after.get("cores")
+    out["free_cores"] = max(cores - out["other_cores"], 0.0) if cores else None
     out["steal"] = (after["steal_j"] - before["steal_j"]) / total if total > 0 else 0.0
     return out
 
@@ -129,7 +137,7 @@ def _mean(a: float | None, b: float | None) -> float | None:
     return None if a is None or b is None else (a + b) / 2
 
 
-SUMMARY = ("other_cores", "steal", "load1", "mhz", "ref_s")
+SUMMARY = ("other_cores", "free_cores", "steal", "load1", "mhz", "ref_s")
 
 
 def summarise(rounds: Iterable[Mapping[str, Any]]) -> dict[str, float | None]:
@@ -154,6 +162,11 @@ def judge_hosts(
     oa, ob = a.get("other_cores"), b.get("other_cores")
     if oa is not None and ob is not None and abs(oa - ob) > limits["other_cores"]:
         out.append(f"other processes' CPU {oa:.2f} vs {ob:.2f} cores")
+    fa, fb = a.get("free_cores"), b.get("free_cores")
+    if fa is not None and fb is not None:  # on a saturated host a hog shows here, not above
+        low, high = sorted((max(fa, FREE_FLOOR), max(fb, FREE_FLOOR)))
+        if high / low > limits["free_ratio"]:
+            out.append(f"cores left to the sweep {fa:.2f} vs {fb:.2f}")
     sa, sb = a.get("steal"), b.get("steal")
     if sa is not None and sb is not None and abs(sa - sb) > limits["steal"]:
         out.append(f"CPU steal {sa:.1%} vs {sb:.1%}")
