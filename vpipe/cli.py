@@ -49,8 +49,9 @@ def main(argv: Sequence[str] | None = None) -> int:
         # Output closed early (`vpipe compare | head`): stop quietly.
         os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
         return 1
-    except KeyboardInterrupt:
-        print(f"vpipe {args.command}: interrupted", file=sys.stderr)
+    except KeyboardInterrupt as e:  # its note, if any, says what was kept (vpipe.outputs)
+        note = f": {e}" if str(e) else ""
+        print(f"vpipe {args.command}: interrupted{note}", file=sys.stderr)
         return 130
 
 

@@ -122,8 +122,15 @@ def spawn(
         )
         for rank in range(n_ranks)
     ]
-    for p in procs:
-        p.start()
+    # SIGINT is blocked while they start: the fork server and the ranks inherit the mask, so a
+    # Ctrl-C reaches only this process (which then stops them) and no traceback comes from the
+    # fork server's preload or a rank; this process gets the Ctrl-C once they have started.
+    blocked = signal.pthread_sigmask(signal.SIG_BLOCK, {signal.SIGINT})
+    try:
+        for p in procs:
+            p.start()
+    finally:
+        signal.pthread_sigmask(signal.SIG_SETMASK, blocked)
     try:
         results = _collect(procs, results_q, n_ranks, timeout_s)
         deadline = time.monotonic() + 5.0
