@@ -25,8 +25,10 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     src.add_argument(
         "--cost",
         metavar="SPEC",
-        help="per full stage (1/P of the model) and microbatch of `rows` rows, microseconds: "
-        "f=..,b=..,w=..[,comm=..,handshake=..,act_bytes=..,rows=..,post=..,gap=..]",
+        help="microseconds, f=..,b=..,w=..[,comm=..,handshake=..,act_bytes=..,rows=..,post=..,"
+        "gap=..], the same convention as simulate and compare: per rank's share of the model "
+        "(1/P of it; a schedule with V stages per rank gives each stage 1/V) and one microbatch "
+        "of `rows` rows (default 1; plan rescales to each microbatch size)",
     )
     p.add_argument("--run", help="the calibration run in --from (vpipe runs STORE lists them)")
     p.add_argument("--microbatches", "-m", help="comma-separated counts (default: divisors of "

@@ -25,6 +25,7 @@ from vpipe.outputs import check_output_file
 from vpipe.schedules import schedule_names
 from vpipe.schedules.load import load_schedule, shorten, validate_file
 from vpipe.sim.compare import COMPARE_NOTE, REFERENCE_SCHEDULE, compare_rows
+from vpipe.sim.cost_model import COST_CONVENTION
 
 UNIT_COST = "f=1,b=1,w=1,comm=0"
 
@@ -111,7 +112,8 @@ def _add_cost(p: argparse.ArgumentParser) -> None:
     p.add_argument(
         "--cost",
         metavar="SPEC",
-        help=f"cost model, e.g. {UNIT_COST} (see vpipe.sim.CostModel.parse)",
+        help=f"cost model, e.g. {UNIT_COST} (keys: vpipe.sim.CostModel.parse); "
+        + COST_CONVENTION.replace("%", "%%"),
     )
 
 
@@ -132,6 +134,13 @@ def _cost_model(spec: str | None) -> Any:
         return CostModel.parse(spec if spec is not None else UNIT_COST)
     except VpipeError as e:
         raise type(e)(f"--cost: {e}") from None
+
+
+def per(costs: Any) -> str:
+    """How the cost string's f, b, w were read (:data:`vpipe.sim.cost_model.COST_CONVENTION`)."""
+    if costs.unit == "stage":
+        return "per stage"
+    return "per rank's share of the model; each stage gets 1/V of it"
 
 
 def describe(schedule: Schedule) -> str:
@@ -368,20 +377,24 @@ def _cmd_simulate(args: argparse.Namespace) -> int:
         summary = {"schedule": schedule.name, **simulation_summary(result)}
         print(json.dumps(summary, default=_json_default))
         return 0
-    print(f"{schedule.name}: {describe(schedule)}; cost {args.cost or UNIT_COST}")
+    print(f"{schedule.name}: {describe(schedule)}; cost {args.cost or UNIT_COST} ({per(costs)})")
     print(f"makespan       {result.makespan:g}")
     print(
         f"bubble ratio   {result.bubble_ratio:.3f} whole step, "
         f"{result.bubble_ratio_excl_skew:.3f} excluding start-up skew"
     )
+    # Peak saved activations in the cost string's unit: stages, or rank shares (as compare).
+    v = 1 if costs.unit == "stage" else schedule.stages_per_rank
     header = f"{'rank':>4}  {'bubble':>6}  {'excl. skew':>10}  {'peak act':>8}  {'comm ops':>8}"
     print(header)
     for r in range(schedule.n_ranks):
         print(
             f"{r:>4}  {result.bubble_ratio_per_rank[r]:>6.3f}  "
             f"{result.bubble_ratio_per_rank_excl_skew[r]:>10.3f}  "
-            f"{result.peak_activations[r]:>8}  {result.comm_ops[r]:>8}"
+            f"{result.peak_activations[r] / v:>8g}  {result.comm_ops[r]:>8}"
         )
+    unit = "stage activations" if v == 1 else f"rank shares (stage activations / {v})"
+    print(f"(peak act: activations saved for backward, in {unit})")
     if args.trace:
         print(f"trace written to {args.trace}")
     return 0

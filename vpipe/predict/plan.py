@@ -31,6 +31,7 @@ import numpy as np
 from vpipe.errors import ScheduleError, VpipeError
 from vpipe.ir import Schedule
 from vpipe.sim import CostModel, parse_numbers
+from vpipe.sim.cost_model import split_unit
 
 __all__ = [
     "Budget",
@@ -108,7 +109,17 @@ class SpecCosts:
 
     @classmethod
     def parse(cls, text: str) -> SpecCosts:
-        """``f=1.2,b=1.1,w=0.9,comm=0.05,act_bytes=2e6,rows=64``; f, b and w are required."""
+        """``f=1.2,b=1.1,w=0.9,comm=0.05,act_bytes=2e6,rows=64``; f, b and w are required.
+        Per rank's share of the model (``unit=rank``, :data:`COST_CONVENTION`): ``unit=stage``
+        is refused, since plan chooses the stages per rank itself."""
+        text, unit = split_unit(text, "--cost", PlanError)
+        if unit == "stage":
+            raise PlanError(
+                "--cost unit=stage: plan chooses the stages per rank V itself, so its costs are "
+                "per rank's share of the model (unit=rank): multiply per-stage f, b, w and "
+                "act_bytes of a schedule with V stages per rank by V (f=1 per stage at V=2 is "
+                "f=2 per rank)"
+            )
         values = parse_numbers(text, cls.__dataclass_fields__, "--cost", PlanError)
         for key, number in values.items():
             if not math.isfinite(number) or number < 0:
