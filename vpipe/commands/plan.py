@@ -79,6 +79,8 @@ def plan_command(args: argparse.Namespace) -> int:
 
 def render(result: dict, budget: object, top: int) -> str:
     """The ranked table and the recommendation as text."""
+    from vpipe.predict.plan import plural
+
     rec = result["recommended"]
     lines = [
         f"{'schedule':<18}{'v':>3}{'M':>5}{'step ms':>10}{'samples/s':>11}{'bubble':>8}"
@@ -92,10 +94,13 @@ def render(result: dict, budget: object, top: int) -> str:
             f"{'yes' if c['fits'] else 'no':>6}"
         )
     shown = min(top, len(result["candidates"]))
-    lines.append(f"({shown} of {len(result['candidates'])} candidates shown)")
+    lines.append(f"({shown} of {plural(len(result['candidates']), 'candidate')} shown)")
+    for family, why in result.get("left_out", {}).items():
+        lines.append(f"left out {family}: {why}")
     lines.append(
-        f"recommended: {rec['schedule']} with {rec['stages_per_rank']} stages per rank and "
-        f"{rec['microbatches']} microbatches: {rec['predicted_step_s'] * 1e3:.2f} ms per step, "
+        f"recommended: {rec['schedule']} with {plural(rec['stages_per_rank'], 'stage')} per rank "
+        f"and {plural(rec['microbatches'], 'microbatch')}: "
+        f"{rec['predicted_step_s'] * 1e3:.2f} ms per step (predicted), "
         f"peak {budget.describe(_peak(budget, rec))} per rank (budget "
         f"{budget.describe(budget.value)})"
     )

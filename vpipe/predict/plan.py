@@ -239,16 +239,22 @@ def candidates(
     microbatches: Sequence[int] | None = None,
     schedules: Sequence[str] | None = None,
     time_unit_s: float = 1e-6,
+    left_out: dict[str, str] | None = None,
 ) -> list[Candidate]:
     """Every family (or those named) x stages per rank x microbatch count it can build, with
     the simulator's prediction. ``costs.cost_model(schedule, rows)`` gives each one's costs,
-    in units of ``time_unit_s`` seconds."""
+    in units of ``time_unit_s`` seconds. A program already listed (interleaved-1f1b with one
+    stage per rank is 1f1b's) is not listed again; ``left_out`` receives, per family with no
+    candidate, why (its first refusal), or the family whose programs it repeats."""
     from vpipe.schedules import catalogue
     from vpipe.sim import simulate
 
     families = catalogue.families() if schedules is None else [catalogue.get(s) for s in schedules]
     out = []
+    seen: dict[tuple, str] = {}  # program -> the family listed with it
     for fam in families:
+        refusals: dict[int, str] = {}  # stages per rank -> the first refusal
+        repeats: set[str] = set()  # families whose programs this one repeats
         for v in sorted({fam.stages_per_rank, 1, 2, 4}):
             for m in microbatches or microbatch_choices(batch, ranks):
                 if batch % m:
@@ -256,8 +262,14 @@ def candidates(
                 try:
                     schedule = fam.generator(ranks, m, v)
                     cm = costs.cost_model(schedule, batch / m)
-                except ScheduleError:
-                    continue  # the family cannot build this combination
+                except ScheduleError as e:
+                    refusals.setdefault(v, str(e))  # the family cannot build this combination
+                    continue
+                program = _program(schedule)
+                if program in seen:
+                    repeats.add(seen[program])
+                    continue
+                seen[program] = fam.name
                 r = simulate(schedule, cm)
                 step_s = r.makespan * time_unit_s
                 out.append(
@@ -272,7 +284,23 @@ def candidates(
                         [x * ranks / schedule.n_stages for x in r.peak_activations],
                     )  # fmt: skip
                 )
+        if left_out is not None and not any(c.schedule == fam.name for c in out):
+            why = [refusals.get(fam.stages_per_rank, next(iter(refusals.values()), ""))]
+            if repeats:
+                why.append(f"the programs it can build are {' and '.join(sorted(repeats))}'s")
+            left_out[fam.name] = "; ".join(filter(None, why))
     return out
+
+
+def _program(schedule: Schedule) -> tuple:
+    """What a schedule runs, whatever its family's name: placement and each rank's actions."""
+    placement = tuple(sorted(schedule.placement.items()))
+    return placement, tuple(tuple(map(str, acts)) for acts in schedule.actions)
+
+
+def plural(n: int, word: str) -> str:
+    """``1 stage``, ``2 stages``, ``2 microbatches``."""
+    return f"{n} {word}{'' if n == 1 else 'es' if word.endswith(('ch', 's', 'x')) else 's'}"
 
 
 def recommend(found: list[Candidate], budget: Budget) -> Candidate:
@@ -287,8 +315,8 @@ def recommend(found: list[Candidate], budget: Budget) -> Candidate:
         low = min(found, key=budget.peak)
         raise PlanError(
             f"nothing fits --memory {budget.describe(budget.value)} per rank: the smallest peak "
-            f"is {budget.describe(budget.peak(low))} ({low.schedule}, {low.stages_per_rank} "
-            f"stages per rank, M={low.microbatches})"
+            f"is {budget.describe(budget.peak(low))} ({low.schedule}, "
+            f"{plural(low.stages_per_rank, 'stage')} per rank, M={low.microbatches})"
         )
     return min(fitting, key=lambda c: (c.predicted_step_s, budget.peak(c)))
 
@@ -314,12 +342,13 @@ def best_lookahead(schedule: Schedule, costs: CostModel) -> tuple[int, dict[int,
 def plan(
     costs: Any, ranks: int, batch: int, budget: Budget, *, time_unit_s: float = 1e-6, **kw: Any
 ) -> dict[str, Any]:
-    """``{"recommended": ..., "candidates": [...], "recv_lookahead": ...}`` (fitting
-    candidates first, fastest first; the lookahead for the recommended one), as ``vpipe plan
-    --json`` prints it."""
+    """``{"recommended": ..., "candidates": [...], "recv_lookahead": ..., "left_out": {...}}``
+    (fitting candidates first, fastest first; the lookahead for the recommended one; why each
+    family without a candidate has none), as ``vpipe plan --json`` prints it."""
     from vpipe.schedules import catalogue
 
-    found = candidates(costs, ranks, batch, time_unit_s=time_unit_s, **kw)
+    left_out: dict[str, str] = {}
+    found = candidates(costs, ranks, batch, time_unit_s=time_unit_s, left_out=left_out, **kw)
     best = recommend(found, budget)
     ranked = sorted(found, key=lambda c: (not c.fits, c.predicted_step_s, budget.peak(c)))
     schedule = catalogue.get(best.schedule).generator(
@@ -334,6 +363,7 @@ def plan(
         "recommended": best.to_dict(),
         "candidates": [c.to_dict() for c in ranked],
         "recv_lookahead": lookahead,
+        "left_out": left_out,
     }
 
 

@@ -157,7 +157,7 @@ def plan_sections(res: BenchResults, top: int = 10) -> list[Section]:
     """The plan for the measured host: costs calibrated on the sweep's vpipe zbv config (else
     its first profiled vpipe config), every family x stages x M simulated for this sweep's
     ranks and batch, within the most memory any config of the sweep used."""
-    from vpipe.predict.plan import Budget, PlanError, calibrated_costs, plan
+    from vpipe.predict.plan import Budget, PlanError, calibrated_costs, plan, plural
     from vpipe.schedules import make_schedule
 
     runs = res.measured
@@ -199,11 +199,12 @@ def plan_sections(res: BenchResults, top: int = 10) -> list[Section]:
         f"vpipe plan for {res.spec.ranks} ranks and batch {res.spec.batch}, costs calibrated on "
         f"{base.schedule} M={int(base.microbatches)} (vpipe), budget: the most memory a config "
         f"of this sweep used ({budget.describe(budget.value)} per rank). Recommended: "
-        f"{rec['schedule']} with {rec['stages_per_rank']} stages per rank and "
-        f"{rec['microbatches']} microbatches, {rec['predicted_step_s'] * 1e3:.2f} ms per step "
-        f"predicted. Fastest {min(top, len(result['candidates']))} of "
+        f"{rec['schedule']} with {plural(rec['stages_per_rank'], 'stage')} per rank and "
+        f"{plural(rec['microbatches'], 'microbatch')}, "
+        f"{rec['predicted_step_s'] * 1e3:.2f} ms per step predicted. Fastest {min(top, len(result['candidates']))} of "
         f"{len(result['candidates'])} candidates; `vpipe plan --from STORE --run "
         f"{base.run_id} --memory ...` plans for another budget."
+        + "".join(f" Left out {fam}: {why}." for fam, why in result["left_out"].items())
     )
     return [table_section("Plan for this host", table, note)]
 
