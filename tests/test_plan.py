@@ -134,8 +134,7 @@ def test_no_two_candidates_run_the_same_program_and_left_out_families_say_why(ca
     spec = SpecCosts.parse("f=2,b=2,w=1")
     found = candidates(spec, 4, 32)
     programs = [
-        (_program(make_schedule(c.schedule, 4, c.microbatches, c.stages_per_rank)))
-        for c in found
+        (_program(make_schedule(c.schedule, 4, c.microbatches, c.stages_per_rank))) for c in found
     ]
     assert len(set(programs)) == len(programs)
     assert not [c for c in found if c.schedule in ("interleaved-1f1b", "looped-bfs")
