@@ -142,6 +142,10 @@ def build_config(args: argparse.Namespace) -> RunConfig:
             raise VpipeError(f"--{flag.replace('_', '-')} must be >= 1, got {value}")
     if args.steps < 1 or args.batch < 1:
         raise VpipeError(f"--steps and --batch must be >= 1, got {args.steps} and {args.batch}")
+    if args.profile:  # before any rank starts, as every output path
+        from vpipe.outputs import check_output_dir
+
+        check_output_dir(args.profile, append=True, flag="--profile")
     schedule = resolve_schedule(args)
     sizes = parse_sizes(args.sizes)
     spec = RankSpec(
@@ -312,6 +316,12 @@ def _print_summary(
         f"activations {mem}",
         flush=True,
     )
+    if len(times) > 1:
+        print(
+            "(the loss repeats from step to step: vpipe run times forward and backward only, no "
+            "optimizer step changes the weights)",
+            flush=True,
+        )
 
 
 def _size(n: float) -> str:
