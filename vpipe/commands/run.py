@@ -33,8 +33,18 @@ def register(subparsers: argparse._SubParsersAction) -> None:
         ),
     )
     p.add_argument("schedule", metavar="NAME", help="schedule name or CSV file")
-    p.add_argument("--ranks", "-p", type=int, help="pipeline ranks (inferred from a CSV)")
-    p.add_argument("--microbatches", "-m", type=int, help="microbatches per step")
+    p.add_argument(
+        "--ranks",
+        "-p",
+        type=int,
+        help="pipeline ranks (default: inferred from a CSV; under torchrun its world size; else 2)",
+    )
+    p.add_argument(
+        "--microbatches",
+        "-m",
+        type=int,
+        help="microbatches per step (default: inferred from a CSV, else max(8, 2 x ranks))",
+    )
     p.add_argument("--stages-per-rank", "-v", type=int, help="stages per rank (schedule default)")
     p.add_argument(
         "--model",
@@ -146,6 +156,11 @@ def build_config(args: argparse.Namespace) -> RunConfig:
         from vpipe.outputs import check_output_dir
 
         check_output_dir(args.profile, append=True, flag="--profile")
+    if not is_csv_source(args.schedule):  # a built-in name: defaults as vpipe bench's
+        if args.ranks is None:
+            args.ranks = int(os.environ.get("WORLD_SIZE", 2))
+        if args.microbatches is None:
+            args.microbatches = max(8, 2 * args.ranks)
     schedule = resolve_schedule(args)
     sizes = parse_sizes(args.sizes)
     spec = RankSpec(
