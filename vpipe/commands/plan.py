@@ -68,7 +68,9 @@ def plan_command(args: argparse.Namespace) -> int:
         from vpipe.predict.plan import pareto_frame
         from vpipe.report.plots import plot_pareto, to_png
 
-        png = to_png(plot_pareto(pareto_frame(result["candidates"])))
+        front = pareto_frame(result["candidates"])
+        x = "peak_memory_bytes" if "peak_memory_bytes" in front else "peak_memory_units"
+        png = to_png(plot_pareto(front, x, predicted=True))
         atomic_write(args.plot, lambda p: p.write_bytes(png))
     if args.json:
         print(json.dumps(result))

@@ -369,7 +369,9 @@ def plan(
 
 def pareto_frame(found: list[dict[str, Any]]) -> Any:
     """The candidates on the Pareto front (no other is both faster and smaller), as the table
-    :func:`vpipe.report.plots.plot_pareto` draws: one panel, points labelled ``family vV MM``."""
+    :func:`vpipe.report.plots.plot_pareto` draws: one panel, points labelled ``family vV MM``;
+    memory in bytes (``peak_memory_bytes``), or in units (``peak_memory_units``: microbatch
+    activations of a full stage) when the costs give no activation bytes."""
     import pandas as pd
 
     from vpipe.metrics.per_run import pareto_front
@@ -385,4 +387,8 @@ def pareto_frame(found: list[dict[str, Any]]) -> Any:
             "peak_memory_bytes": [float(np.max(c["peak_activation_bytes"])) for c in found],
         }
     )
+    if not table["peak_memory_bytes"].any():  # costs without act_bytes: memory in units only
+        units = [float(np.max(c["peak_activation_units"])) for c in found]
+        table = table.drop(columns="peak_memory_bytes").assign(peak_memory_units=units)
+        return pareto_front(table, "peak_memory_units", "samples_per_s")
     return pareto_front(table, "peak_memory_bytes", "samples_per_s")

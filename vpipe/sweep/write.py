@@ -210,7 +210,8 @@ def plan_sections(res: BenchResults, top: int = 10) -> list[Section]:
 
 
 def _timeline_sections(res: BenchResults) -> list[Section]:
-    from vpipe.report.plots import plot_gantt, plot_memory_timeline, schedule_order, to_png
+    from vpipe.report.gantt import plot_gantt, plot_memory_timeline
+    from vpipe.report.plots import schedule_order, to_png
 
     runs = res.measured
     if not res.events or runs.empty:
@@ -238,12 +239,16 @@ def _timeline_sections(res: BenchResults) -> list[Section]:
         for impl in ("vpipe", "torch"):
             x = res.memory.get(Config(sched, m, impl).run_id(res.bench_id))
             if x is not None and len(x):
-                mems.append(x.assign(label=f"{sched} {impl}"))
+                row = runs[(runs["schedule"] == sched) & (runs["microbatches"] == m)
+                           & (runs["impl"] == impl)]  # fmt: skip
+                timed = float(row["step_time_s"].iloc[0]) * 1e3 if len(row) else None
+                mems.append(x.assign(label=f"{sched} {impl}", timed_ms=timed))
     if mems:
         mem.images[f"Saved activations over time M={m}"] = to_png(
             plot_memory_timeline(
                 pd.concat(mems, ignore_index=True),
-                "Bytes saved for backward during one step, per rank",
+                "Bytes saved for backward during one metered step, per rank (one more step, "
+                "with hooks counting the saved tensors: its length is not the step time)",
             )
         )
     return [s for s in (gantt, mem) if s.images]
