@@ -121,7 +121,7 @@ def _has_cuda() -> bool:
 
 def _a_run_id(clone: Path, words: list[str], env: dict) -> str:
     """A measured vpipe run id of the store the command names (zbv if there is one)."""
-    store = next(w for w in words[2:] if not w.startswith("-"))
+    store = words[words.index("--from") + 1] if "--from" in words else words[2]
     code = (
         "import sys; from vpipe.trace.store import Store; r = Store(sys.argv[1]).runs(); "
         "r = r[(r['impl'] == 'vpipe') & (r['source'] == 'measured')]; "

@@ -157,7 +157,9 @@ class CalibratedCosts:
 
         if schedule.n_stages > self.pieces:
             raise ScheduleError(
-                f"{schedule.n_stages} stages need at least as many model pieces ({self.pieces})"
+                f"{schedule.n_stages} stages need at least as many model pieces, and the "
+                f"calibration run's model has {self.pieces} (calibrate on a run of a bigger "
+                f"model, e.g. --sizes n_blocks={schedule.n_stages})"
             )
         cm = self.calibration.cost_model(schedule, self.pieces)
         k = rows / self.rows
