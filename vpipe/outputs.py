@@ -130,7 +130,7 @@ def staged_dir(path: str | os.PathLike[str], *, keep: bool = False) -> Iterator[
     except BaseException:
         shutil.rmtree(tmp, ignore_errors=True)
         raise
-    with _sigint_held() as held:
+    with sigint_held() as held:
         _swap_in(tmp, p)
     if held:
         raise KeyboardInterrupt(f"{p} holds this run's complete output")
@@ -150,9 +150,11 @@ def _swap_in(new: Path, path: Path) -> None:
 
 
 @contextmanager
-def _sigint_held() -> Iterator[list[int]]:
-    """SIGINT is recorded, not raised, inside the block (main thread only); the yielded list
-    holds the signals that came."""
+def sigint_held() -> Iterator[list[int]]:
+    """SIGINT is recorded, not raised, inside the block (main thread only; elsewhere nothing
+    changes); the yielded list holds the signals that came. Python runs its handler in the main
+    thread whichever thread the signal reached, so this holds a Ctrl-C where blocking the
+    signal in one thread would not."""
     held: list[int] = []
     if threading.current_thread() is not threading.main_thread():
         yield held
