@@ -10,16 +10,22 @@ STAMP := $(VENV)/.vpipe-installed
 export PATH := $(abspath $(VENV))/bin:$(PATH)
 
 $(STAMP): pyproject.toml
+	@echo "== setting up $(VENV) (first time only; pip shows what it fetches)"
 	test -x $(PY) || $(PYTHON) -m venv --system-site-packages $(VENV)
-	$(PY) -c "import torch" 2>/dev/null || $(PY) -m pip install -q torch==2.13.0
-	$(PY) -m pip install -q -e ".[test,asv]"
+	@$(PY) -c "import torch" 2>/dev/null && echo "== torch found: kept" || \
+		{ echo "== installing torch==2.13.0 (CPU; the largest download)"; \
+		  $(PY) -m pip install --progress-bar on torch==2.13.0; }
+	@echo "== installing vpipe and its test/asv dependencies"
+	$(PY) -m pip install --progress-bar on -e ".[test,asv]"
 	touch $(STAMP)
+	@echo "== installed"
 
 .PHONY: install test bench lint gpu-check
 install: $(STAMP)
 
+# pytest's default output: one line per test file with its progress (the suite takes minutes).
 test: $(STAMP)
-	$(PY) -m pytest -q
+	$(PY) -m pytest -ra
 
 bench: $(STAMP)
 	$(VENV)/bin/vpipe bench --out results/latest --force

@@ -50,7 +50,10 @@ def test_simulate_reports_the_objective(capsys):
     got = json.loads(out)
     assert got["objective"] == "span" and got["objective_value"] == got["span"]
     assert max(got["peak_activations"]) <= 4
-    rc, out, _ = run(["simulate", "zbv", "-p", "2", "-m", "4"], capsys)
+    # costs per stage (the unit=stage reading): one slot per F, I, W of a stage
+    rc, out, _ = run(
+        ["simulate", "zbv", "-p", "2", "-m", "4", "--cost", "f=1,b=1,w=1,comm=0,unit=stage"], capsys
+    )
     assert rc == 0 and "objective      makespan = 25" in out and "span           24 " in out
 
 

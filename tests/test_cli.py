@@ -13,7 +13,7 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from vpipe.cli import main
-from vpipe.commands.schedule import styled_grid
+from vpipe.commands._grid import styled_grid
 from vpipe.ir import Schedule
 from vpipe.ir.lowering import lower
 from vpipe.schedules import make_schedule, schedule_names

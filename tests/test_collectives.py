@@ -19,7 +19,8 @@ from vpipe.sim.collectives import (
 
 
 def _dp(schedule: Schedule, costs: str, cost: CollectiveCost, buckets: dict):
-    r = vpipe.simulate(schedule, vpipe.CostModel.parse(costs))
+    """Simulated with ``costs`` per stage (the hand-computed timelines count in stage units)."""
+    r = vpipe.simulate(schedule, vpipe.CostModel.parse(costs + ",unit=stage"))
     return r, simulate_reductions(schedule, r.columns, r.makespan, cost, buckets)
 
 

@@ -130,3 +130,41 @@ def test_plan_json_and_plot(tmp_path, capsys):
     assert keys <= set(out["recommended"]) and all(keys <= set(c) for c in out["candidates"])
     assert all(len(c["peak_activation_bytes"]) == 2 for c in out["candidates"])
     assert png.read_bytes()[:4] == b"\x89PNG"
+
+
+def test_no_two_candidates_run_the_same_program_and_left_out_families_say_why(capsys):
+    """interleaved-1f1b and looped-bfs with one stage per rank are 1f1b's and gpipe's programs:
+    listed once; a family that cannot split the model says so in one line."""
+    from vpipe.ir import ScheduleError
+    from vpipe.predict.plan import SpecCosts, _program, candidates
+    from vpipe.schedules import make_schedule
+
+    spec = SpecCosts.parse("f=2,b=2,w=1")
+    found = candidates(spec, 4, 32)
+    programs = [
+        (_program(make_schedule(c.schedule, 4, c.microbatches, c.stages_per_rank))) for c in found
+    ]
+    assert len(set(programs)) == len(programs)
+    assert not [c for c in found if c.schedule in ("interleaved-1f1b", "looped-bfs")
+                and c.stages_per_rank == 1]  # fmt: skip
+
+    class FourPieces:  # a 4-block model: at most 4 stages
+        def cost_model(self, schedule, rows):
+            if schedule.n_stages > 4:
+                raise ScheduleError(f"{schedule.n_stages} stages need at least as many model "
+                                    "pieces (4)")  # fmt: skip
+            return spec.cost_model(schedule, rows)
+
+    left_out: dict[str, str] = {}
+    found = candidates(FourPieces(), 4, 32, left_out=left_out)
+    assert "zbv" in left_out and "8 stages need at least as many model pieces" in left_out["zbv"]
+    assert "1f1b" not in left_out and any(c.schedule == "1f1b" for c in found)
+    assert left_out["interleaved-1f1b"] == (
+        "8 stages need at least as many model pieces (4); the programs it can build are 1f1b "
+        "and gpipe's"  # with M=1, 1f1b's program is gpipe's
+    )
+    assert main(["plan", "-p", "4", "--batch", "32", "--memory", "100units", "--cost",
+                 "f=2,b=2,w=1"]) == 0  # fmt: skip
+    out = capsys.readouterr().out
+    assert "1 stages" not in out and "microbatchs" not in out
+    assert "with 4 stages per rank and 32 microbatches" in out

@@ -1,6 +1,8 @@
 """Plots a reader can read at a glance, judged on the rendered figure: no two labels overlap,
 everything lies inside the figure, legends sit outside the axes, fonts are legible at the
-report's width, Gantt panels share one time axis and every event kind has its own colour."""
+report's width, each Gantt panel has its own time axis and every event kind its own colour, an
+overlap action shows its two parts, memory panels span their own step, each impl has its own
+Pareto front with dominated points visible, and plan plots say they show predictions."""
 
 from __future__ import annotations
 
@@ -19,7 +21,9 @@ from matplotlib.transforms import Bbox
 
 from vpipe.events import COMM_KINDS, COMPUTE_KINDS, events_frame
 from vpipe.metrics.per_run import pareto_front
-from vpipe.report.plots import plot_gantt, plot_memory, plot_pareto, plot_throughput
+from vpipe.predict.plan import pareto_frame
+from vpipe.report.gantt import plot_gantt, plot_memory_timeline
+from vpipe.report.plots import KIND_COLORS, plot_memory, plot_pareto, plot_throughput
 from vpipe.schedules import catalogue
 
 SCHEDULES = catalogue.names()  # every catalogued schedule: many narrow bars
@@ -102,6 +106,17 @@ def _gantt() -> Figure:
     )
 
 
+def _memory_timeline() -> Figure:
+    rows = [
+        dict(run_id=f"r{j}", rank=r, t_ns=int(k * span * 1e6 / 10), bytes=(k % 5) * 2**20,
+             what="saved_activations", label=f"zbv {impl}", timed_ms=span * 0.8)
+        for j, (impl, span) in enumerate((("vpipe", 20.0), ("torch", 40.0)))
+        for r in range(2)
+        for k in range(11)
+    ]  # fmt: skip
+    return plot_memory_timeline(pd.DataFrame(rows), "Bytes saved for backward")
+
+
 def _render(fig: Figure):
     """Lay out and draw the figure as to_png would; returns the renderer."""
     canvas = FigureCanvasAgg(fig)
@@ -158,6 +173,7 @@ FIGURES = {
     "memory-few": lambda: plot_memory(_few(_ranks())),
     "gantt": _gantt,
     "gantt-one": lambda: plot_gantt([("zbv simulated", _events(90_000_000))]),
+    "memory-timeline": _memory_timeline,
     "pareto": lambda: plot_pareto(_runs()),
     "pareto-few": lambda: plot_pareto(_few(_runs())),
 }
@@ -215,13 +231,41 @@ def test_throughput_ratio_labels_clear_the_error_bars():
             assert not any(box.overlaps(b.get_window_extent(renderer)) for b in bars)
 
 
-def test_gantt_panels_share_one_time_axis():
+def test_gantt_panels_each_have_their_own_time_axis():
     fig = _gantt()
     _render(fig)
     assert len(fig.axes) == 3
-    assert len({ax.get_xlim() for ax in fig.axes}) == 1
-    assert len({round(ax.bbox.width) for ax in fig.axes}) == 1  # same scale on the page
-    assert max(ax.get_xlim()[1] for ax in fig.axes) >= 120  # the longest panel fits (ms)
+    for ax, span_ms in zip(fig.axes, (100, 120, 90), strict=True):
+        end = span_ms * 23 / 24 + span_ms / 24 - 1e-5  # the last event's end
+        assert ax.get_xlim() == pytest.approx((0, end * 1.01))
+        assert f"step {end:.1f} ms" in ax.get_title(loc="left")
+        assert ax.get_xlabel() == "ms from the step's first event"
+        assert len([t for t in ax.texts if t.get_text()]) >= 8  # most compute bars labelled
+
+
+def test_gantt_draws_an_overlap_action_as_its_two_parts():
+    ev = _events(100_000_000)
+    first = ev.index[ev["kind"] == "F"][0]
+    ev["name"] = ev["name"].cat.add_categories(["(0F3;3B1)OVERLAP_F_B"])
+    ev.loc[first, "name"] = "(0F3;3B1)OVERLAP_F_B"
+    fig = plot_gantt([("dualpipev measured", ev)])
+    _render(fig)
+    (ax,) = fig.axes
+    halves = {c.get_gid(): c for c in ax.collections if c.get_gid().startswith("overlap")}
+    assert to_rgb(halves["overlap-first"].get_facecolor()[0]) == to_rgb(KIND_COLORS["F"])
+    assert to_rgb(halves["overlap-second"].get_facecolor()[0]) == to_rgb(KIND_COLORS["B"])
+    assert {t.get_text() for t in ax.texts} & {"F3+B1", "F+B"}
+    assert "overlap: two halves" in [t.get_text() for t in fig.legends[0].get_texts()]
+
+
+def test_memory_timeline_panels_span_their_own_step():
+    fig = _memory_timeline()
+    _render(fig)
+    for ax, end in zip(fig.axes, (20.0, 40.0), strict=True):
+        assert ax.get_xlim() == pytest.approx((0, end * 1.01))
+        assert f"metered step {end:.1f} ms, timed median" in ax.get_title()
+    (legend,) = fig.legends
+    assert [t.get_text() for t in legend.get_texts()] == ["rank 0", "rank 1"]
 
 
 def test_gantt_gives_every_event_kind_its_own_colour():
@@ -237,28 +281,32 @@ def test_gantt_gives_every_event_kind_its_own_colour():
             assert np.linalg.norm(np.subtract(ca, cb)) > 0.15, (a, b)
 
 
-def test_pareto_plot_draws_each_panels_front_and_labels_every_point():
+def test_pareto_plot_draws_each_impls_front_and_labels_every_point():
     runs = _runs()
     fig = plot_pareto(runs)
     renderer = _render(fig)
     assert [ax.get_title() for ax in fig.axes] == ["M=4", "M=8"]
+    legend_texts = [t.get_text() for t in fig.legends[0].get_texts()]
+    assert legend_texts == ["vpipe: Pareto front", "torch: Pareto front", "dominated (hollow)"]
     for ax, m in zip(fig.axes, (4, 8), strict=True):
         d = runs[runs["microbatches"] == m]
-        front = pareto_front(d, "peak_memory_bytes", "samples_per_s")
-        if m == 4:
-            assert set(zip(front["schedule"], front["impl"], strict=True)) == {
-                ("gpipe", "torch"), ("zbv", "vpipe"), ("zbv", "torch"), ("zb-h1", "vpipe"),
-                ("dualpipev", "vpipe"),
-            }  # fmt: skip
-        assert "MiB" in ax.get_xlabel()
-        expected = np.c_[front["peak_memory_bytes"] / 2**20, front["samples_per_s"]].astype(float)
-        (line,) = [ln for ln in ax.lines if ln.get_gid() == "pareto-front-line"]
-        assert line.get_drawstyle() == "steps-post"
-        np.testing.assert_allclose(line.get_xydata(), expected)  # in memory order
-        ringed = [c.get_offsets() for c in ax.collections if c.get_gid() == "pareto-front-points"]
-        np.testing.assert_allclose(
-            sorted(map(tuple, np.concatenate(ringed))), sorted(map(tuple, expected))
-        )
+        assert "MiB" in ax.get_xlabel() and ax.get_ylabel() == "samples/s (median)"
+        for impl in ("vpipe", "torch"):
+            mine = d[d["impl"] == impl]
+            front = pareto_front(mine, "peak_memory_bytes", "samples_per_s")
+            if m == 4 and impl == "vpipe":
+                assert set(front["schedule"]) == {"zbv", "zb-h1", "dualpipev"}
+            xy = np.c_[front["peak_memory_bytes"] / 2**20, front["samples_per_s"]].astype(float)
+            (line,) = [ln for ln in ax.lines if ln.get_gid() == f"pareto-front-line-{impl}"]
+            assert line.get_drawstyle() == "steps-post"
+            np.testing.assert_allclose(line.get_xydata(), xy)  # in memory order
+            (ringed,) = [c for c in ax.collections if c.get_gid() == f"pareto-front-points-{impl}"]
+            np.testing.assert_allclose(sorted(map(tuple, ringed.get_offsets())),
+                                       sorted(map(tuple, xy)))  # fmt: skip
+            (hollow,) = [c for c in ax.collections if c.get_gid() == f"dominated-{impl}"]
+            assert len(hollow.get_offsets()) == len(mine) - len(front)
+            assert to_rgb(hollow.get_facecolor()[0]) == (1, 1, 1)  # hollow, edge in impl colour
+            assert hollow.get_alpha() in (None, 1)  # visible, not faded
         assert sorted(t.get_text() for t in ax.texts) == sorted(d["schedule"])
         points = np.concatenate([c.get_offset_transform().transform(c.get_offsets())
                                  for c in ax.collections])  # fmt: skip
@@ -267,6 +315,25 @@ def test_pareto_plot_draws_each_panels_front_and_labels_every_point():
             box = t.get_window_extent(renderer)
             assert ax.bbox.contains(box.x0, box.y0) and ax.bbox.contains(box.x1, box.y1)
             assert not any(box.contains(x, y) for x, y in points), t.get_text()
+
+
+def test_plan_plot_says_it_shows_predictions():
+    found = [
+        dict(schedule=s, stages_per_rank=v, microbatches=m, samples_per_s=t, fits=True,
+             peak_activation_bytes=[0.0], peak_activation_units=[u])
+        for s, v, m, t, u in (("zbv", 2, 8, 900.0, 4.0), ("1f1b", 1, 8, 700.0, 4.0),
+                              ("v-min", 2, 8, 600.0, 2.0))
+    ]  # fmt: skip
+    fig = plot_pareto(pareto_frame(found), "peak_memory_units", predicted=True)
+    _render(fig)
+    (ax,) = fig.axes
+    assert fig._suptitle.get_text().startswith("Predicted throughput")
+    assert ax.get_ylabel() == "predicted samples/s (simulated)"
+    assert ax.get_xlabel() == "peak activation memory (units, max over ranks)"
+    assert "M=all" not in ax.get_title()
+    assert ax.get_xlim()[0] < 2 < 4 < ax.get_xlim()[1]
+    assert sorted(t.get_text() for t in ax.texts) == ["v-min v2 M8", "zbv v2 M8"]
+    assert [t.get_text() for t in fig.legends[0].get_texts()] == ["fits: Pareto front"]
 
 
 def test_pareto_plot_without_memory_says_so():

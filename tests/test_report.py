@@ -22,10 +22,9 @@ from vpipe.report.document import (
     summary_table,
     v_vs_baseline,
 )
+from vpipe.report.gantt import plot_gantt, plot_memory_timeline
 from vpipe.report.plots import (
-    plot_gantt,
     plot_memory,
-    plot_memory_timeline,
     plot_throughput,
     schedule_order,
     to_png,

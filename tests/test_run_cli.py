@@ -122,7 +122,7 @@ def test_check_failure_is_loud(capsys):
 def test_validation_errors_before_spawn(no_spawn, capsys):
     cases = [
         (["zbv", "-p", "2", "-m", "4", "--batch", "6"], "does not split into 4"),
-        (["zbv", "-p", "2"], "needs --ranks and --microbatches"),
+        (["zbv", "-p", "2", "--batch", "12"], "does not split into 8"),  # default M = 8
         (["zbv", "-p", "2", "-m", "4", "--batch", "8", "--sizes", "n_blocks=2"], "cannot split"),
         (["zbv", "-p", "2", "-m", "4", "--batch", "8", "--sizes", "depth"], "NAME=INT"),
         (["gpipe", "-p", "2", "-m", "2", "--batch", "4", "--impl", "torch", "-v", "2"], "stage"),

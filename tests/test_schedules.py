@@ -49,7 +49,7 @@ def _variants(name: str) -> list[int | None]:
 
 
 def _sim(s: Schedule, f: float = 1, b: float = 1, w: float = 1):
-    return simulate(s, CostModel.parse(f"f={f},b={b},w={w},comm=0"))
+    return simulate(s, CostModel.parse(f"f={f},b={b},w={w},comm=0,unit=stage"))
 
 
 def _idle(res) -> list[float]:

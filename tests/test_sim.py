@@ -288,7 +288,7 @@ def test_cost_model_parse():
     assert (c.f, c.b, c.w, c.comm_latency) == (1, 2, 0.5, 0.25)
     c = CostModel.parse(" f=2 , bw=100, bytes=50 ")
     assert c.boundary_costs(3).tolist() == [0.5, 0.5]
-    assert CostModel.parse("") == CostModel()
+    assert CostModel.parse("") == CostModel(unit="rank")  # cost strings: per rank share
 
 
 @pytest.mark.parametrize(

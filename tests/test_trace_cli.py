@@ -64,7 +64,7 @@ def test_analyze_prints_metrics_and_predictions(tmp_path, capsys):
         == 0
     )
     out = capsys.readouterr().out
-    assert "step time" in out and "bubble ratio" in out and "calibrated on cli1" in out
+    assert "profiled step " in out and "bubble ratio" in out and "calibrated on cli1" in out
     lines = {ln.split()[0]: ln for ln in out.splitlines() if ln.strip()}
     assert "zbv" in lines and "gpipe" in lines and "1f1b" in lines
     assert main(["analyze", str(tmp_path / "st"), "--run", "nope"]) == 2

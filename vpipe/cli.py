@@ -44,14 +44,32 @@ def main(argv: Sequence[str] | None = None) -> int:
         return int(args.func(args) or 0)
     except VpipeError as e:
         print(f"vpipe {args.command}: error: {e}", file=sys.stderr)
+        _tell_torchrun(f"vpipe {args.command}: error: {e}")
         return 2
     except BrokenPipeError:
         # Output closed early (`vpipe compare | head`): stop quietly.
         os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
         return 1
-    except KeyboardInterrupt:
-        print(f"vpipe {args.command}: interrupted", file=sys.stderr)
+    except KeyboardInterrupt as e:  # its note, if any, says what was kept (vpipe.outputs)
+        note = f": {e}" if str(e) else ""
+        print(f"vpipe {args.command}: interrupted{note}", file=sys.stderr)
         return 130
+
+
+def _tell_torchrun(line: str) -> None:
+    """Under torchrun, put vpipe's line in the error file torchrun reads, so that its
+    ChildFailedError report names the cause instead of pointing to its documentation."""
+    path = os.environ.get("TORCHELASTIC_ERROR_FILE")
+    if not path:
+        return
+    import json
+    import time
+
+    try:
+        with open(path, "w") as f:
+            json.dump({"message": line, "timestamp": int(time.time())}, f)
+    except OSError:
+        pass  # the line was printed anyway
 
 
 if __name__ == "__main__":

@@ -5,14 +5,17 @@ Commands call :func:`check_output_file` for each file they will write and
 one-line :class:`OutputError` naming the path and the problem. A non-empty output directory is
 refused unless the user asks to append to it or to replace it, so nothing stored is lost by
 accident. :func:`atomic_write` writes a file through a temporary sibling that is removed on any
-error.
+error; :func:`staged_dir` fills a whole directory that way, so Ctrl-C at any moment leaves the
+previous complete output or the new complete one. Files and directories follow the umask.
 """
 
 from __future__ import annotations
 
 import os
 import shutil
+import signal
 import tempfile
+import threading
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from pathlib import Path
@@ -54,7 +57,7 @@ def check_output_dir(
     flag: str = "--out",
 ) -> Path:
     """A directory to fill: writable, and empty unless ``append`` (add to what is there) or
-    ``force`` (its contents will be replaced: see :func:`clear_dir`)."""
+    ``force`` (its contents will be replaced: see :func:`staged_dir`)."""
     p = Path(path)
     if p.exists() and not p.is_dir():
         raise OutputError(f"{flag} {p} is a file, not a directory")
@@ -69,15 +72,6 @@ def check_output_dir(
     return p
 
 
-def clear_dir(path: Path) -> None:
-    """Remove everything inside ``path`` (``--force``, once the new results are in hand)."""
-    for child in path.iterdir():
-        if child.is_dir() and not child.is_symlink():
-            shutil.rmtree(child)
-        else:
-            child.unlink()
-
-
 @contextmanager
 def atomic_path(path: str | os.PathLike[str]) -> Iterator[Path]:
     """A temporary sibling of ``path`` to write; renamed onto ``path`` on success and removed
@@ -86,6 +80,7 @@ def atomic_path(path: str | os.PathLike[str]) -> Iterator[Path]:
     fd, tmp = tempfile.mkstemp(prefix=f".{p.name}.", suffix=".tmp", dir=p.parent or ".")
     os.close(fd)
     try:
+        os.chmod(tmp, 0o666 & ~current_umask())  # mkstemp makes 0600: follow the umask instead
         yield Path(tmp)
         os.replace(tmp, p)
     finally:
@@ -97,3 +92,75 @@ def atomic_write(path: str | os.PathLike[str], writer: Callable[[Path], object])
     """``writer(tmp)`` then rename onto ``path`` (see :func:`atomic_path`)."""
     with atomic_path(path) as tmp:
         writer(tmp)
+
+
+def current_umask() -> int:
+    """The process's umask (read by setting it and putting it back)."""
+    mask = os.umask(0o022)
+    os.umask(mask)
+    return mask
+
+
+def kept_note(path: Path) -> str:
+    """What an interrupted command leaves at ``path`` before its new output is swapped in."""
+    if path.is_dir() and any(path.iterdir()):
+        return f"{path} kept as it was (the previous complete output)"
+    return f"nothing written to {path}"
+
+
+@contextmanager
+def staged_dir(path: str | os.PathLike[str], *, keep: bool = False) -> Iterator[Path]:
+    """A temporary sibling directory of ``path`` to fill (holding a copy of ``path``'s contents
+    when ``keep``); swapped in for ``path`` when the block ends without error, removed otherwise.
+
+    Ctrl-C during the block leaves ``path`` as it was and re-raises KeyboardInterrupt with a
+    note saying so; Ctrl-C during the swap is held until the swap is done, then raised with a
+    note that ``path`` holds the new complete output."""
+    p = Path(path)
+    p.parent.mkdir(parents=True, exist_ok=True)
+    tmp = Path(tempfile.mkdtemp(prefix=f".{p.name}.vpipe-new-", dir=p.parent))
+    try:
+        os.chmod(tmp, 0o777 & ~current_umask())  # mkdtemp makes 0700
+        if keep and p.is_dir():
+            shutil.copytree(p, tmp, symlinks=True, dirs_exist_ok=True)
+        yield tmp
+    except KeyboardInterrupt:
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise KeyboardInterrupt(kept_note(p)) from None
+    except BaseException:
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise
+    with sigint_held() as held:
+        _swap_in(tmp, p)
+    if held:
+        raise KeyboardInterrupt(f"{p} holds this run's complete output")
+
+
+def _swap_in(new: Path, path: Path) -> None:
+    """Put directory ``new`` at ``path``; the old ``path`` (if any) is moved aside, then removed."""
+    if path.is_dir() and not any(path.iterdir()):
+        path.rmdir()
+    if not path.exists():
+        os.rename(new, path)
+        return
+    old = Path(tempfile.mkdtemp(prefix=f".{path.name}.vpipe-old-", dir=path.parent))
+    os.rename(path, old / path.name)
+    os.rename(new, path)
+    shutil.rmtree(old, ignore_errors=True)
+
+
+@contextmanager
+def sigint_held() -> Iterator[list[int]]:
+    """SIGINT is recorded, not raised, inside the block (main thread only; elsewhere nothing
+    changes); the yielded list holds the signals that came. Python runs its handler in the main
+    thread whichever thread the signal reached, so this holds a Ctrl-C where blocking the
+    signal in one thread would not."""
+    held: list[int] = []
+    if threading.current_thread() is not threading.main_thread():
+        yield held
+        return
+    previous = signal.signal(signal.SIGINT, lambda signum, frame: held.append(signum))
+    try:
+        yield held
+    finally:
+        signal.signal(signal.SIGINT, previous)

@@ -113,7 +113,10 @@ def register(subparsers: argparse._SubParsersAction) -> None:
         "then describe this sweep)",
     )
     keep.add_argument(
-        "--force", action="store_true", help="replace what --out holds once the sweep is done"
+        "--force",
+        action="store_true",
+        help="replace what --out holds once the sweep is done (swapped in whole: Ctrl-C "
+        "before then keeps the old output)",
     )
     p.add_argument(
         "--verbose", action="store_true", help="show the profiler's own USDT/STAGE lines on stderr"
@@ -140,6 +143,20 @@ def register(subparsers: argparse._SubParsersAction) -> None:
 
 
 def run_bench(args: argparse.Namespace) -> int:
+    """The sweep, then its outputs swapped into --out whole; Ctrl-C says what --out holds."""
+    from pathlib import Path
+
+    from vpipe.outputs import kept_note
+
+    try:
+        return _sweep_and_write(args)
+    except KeyboardInterrupt as e:
+        if str(e):  # staged_dir's note: it knows what --out holds now
+            raise
+        raise KeyboardInterrupt(kept_note(Path(args.out))) from None
+
+
+def _sweep_and_write(args: argparse.Namespace) -> int:
     from vpipe.sweep.blocks import run_blocks
     from vpipe.sweep.driver import (
         DEFAULT_BATCH,
@@ -192,11 +209,12 @@ def run_bench(args: argparse.Namespace) -> int:
         **dp,
     )
     spec.validate()
-    from vpipe.outputs import check_output_dir, clear_dir
+    from vpipe.outputs import check_output_dir, staged_dir
     from vpipe.sweep.results import collect
     from vpipe.sweep.write import write_outputs
 
     out = check_output_dir(args.out, append=args.append, force=args.force)
+    check_output_dir(out.resolve().parent, append=True, flag="--out's parent")  # staging there
     spec.trace_dir = args.traces
     spec.verbose = args.verbose
     spec.profile_ops = args.profile_ops
@@ -206,10 +224,12 @@ def run_bench(args: argparse.Namespace) -> int:
     if not results:  # a non-coordinating rank of a torchrun job
         return 0
     sweep_s = time.perf_counter() - t0
-    res = collect(spec, results, bench_id, sweep_s)
-    if args.force:
-        clear_dir(out)
-    paths = write_outputs(res, out)
+    # Written into a sibling directory and swapped in whole (--append: onto a copy of --out),
+    # so Ctrl-C at any moment leaves the previous complete output or this one.
+    with staged_dir(out, keep=args.append) as staging:
+        res = collect(spec, results, bench_id, sweep_s)
+        write_outputs(res, staging)
+    paths = {"html": out / "report.html"}
     total_s = time.perf_counter() - t0
     from vpipe.report.winner import winner_line
 

@@ -25,8 +25,10 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     src.add_argument(
         "--cost",
         metavar="SPEC",
-        help="per full stage (1/P of the model) and microbatch of `rows` rows, microseconds: "
-        "f=..,b=..,w=..[,comm=..,handshake=..,act_bytes=..,rows=..,post=..,gap=..]",
+        help="microseconds, f=..,b=..,w=..[,comm=..,handshake=..,act_bytes=..,rows=..,post=..,"
+        "gap=..], the same convention as simulate and compare: per rank's share of the model "
+        "(1/P of it; a schedule with V stages per rank gives each stage 1/V) and one microbatch "
+        "of `rows` rows (default 1; plan rescales to each microbatch size)",
     )
     p.add_argument(
         "--dp",
@@ -90,7 +92,9 @@ def plan_command(args: argparse.Namespace) -> int:
         from vpipe.predict.plan import pareto_frame
         from vpipe.report.plots import plot_pareto, to_png
 
-        png = to_png(plot_pareto(pareto_frame(result["candidates"])))
+        front = pareto_frame(result["candidates"])
+        x = "peak_memory_bytes" if "peak_memory_bytes" in front else "peak_memory_units"
+        png = to_png(plot_pareto(front, x, predicted=True))
         atomic_write(args.plot, lambda p: p.write_bytes(png))
     if args.json:
         print(json.dumps(result))
@@ -102,6 +106,8 @@ def plan_command(args: argparse.Namespace) -> int:
 def render(result: dict, budget: object, top: int, dp: bool = False) -> str:
     """The ranked table and the recommendation as text (with ``dp``: the reductions' exposed
     and hidden ms and the exposed share of the step)."""
+    from vpipe.predict.plan import plural
+
     rec = result["recommended"]
     dp_head = f"{'dp exp ms':>10}{'hidden ms':>10}{'dp share':>9}" if dp else ""
     lines = [
@@ -116,11 +122,14 @@ def render(result: dict, budget: object, top: int, dp: bool = False) -> str:
             f"{'yes' if c['fits'] else 'no':>6}" + (_dp_cells(c) if dp else "")
         )
     shown = min(top, len(result["candidates"]))
-    lines.append(f"({shown} of {len(result['candidates'])} candidates shown)")
+    lines.append(f"({shown} of {plural(len(result['candidates']), 'candidate')} shown)")
+    for family, why in result.get("left_out", {}).items():
+        lines.append(f"left out {family}: {why}")
     lines.append(
-        f"recommended: {rec['schedule']} with {rec['stages_per_rank']} stages per rank and "
-        f"{rec['microbatches']} microbatches: {rec['predicted_step_s'] * 1e3:.2f} ms per step "
-        f"({result.get('objective', 'makespan')}), "
+        f"recommended: {rec['schedule']} with {plural(rec['stages_per_rank'], 'stage')} per rank "
+        f"and {plural(rec['microbatches'], 'microbatch')}: "
+        f"{rec['predicted_step_s'] * 1e3:.2f} ms per step (predicted, "
+        f"{result.get('objective', 'makespan')}), "
         f"peak {budget.describe(_peak(budget, rec))} per rank (budget "
         f"{budget.describe(budget.value)})"
     )

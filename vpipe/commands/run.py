@@ -33,8 +33,18 @@ def register(subparsers: argparse._SubParsersAction) -> None:
         ),
     )
     p.add_argument("schedule", metavar="NAME", help="schedule name or CSV file")
-    p.add_argument("--ranks", "-p", type=int, help="pipeline ranks (inferred from a CSV)")
-    p.add_argument("--microbatches", "-m", type=int, help="microbatches per step")
+    p.add_argument(
+        "--ranks",
+        "-p",
+        type=int,
+        help="pipeline ranks (default: inferred from a CSV; under torchrun its world size; else 2)",
+    )
+    p.add_argument(
+        "--microbatches",
+        "-m",
+        type=int,
+        help="microbatches per step (default: inferred from a CSV, else max(8, 2 x ranks))",
+    )
     p.add_argument("--stages-per-rank", "-v", type=int, help="stages per rank (schedule default)")
     p.add_argument(
         "--model",
@@ -146,6 +156,15 @@ def build_config(args: argparse.Namespace) -> RunConfig:
             raise VpipeError(f"--{flag.replace('_', '-')} must be >= 1, got {value}")
     if args.steps < 1 or args.batch < 1:
         raise VpipeError(f"--steps and --batch must be >= 1, got {args.steps} and {args.batch}")
+    if args.profile:  # before any rank starts, as every output path
+        from vpipe.outputs import check_output_dir
+
+        check_output_dir(args.profile, append=True, flag="--profile")
+    if not is_csv_source(args.schedule):  # a built-in name: defaults as vpipe bench's
+        if args.ranks is None:
+            args.ranks = int(os.environ.get("WORLD_SIZE", 2))
+        if args.microbatches is None:
+            args.microbatches = max(8, 2 * args.ranks)
     schedule = resolve_schedule(args)
     sizes = parse_sizes(args.sizes)
     spec = RankSpec(
@@ -322,6 +341,12 @@ def _print_summary(
         f"activations {mem}",
         flush=True,
     )
+    if len(times) > 1:
+        print(
+            "(the loss repeats from step to step: vpipe run times forward and backward only, no "
+            "optimizer step changes the weights)",
+            flush=True,
+        )
 
 
 def _size(n: float) -> str:

@@ -12,20 +12,20 @@ from __future__ import annotations
 
 import argparse
 import json
-import math
 import re
 import shutil
-import sys
 from collections.abc import Callable
 from typing import Any
 
 from vpipe.commands._auto_flags import add_auto_flags, auto_from_args, describe_auto, wants_auto
+from vpipe.commands._grid import print_grid, program_cells, render_grid, timed_cells
 from vpipe.errors import ScheduleError, VpipeError
-from vpipe.ir import Schedule, format_action
+from vpipe.ir import Schedule
 from vpipe.outputs import check_output_file
 from vpipe.schedules import schedule_names
 from vpipe.schedules.load import load_schedule, shorten, validate_file
 from vpipe.sim.compare import COMPARE_NOTE, REFERENCE_SCHEDULE, compare_rows
+from vpipe.sim.cost_model import COST_CONVENTION
 
 UNIT_COST = "f=1,b=1,w=1,comm=0"
 
@@ -114,7 +114,8 @@ def _add_cost(p: argparse.ArgumentParser) -> None:
     p.add_argument(
         "--cost",
         metavar="SPEC",
-        help=f"cost model, e.g. {UNIT_COST} (see vpipe.sim.CostModel.parse)",
+        help=f"cost model, e.g. {UNIT_COST} (keys: vpipe.sim.CostModel.parse); "
+        + COST_CONVENTION.replace("%", "%%"),
     )
 
 
@@ -135,6 +136,13 @@ def _cost_model(spec: str | None) -> Any:
         return CostModel.parse(spec if spec is not None else UNIT_COST)
     except VpipeError as e:
         raise type(e)(f"--cost: {e}") from None
+
+
+def per(costs: Any) -> str:
+    """How the cost string's f, b, w were read (:data:`vpipe.sim.cost_model.COST_CONVENTION`)."""
+    if costs.unit == "stage":
+        return "per stage"
+    return "per rank's share of the model; each stage gets 1/V of it"
 
 
 def describe(schedule: Schedule) -> str:
@@ -180,13 +188,13 @@ def _cmd_show(args: argparse.Namespace) -> int:
     print(f"{schedule.name}: {describe(schedule)}")
     if args.lowered:
         print("program order (one column per action, SEND/RECV included)")
-        _print_grid(render_grid(_program_cells(schedule), width, header=False))
+        print_grid(render_grid(program_cells(schedule), width, header=False))
     else:
         print("time slots with f=b=w=1 and free comm (a full backward B takes 2 slots); . idle")
-        cells = _timed_cells(schedule)
+        cells = timed_cells(schedule, _cost_model(UNIT_COST))
         # Plain actions set a uniform slot width; only overlap actions widen their slot.
         plain = max((len(c) for row in cells for c in row if "+" not in c), default=1)
-        _print_grid(render_grid(cells, width, header=True, min_col_width=plain))
+        print_grid(render_grid(cells, width, header=True, min_col_width=plain))
     return 0
 
 
@@ -196,113 +204,6 @@ def _write(path: str, writer: Callable[[str], object]) -> None:
         writer(path)
     except OSError as e:
         raise VpipeError(f"cannot write {path}: {e.strerror or e}") from None
-
-
-GRID_STYLES = (  # later patterns win where they overlap
-    (r"\b\d+F\d+\b", "green"),
-    (r"\b\d+[BI]\d+\b", "cyan"),
-    (r"\b\d+W\d+\b", "yellow"),
-    (r"\b\d+(SEND|RECV)_[FB]\d+\b", "dim"),
-    (r"\S+\+\S+", "magenta"),  # overlap actions
-)
-
-
-def styled_grid(text: str) -> Any:
-    """The grid as a rich Text, coloured by action kind."""
-    from rich.text import Text
-
-    out = Text(text)
-    for pattern, style in GRID_STYLES:
-        out.highlight_regex(pattern, style)
-    return out
-
-
-def _print_grid(text: str) -> None:
-    """Colour on a terminal, plain text when piped or redirected."""
-    if not sys.stdout.isatty():
-        print(text)
-        return
-    from rich.console import Console
-
-    Console(highlight=False, soft_wrap=True).print(styled_grid(text))
-
-
-def _label(name: str) -> str:
-    """Compact cell text: ``(0F3;3B1)OVERLAP_F_B`` becomes ``0F3+3B1``."""
-    m = re.fullmatch(r"\((.*)\)OVERLAP_F_B", name)
-    return m.group(1).replace(";", "+") if m else name
-
-
-def _program_cells(schedule: Schedule) -> list[list[str]]:
-    return [[_label(format_action(a)) for a in acts] for acts in schedule.actions]
-
-
-def _timed_cells(schedule: Schedule) -> list[list[str]]:
-    """One cell per unit time slot per rank, from a unit-cost simulation: the action's label
-    in its first slot, ``-`` in the slots it continues, ``.`` where the rank is idle."""
-    from vpipe.sim import simulate
-    from vpipe.sim.simulator import KIND_NAMES
-
-    c = simulate(schedule, _cost_model(UNIT_COST)).columns  # numpy only: no pandas here
-    compute = c["kind"] < 4  # F, B, I, W parts (KIND_NAMES order)
-    ranks, starts, ends = c["rank"][compute], c["start"][compute], c["end"][compute]
-    parts = zip(c["stage"][compute].tolist(), c["kind"][compute].tolist(), c["microbatch"][compute].tolist(), strict=True)
-    keys = [(s, KIND_NAMES[k], m) for s, k, m in parts]
-    slots = int(math.ceil(float(ends.max()))) if len(ends) else 0
-    cells = [["."] * slots for _ in range(schedule.n_ranks)]
-    # The columns list each rank's compute parts in program order (an overlap action's parts
-    # back to back), so walking the program pairs every action with its times.
-    for rank in range(schedule.n_ranks):
-        mine = ranks == rank
-        mine_keys = [k for k, m in zip(keys, mine.tolist(), strict=True) if m]
-        timed = iter(zip(mine_keys, starts[mine].tolist(), ends[mine].tolist(), strict=True))
-        row = cells[rank]
-        for action in schedule.actions[rank]:
-            if not action.is_compute:
-                continue
-            spans = [next(timed) for _ in action.compute_parts()]
-            want = [(p.stage, p.kind.value, p.microbatch) for p in action.compute_parts()]
-            if [key for key, _, _ in spans] != want:
-                raise RuntimeError(f"simulator timeline out of program order at {action}")
-            first, last = round(spans[0][1]), round(spans[-1][2])
-            row[first] = _label(str(action))
-            for t in range(first + 1, max(last, first + 1)):
-                row[t] = "-"
-    return cells
-
-
-def render_grid(cells: list[list[str]], width: int, *, header: bool, min_col_width: int = 1) -> str:
-    """Rank rows and aligned columns (each as wide as its widest cell, at least
-    ``min_col_width``), wrapped into blocks that fit ``width`` characters. With ``header`` a
-    line above each block marks its first and every fifth column with the column index."""
-    ncols = max(map(len, cells), default=0)
-    col_width = [
-        max(min_col_width, *(len(row[t]) for row in cells if t < len(row))) for t in range(ncols)
-    ]
-    prefix = len(f"rank {len(cells) - 1}") + 3
-    blocks: list[tuple[int, int]] = []
-    lo, used = 0, prefix
-    for t, w in enumerate(col_width):
-        if t > lo and used + w > width:
-            blocks.append((lo, t))
-            lo, used = t, prefix
-        used += w + 1
-    blocks.append((lo, ncols))
-    lines: list[str] = []
-    for lo, hi in blocks:
-        if lines:
-            lines.append("")
-        if header:
-            marks, offset = "", 0
-            for t in range(lo, hi):
-                if t == lo or (t % 5 == 0 and len(marks) < offset):
-                    marks = marks.ljust(offset) + str(t)
-                offset += col_width[t] + 1
-            lines.append(" " * prefix + marks)
-        for r, row in enumerate(cells):
-            body = " ".join(c.ljust(col_width[t]) for t, c in enumerate(row[lo:hi], start=lo))
-            lines.append(f"rank {r}".ljust(prefix - 3) + " | " + body.rstrip())
-    return "\n".join(lines)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -380,7 +281,7 @@ def _cmd_simulate(args: argparse.Namespace) -> int:
         summary.update(objective=objective, objective_value=result.objective(objective))
         print(json.dumps(summary, default=_json_default))
         return 0
-    print(f"{schedule.name}: {describe(schedule)}; cost {args.cost or UNIT_COST}")
+    print(f"{schedule.name}: {describe(schedule)}; cost {args.cost or UNIT_COST} ({per(costs)})")
     if schedule.name == "auto" and "objective" in schedule.meta:
         print(describe_auto(schedule))
     print(f"makespan       {result.makespan:g}")
@@ -390,14 +291,18 @@ def _cmd_simulate(args: argparse.Namespace) -> int:
         f"bubble ratio   {result.bubble_ratio:.3f} whole step, "
         f"{result.bubble_ratio_excl_skew:.3f} excluding start-up skew"
     )
+    # Peak saved activations in the cost string's unit: stages, or rank shares (as compare).
+    v = 1 if costs.unit == "stage" else schedule.stages_per_rank
     header = f"{'rank':>4}  {'bubble':>6}  {'excl. skew':>10}  {'peak act':>8}  {'comm ops':>8}"
     print(header)
     for r in range(schedule.n_ranks):
         print(
             f"{r:>4}  {result.bubble_ratio_per_rank[r]:>6.3f}  "
             f"{result.bubble_ratio_per_rank_excl_skew[r]:>10.3f}  "
-            f"{result.peak_activations[r]:>8}  {result.comm_ops[r]:>8}"
+            f"{result.peak_activations[r] / v:>8g}  {result.comm_ops[r]:>8}"
         )
+    unit = "stage activations" if v == 1 else f"rank shares (stage activations / {v})"
+    print(f"(peak act: activations saved for backward, in {unit})")
     if args.trace:
         print(f"trace written to {args.trace}")
     return 0

@@ -31,6 +31,7 @@ import numpy as np
 from vpipe.errors import ScheduleError, VpipeError
 from vpipe.ir import Schedule
 from vpipe.sim import CostModel, parse_numbers
+from vpipe.sim.cost_model import split_unit
 
 __all__ = [
     "Budget",
@@ -108,7 +109,17 @@ class SpecCosts:
 
     @classmethod
     def parse(cls, text: str) -> SpecCosts:
-        """``f=1.2,b=1.1,w=0.9,comm=0.05,act_bytes=2e6,rows=64``; f, b and w are required."""
+        """``f=1.2,b=1.1,w=0.9,comm=0.05,act_bytes=2e6,rows=64``; f, b and w are required.
+        Per rank's share of the model (``unit=rank``, :data:`COST_CONVENTION`): ``unit=stage``
+        is refused, since plan chooses the stages per rank itself."""
+        text, unit = split_unit(text, "--cost", PlanError)
+        if unit == "stage":
+            raise PlanError(
+                "--cost unit=stage: plan chooses the stages per rank V itself, so its costs are "
+                "per rank's share of the model (unit=rank): multiply per-stage f, b, w and "
+                "act_bytes of a schedule with V stages per rank by V (f=1 per stage at V=2 is "
+                "f=2 per rank)"
+            )
         values = parse_numbers(text, cls.__dataclass_fields__, "--cost", PlanError)
         for key, number in values.items():
             if not math.isfinite(number) or number < 0:
@@ -146,7 +157,9 @@ class CalibratedCosts:
 
         if schedule.n_stages > self.pieces:
             raise ScheduleError(
-                f"{schedule.n_stages} stages need at least as many model pieces ({self.pieces})"
+                f"{schedule.n_stages} stages need at least as many model pieces, and the "
+                f"calibration run's model has {self.pieces} (calibrate on a run of a bigger "
+                f"model, e.g. --sizes n_blocks={schedule.n_stages})"
             )
         cm = self.calibration.cost_model(schedule, self.pieces)
         k = rows / self.rows
@@ -243,6 +256,7 @@ def candidates(
     dp: Any = None,
     budget: Budget | None = None,
     objective: str = "makespan",
+    left_out: dict[str, str] | None = None,
 ) -> list[Candidate]:
     """Every family (or those named) x stages per rank x microbatch count it can build, with
     the simulator's prediction by ``objective`` (makespan or longest rank span).
@@ -250,7 +264,10 @@ def candidates(
     seconds. With a ``budget``, ``auto`` is scheduled for these costs, this budget and this
     objective on each placement (:mod:`vpipe.predict.plan_auto`) rather than taken from the
     catalogue. With ``dp`` (:class:`vpipe.predict.dp_costs.DPCosts`) ``batch`` is the global
-    batch of ``dp.replicas`` pipelines, and each step ends when its gradient reductions do."""
+    batch of ``dp.replicas`` pipelines, and each step ends when its gradient reductions do.
+    A program already listed (interleaved-1f1b with one stage per rank is 1f1b's) is not
+    listed again; ``left_out`` receives, per family with no candidate, why (its first
+    refusal), or the family whose programs it repeats."""
     from vpipe.predict.plan_auto import PLACEMENTS, auto_for_plan
 
     replicas = dp.replicas if dp is not None else 1
@@ -262,10 +279,13 @@ def candidates(
 
     families = catalogue.families() if schedules is None else [catalogue.get(s) for s in schedules]
     out = []
+    seen: dict[tuple, str] = {}  # program -> the family listed with it
     for fam in families:
         adaptive = fam.name == "auto" and budget is not None
         spr = sorted({fam.stages_per_rank, 1, 2, 4})
         shapes = PLACEMENTS if adaptive else [(None, v) for v in spr]
+        refusals: dict[int, str] = {}  # stages per rank -> the first refusal
+        repeats: set[str] = set()  # families whose programs this one repeats
         for placement, v in shapes:
             for m in microbatches or microbatch_choices(batch_per_replica, ranks):
                 if batch_per_replica % m:
@@ -281,8 +301,14 @@ def candidates(
                     else:
                         schedule = fam.generator(ranks, m, v)
                     cm = costs.cost_model(schedule, rows)
-                except ScheduleError:
-                    continue  # the family cannot build this combination
+                except ScheduleError as e:
+                    refusals.setdefault(v, str(e))  # the family cannot build this combination
+                    continue
+                program = _program(schedule)
+                if program in seen:
+                    repeats.add(seen[program])
+                    continue
+                seen[program] = fam.name
                 r = simulate(schedule, cm)
                 reduced = dp.step(schedule, r.columns, r.makespan) if dp is not None else None
                 step_s = (reduced.step_end if reduced else r.objective(objective)) * time_unit_s
@@ -301,7 +327,23 @@ def candidates(
                         placement=placement,
                     )  # fmt: skip
                 )
+        if left_out is not None and not any(c.schedule == fam.name for c in out):
+            why = [refusals.get(fam.stages_per_rank, next(iter(refusals.values()), ""))]
+            if repeats:
+                why.append(f"the programs it can build are {' and '.join(sorted(repeats))}'s")
+            left_out[fam.name] = "; ".join(filter(None, why))
     return out
+
+
+def _program(schedule: Schedule) -> tuple:
+    """What a schedule runs, whatever its family's name: placement and each rank's actions."""
+    placement = tuple(sorted(schedule.placement.items()))
+    return placement, tuple(tuple(map(str, acts)) for acts in schedule.actions)
+
+
+def plural(n: int, word: str) -> str:
+    """``1 stage``, ``2 stages``, ``2 microbatches``."""
+    return f"{n} {word}{'' if n == 1 else 'es' if word.endswith(('ch', 's', 'x')) else 's'}"
 
 
 def recommend(found: list[Candidate], budget: Budget) -> Candidate:
@@ -316,8 +358,8 @@ def recommend(found: list[Candidate], budget: Budget) -> Candidate:
         low = min(found, key=budget.peak)
         raise PlanError(
             f"nothing fits --memory {budget.describe(budget.value)} per rank: the smallest peak "
-            f"is {budget.describe(budget.peak(low))} ({low.schedule}, {low.stages_per_rank} "
-            f"stages per rank, M={low.microbatches})"
+            f"is {budget.describe(budget.peak(low))} ({low.schedule}, "
+            f"{plural(low.stages_per_rank, 'stage')} per rank, M={low.microbatches})"
         )
     return min(fitting, key=lambda c: (c.predicted_step_s, budget.peak(c)))
 
@@ -358,15 +400,18 @@ def plan(
     objective: str = "makespan",
     **kw: Any,
 ) -> dict[str, Any]:
-    """``{"recommended": ..., "candidates": [...], "recv_lookahead": ..., "objective": ...}``
-    (fitting candidates first, fastest by ``objective`` first; the lookahead for the
-    recommended one), as ``vpipe plan --json`` prints it."""
+    """``{"recommended": ..., "candidates": [...], "recv_lookahead": ..., "objective": ...,
+    "left_out": {...}}`` (fitting candidates first, fastest by ``objective`` first; the
+    lookahead for the recommended one; why each family without a candidate has none), as
+    ``vpipe plan --json`` prints it."""
     from vpipe.predict.plan_auto import auto_for_plan
     from vpipe.schedules import catalogue
 
+    left_out: dict[str, str] = {}
     found = candidates(
-        costs, ranks, batch, time_unit_s=time_unit_s, budget=budget, objective=objective, **kw
-    )
+        costs, ranks, batch, time_unit_s=time_unit_s, budget=budget, objective=objective,
+        left_out=left_out, **kw,
+    )  # fmt: skip
     best = recommend(found, budget)
     ranked = sorted(found, key=lambda c: (not c.fits, c.predicted_step_s, budget.peak(c)))
     rows = batch / (kw["dp"].replicas if kw.get("dp") else 1) / best.microbatches
@@ -389,12 +434,15 @@ def plan(
         "candidates": [c.to_dict() for c in ranked],
         "recv_lookahead": lookahead,
         "objective": objective,
+        "left_out": left_out,
     }
 
 
 def pareto_frame(found: list[dict[str, Any]]) -> Any:
     """The candidates on the Pareto front (no other is both faster and smaller), as the table
-    :func:`vpipe.report.plots.plot_pareto` draws: one panel, points labelled ``family vV MM``."""
+    :func:`vpipe.report.plots.plot_pareto` draws: one panel, points labelled ``family vV MM``;
+    memory in bytes (``peak_memory_bytes``), or in units (``peak_memory_units``: microbatch
+    activations of a full stage) when the costs give no activation bytes."""
     import pandas as pd
 
     from vpipe.metrics.per_run import pareto_front
@@ -410,4 +458,8 @@ def pareto_frame(found: list[dict[str, Any]]) -> Any:
             "peak_memory_bytes": [float(np.max(c["peak_activation_bytes"])) for c in found],
         }
     )
+    if not table["peak_memory_bytes"].any():  # costs without act_bytes: memory in units only
+        units = [float(np.max(c["peak_activation_units"])) for c in found]
+        table = table.drop(columns="peak_memory_bytes").assign(peak_memory_units=units)
+        return pareto_front(table, "peak_memory_units", "samples_per_s")
     return pareto_front(table, "peak_memory_bytes", "samples_per_s")

@@ -39,6 +39,7 @@ from vpipe.report.document import (
     table_section,
     text_section,
 )
+from vpipe.report.knobs import knob_differences, knob_text
 from vpipe.report.plots import schedule_order
 from vpipe.stats import CONFIDENCE, OUTLIER_FACTOR, RESAMPLES, SEED, Ratio
 from vpipe.trace.host_state import judge_hosts
@@ -319,6 +320,7 @@ def comparison_report(paths: Sequence[str | Path]) -> tuple[str, str]:
                 "bench_id": s.runs["bench_id"].iloc[0] if "bench_id" in s.runs.columns else "",
                 **{col: setting(s.runs, col) or "" for col in SETUP},
                 "timed steps": "none: runs table only" if s.steps is None else len(s.steps),
+                "runtime knobs": knob_text(s.meta),
             }
             for s in sweeps
         ]
@@ -334,6 +336,9 @@ def comparison_report(paths: Sequence[str | Path]) -> tuple[str, str]:
         title = "Step-time ratio (not a speedup)" if differs else "Speedup"
         table = comparison_table(sweeps)
         line = headline(table, sweeps[0].label, ratio_label(sweeps))
+        knobs = knob_differences([s.meta for s in sweeps], [s.label for s in sweeps])
+        if knobs:  # what a comparison of two knob settings compares
+            line += " (runtime knobs differ: " + "; ".join(knobs) + ")"
         sections.insert(0, text_section("Verdict", [line]))
         sections.append(table_section("Host", host_table(sweeps), HOST_NOTE))
         sections.append(

@@ -1,9 +1,9 @@
 """Plots of benchmark results (seaborn, rendered to PNG bytes without pyplot, so the caller's
 matplotlib backend is never changed).
 
-Every function takes plain DataFrames (the sweep's runs/steps tables, or event and memory
-tables in the :mod:`vpipe.events` schema) and returns a matplotlib Figure, so reports can embed
-them and tests can check them without a display.
+Every function takes plain DataFrames (the sweep's runs/steps tables) and returns a matplotlib
+Figure, so reports can embed them and tests can check them without a display; the timelines of
+one step (Gantt charts, memory over a step) are in :mod:`vpipe.report.gantt`.
 
 Figures are made to be read at a glance in the report: at most ``MAX_WIDTH_IN`` wide (shown
 unscaled), no text under ``MIN_FONT_PT``, constrained layout (every label inside the figure)
@@ -20,13 +20,10 @@ import numpy as np
 import pandas as pd
 import seaborn as sns
 from matplotlib.figure import Figure
-from matplotlib.font_manager import FontProperties
 from matplotlib.lines import Line2D
 from matplotlib.patches import Patch
-from matplotlib.textpath import TextToPath
 from matplotlib.transforms import Bbox
 
-from vpipe.events import COMPUTE_KINDS
 from vpipe.metrics.per_run import pareto_front
 from vpipe.schedules import catalogue
 
@@ -229,14 +226,20 @@ def plot_memory(ranks: pd.DataFrame, column: str = "peak_bytes") -> Figure:
 
 
 def plot_pareto(
-    runs: pd.DataFrame, x: str = "peak_memory_bytes", y: str = "samples_per_s"
+    runs: pd.DataFrame,
+    x: str = "peak_memory_bytes",
+    y: str = "samples_per_s",
+    *,
+    predicted: bool = False,
 ) -> Figure:
     """Throughput against peak memory, one panel per microbatch count, one point per
     (schedule, impl): labelled with the schedule, coloured and shaped by impl.
 
-    The Pareto front (:func:`vpipe.metrics.per_run.pareto_front`: the configs no other config beats
-    on both) is drawn as a step line, the best throughput within each memory budget, with its
-    points ringed in black; the dominated points are faded.
+    Each impl has its own Pareto front (:func:`vpipe.metrics.per_run.pareto_front`: its configs
+    no other config of that impl beats on both), drawn as a step line in the impl's colour (the
+    best throughput within each memory budget) with its points filled and ringed; dominated
+    points are drawn hollow, fully visible. ``predicted``: the figures are simulated (``vpipe
+    plan``), and the axes and title say so; a panel of every M is titled so.
     """
     d = runs.dropna(subset=[x, y])
     if d.empty:
@@ -244,20 +247,26 @@ def plot_pareto(
         ax.set_axis_off()
         ax.text(0.5, 0.5, f"no run has both {x} and {y}", ha="center", transform=ax.transAxes)
         return fig
-    unit, div = _bytes_unit(float(d[x].max()))
+    unit, div = ("units", 1) if x.endswith("_units") else _bytes_unit(float(d[x].max()))
     d = d.assign(plot_x=d[x].astype(float) / div, plot_y=d[y].astype(float))
-    mbs = sorted(d["microbatches"].unique())
+    mbs = sorted(d["microbatches"].unique(), key=str)
     impls = _impl_order(d["impl"].unique())
     style = _point_styles(impls)
     fig, axes = _facets(len(mbs), 5.5, 4.4)
     panels = []
     for ax, m in zip(axes, mbs, strict=True):
         panels.append(_pareto_panel(ax, d[d["microbatches"] == m], style))
-        ax.set_title(f"M={m}")
-        ax.set_xlabel(f"peak memory ({unit}, max over ranks)")
-        ax.set_ylabel("samples/s (median)")
-    _legend_beside(fig, _pareto_handles(style))
-    fig.suptitle("Throughput vs peak memory (up and to the left is better)")
+        ax.set_title("the candidates on the front (label: family vV MM)" if m == "all"
+                     else f"M={m}")  # fmt: skip
+        ax.set_xlabel(f"peak {'activation ' if predicted else ''}memory ({unit}, max over ranks)")
+        ax.set_ylabel("predicted samples/s (simulated)" if predicted else "samples/s (median)")
+    dominated = any(not p["front"].all() for p in panels)
+    _legend_beside(fig, _pareto_handles(style, dominated))
+    fig.suptitle(
+        "Predicted throughput vs peak memory (vpipe plan: simulated, not measured)"
+        if predicted
+        else "Throughput vs peak memory (up and to the left is better)"
+    )
     fig.draw_without_rendering()  # fixes the layout and limits: the labels go where they fit
     for ax, pts in zip(axes, panels, strict=True):
         _place_labels(ax, pts)
@@ -273,44 +282,43 @@ def _point_styles(impls: list[str]) -> dict[str, tuple[Any, str, float]]:
     }
 
 
-def _pareto_handles(style: dict[str, tuple[Any, str, float]]) -> list[Line2D]:
-    """Legend entries: each impl's marker, the front's line and ring, a faded point."""
+def _pareto_handles(style: dict[str, tuple[Any, str, float]], dominated: bool) -> list[Line2D]:
+    """Legend entries: each impl's front (its marker on its colour's line), and a hollow
+    marker for dominated points when the figure has any."""
+    ring = dict(mec="black", mew=1.2, ms=8)
     handles = [
-        Line2D([], [], ls="", marker=mk, ms=8, color=c, label=i) for i, (c, mk, _) in style.items()
+        Line2D([], [], color=c, marker=mk, label=f"{i}: Pareto front", **ring)
+        for i, (c, mk, _) in style.items()
     ]
-    ring = dict(marker="o", mfc="white", mec="black", mew=1.5)
-    handles.append(Line2D([], [], color="black", label="Pareto front (ringed)", **ring))
-    handles.append(Line2D([], [], ls="", marker="o", color="grey", alpha=0.45, label="dominated"))
+    if dominated:
+        handles.append(Line2D([], [], ls="", marker="o", mfc="white", mec="#555555", mew=1.5,
+                              ms=7, label="dominated (hollow)"))  # fmt: skip
     return handles
 
 
 def _pareto_panel(ax, d: pd.DataFrame, style: dict[str, tuple[Any, str, float]]) -> pd.DataFrame:
-    """The points (``plot_x``, ``plot_y``) of one panel and their front; returns the points, front
-    first, with a ``front`` flag, for labelling once the layout is fixed."""
-    front = pareto_front(d, "plot_x", "plot_y")
-    ax.step(
-        front["plot_x"],
-        front["plot_y"],
-        where="post",
-        color="black",
-        lw=1.2,
-        zorder=2,
-        gid="pareto-front-line",
-    )
-    d = d.assign(front=d.index.isin(front.index))
+    """The points (``plot_x``, ``plot_y``) of one panel and each impl's front; returns the
+    points, fronts first, with a ``front`` flag, for labelling once the layout is fixed."""
+    on_front = pd.Series(False, index=d.index)
+    for impl, g in d.groupby("impl", observed=True, sort=False):
+        color, marker, area = style[impl]
+        front = pareto_front(g, "plot_x", "plot_y")
+        on_front[front.index] = True
+        ax.step(front["plot_x"], front["plot_y"], where="post", color=color, lw=1.5, zorder=2,
+                gid=f"pareto-front-line-{impl}")  # fmt: skip
+    d = d.assign(front=on_front)
     for (impl, on), g in d.groupby(["impl", "front"], observed=True):
         color, marker, area = style[impl]
         ax.scatter(
             g["plot_x"],
             g["plot_y"],
             marker=marker,
-            color=color,
-            s=(90 if on else 45) * area,
-            edgecolors="black" if on else "none",
-            linewidths=1.5 * area**0.5,
-            alpha=1 if on else 0.45,
+            facecolors=color if on else "white",
+            edgecolors="black" if on else color,
+            s=(90 if on else 60) * area,
+            linewidths=(1.5 if on else 2.0) * area**0.5,
             zorder=4 - area,  # smaller markers on top
-            gid="pareto-front-points" if on else None,
+            gid=f"pareto-front-points-{impl}" if on else f"dominated-{impl}",
         )
     ax.margins(0.15)  # room for the labels inside the axes
     return d.sort_values("front", ascending=False, kind="stable")
@@ -338,7 +346,8 @@ def _place_labels(ax, pts: pd.DataFrame) -> None:
     xy = ax.transData.transform(pts[["plot_x", "plot_y"]].to_numpy(dtype=float))
     r = 5.5 * ax.figure.dpi / 72  # the largest marker's radius in pixels
     taken = [Bbox.from_extents(px - r, py - r, px + r, py + r) for px, py in xy]
-    taken += _staircase_boxes(ax, pts[pts["front"]])
+    for _, front in pts[pts["front"]].groupby("impl", observed=True):  # each impl's front
+        taken += _staircase_boxes(ax, front)
     for p in pts.itertuples():
         ann = ax.annotate(
             str(p.schedule),
@@ -377,119 +386,3 @@ def _clashes(ann, spot: tuple[float, float, str, str], ax, taken: list[Bbox]) ->
     box = ann.get_window_extent()
     inside = ax.bbox.contains(box.x0, box.y0) and ax.bbox.contains(box.x1, box.y1)
     return (0 if inside else 100) + sum(box.overlaps(b) for b in taken)
-
-
-# ---------------------------------------------------------------------------------------------
-# Timelines
-
-
-def _spans(events: pd.DataFrame, unit: str) -> pd.DataFrame:
-    """Events with ``x0``/``x1``: start and end in ``unit`` from the panel's first event."""
-    scale = {"ms": 1e6, "us": 1e3}[unit]
-    t0 = events["start_ns"].min() if len(events) else 0
-    return events.assign(x0=(events["start_ns"] - t0) / scale, x1=(events["end_ns"] - t0) / scale)
-
-
-def _gantt(ax, events: pd.DataFrame, title: str) -> None:
-    """One panel: a lane per rank, compute spans as the main bar, sends, receives and waits
-    on a thin strip below it (so they never hide compute)."""
-    n_ranks = int(events["rank"].max()) + 1 if len(events) else 1
-    for (kind, rank), g in events.groupby(["kind", "rank"], observed=True):
-        lane = (rank - 0.4, 0.55) if str(kind) in COMPUTE_KINDS else (rank + 0.2, 0.2)
-        ax.broken_barh(
-            list(zip(g["x0"], g["x1"] - g["x0"], strict=True)),
-            lane,
-            facecolors=KIND_COLORS.get(str(kind), "#999999"),
-            edgecolors="white",
-            linewidth=0.3,
-        )
-    ax.set_yticks(range(n_ranks), [f"rank {r}" for r in range(n_ranks)])
-    ax.set_ylim(n_ranks - 0.5, -0.5)
-    ax.set_title(title, loc="left", fontsize=10)
-
-
-def _text_width_pt(s: str, size: float) -> float:
-    return TextToPath().get_text_width_height_descent(s, FontProperties(size=size), False)[0]
-
-
-def _name_labels(ax, events: pd.DataFrame) -> None:
-    """Each compute bar's action name inside it, where the name fits the bar's width on the
-    page (so needs the figure laid out)."""
-    compute = events[events["kind"].isin(COMPUTE_KINDS)]
-    y = np.zeros(len(compute))
-    left = ax.transData.transform(np.c_[compute["x0"], y])[:, 0]
-    right = ax.transData.transform(np.c_[compute["x1"], y])[:, 0]
-    room_pt = (right - left) * 72 / ax.figure.dpi
-    for r, room in zip(compute.itertuples(), room_pt, strict=True):
-        if _text_width_pt(str(r.name), MIN_FONT_PT) + 2 <= room:
-            ax.text(
-                (r.x0 + r.x1) / 2,
-                r.rank - 0.125,
-                str(r.name),
-                ha="center",
-                va="center",
-                fontsize=MIN_FONT_PT,
-                color="white",
-                clip_on=True,
-            )
-
-
-def plot_gantt(panels: Sequence[tuple[str, pd.DataFrame]], unit: str = "ms") -> Figure:
-    """Per-rank timelines stacked on one shared time axis (same scale), one panel per
-    (title, events of one step), so measured and simulated steps compare at a glance.
-
-    Every event kind has its own colour; compute bars carry their action's name where it
-    fits."""
-    panels = [(t, _spans(e[e["kind"] != "other"], unit)) for t, e in panels]  # no step spans
-    n_ranks = max((int(e["rank"].max()) + 1 if len(e) else 1) for _, e in panels)
-    height = len(panels) * (0.55 + 0.4 * n_ranks) + 0.9
-    fig, axes = _subplots(
-        len(panels), 1, figsize=(MAX_WIDTH_IN, height), sharex=True, squeeze=False
-    )
-    axes = list(axes[:, 0])
-    for ax, (title, ev) in zip(axes, panels, strict=True):
-        _gantt(ax, ev, title)
-    end = max((e["x1"].max() for _, e in panels if len(e)), default=1.0)
-    axes[0].set_xlim(0, end * 1.01)
-    axes[-1].set_xlabel(f"time from the step's first event ({unit})")
-    present = {str(k) for _, e in panels for k in e["kind"].unique()}
-    kinds = [k for k in KIND_COLORS if k in present] + sorted(present - set(KIND_COLORS))
-    _legend_beside(fig, [Patch(color=KIND_COLORS.get(k, "#999999"), label=k) for k in kinds])
-    fig.draw_without_rendering()  # fixes the layout: the name labels need the bars' widths
-    for ax, (_, ev) in zip(axes, panels, strict=True):
-        _name_labels(ax, ev)
-    return fig
-
-
-def plot_memory_timeline(memory: pd.DataFrame, title: str = "") -> Figure:
-    """Memory over time: one panel per run (rows: ``label`` column if present, else run_id),
-    one step line per rank, time from the run's first sample."""
-    d = memory.copy()
-    d["ms"] = (d["t_ns"] - d.groupby("run_id", observed=True)["t_ns"].transform("min")) / 1e6
-    d["MiB"] = d["bytes"] / 2**20
-    labels = d["label"].astype(str) if "label" in d.columns else d["run_id"].astype(str)
-    order = list(dict.fromkeys(labels))
-    ncols = min(2, len(order))
-    nrows = -(-len(order) // ncols)
-    fig, axes = _subplots(
-        nrows, ncols, figsize=(5.5 * ncols, 2.4 * nrows), squeeze=False, sharey=True
-    )
-    palette = sns.color_palette(n_colors=max(2, int(d["rank"].max()) + 1))
-    for ax, label in zip(axes.flat, order, strict=False):
-        sub = d[labels == label]
-        for (rank, what), g in sub.groupby(["rank", "what"], observed=True):
-            ax.step(
-                g["ms"],
-                g["MiB"],
-                where="post",
-                color=palette[int(rank)],
-                label=f"rank {rank}" + (f" {what}" if sub["what"].nunique() > 1 else ""),
-            )
-        ax.set_title(label, fontsize=8)
-        ax.set_xlabel("time in step (ms)", fontsize=8)
-        ax.set_ylabel("MiB", fontsize=8)
-        ax.legend(fontsize=6, loc="upper right")
-    for ax in list(axes.flat)[len(order) :]:
-        ax.set_visible(False)
-    fig.suptitle(title or "Memory over time", fontsize=9)
-    return fig

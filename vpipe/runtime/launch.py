@@ -122,9 +122,23 @@ def spawn(
         )
         for rank in range(n_ranks)
     ]
-    for p in procs:
-        p.start()
+    # SIGINT is blocked while they start: the fork server and the ranks inherit the mask, so a
+    # Ctrl-C reaches only this process (which then stops them) and no traceback comes from the
+    # fork server's preload or a rank. This process holds a Ctrl-C until every rank has started
+    # (one raised mid-start would leave a rank no one stops), then raises it, inside the block
+    # that stops them.
+    from vpipe.outputs import sigint_held
+
     try:
+        with sigint_held() as held:
+            blocked = signal.pthread_sigmask(signal.SIG_BLOCK, {signal.SIGINT})
+            try:
+                for p in procs:
+                    p.start()
+            finally:
+                signal.pthread_sigmask(signal.SIG_SETMASK, blocked)
+        if held:
+            raise KeyboardInterrupt
         results = _collect(procs, results_q, n_ranks, timeout_s)
         deadline = time.monotonic() + 5.0
         for p in procs:  # let them leave the process group cleanly
@@ -196,6 +210,7 @@ def _exit_reason(code: int) -> str:
 
 
 def _stop(procs: list) -> None:
+    procs = [p for p in procs if p.pid is not None]  # the started ones
     for p in procs:
         if p.is_alive():
             p.terminate()

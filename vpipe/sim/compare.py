@@ -2,14 +2,13 @@
 (``vpipe compare``).
 
 Every schedule splits one model into ranks x V stages, so a stage costs 1/V of a rank's share
-and the figures compare like with like whatever each family's stages per rank. The simulator
-is imported only when rows are computed.
+(costs ``unit="rank"``, the convention of cost strings) and the figures compare like with like
+whatever each family's stages per rank. The simulator is imported only when rows are computed.
 """
 
 from __future__ import annotations
 
 from collections.abc import Sequence
-from dataclasses import replace
 from typing import TYPE_CHECKING, Any
 
 from vpipe.errors import VpipeError
@@ -19,24 +18,13 @@ from vpipe.schedules.load import make_named
 if TYPE_CHECKING:
     from vpipe.sim.cost_model import CostModel
 
-__all__ = ["COMPARE_NOTE", "REFERENCE_SCHEDULE", "compare_rows", "share_costs"]
+__all__ = ["COMPARE_NOTE", "REFERENCE_SCHEDULE", "compare_rows"]
 
 REFERENCE_SCHEDULE = catalogue.baseline()
 COMPARE_NOTE = (
     "one model split into ranks x V stages: a stage costs the given f, b, w divided by V, and "
     "peak act counts activations in units of one rank's share (stage units / V)"
 )
-
-
-def share_costs(costs: CostModel, stages_per_rank: int) -> CostModel:
-    """The cost model for one stage when each rank's share of the model (which ``costs``
-    describes) is split into ``stages_per_rank`` stages; communication costs are per message
-    and stay as they are."""
-    v = stages_per_rank
-    per_stage = costs.per_stage and {
-        s: {k: t / v for k, t in over.items()} for s, over in costs.per_stage.items()
-    }
-    return replace(costs, f=costs.f / v, b=costs.b / v, w=costs.w / v, per_stage=per_stage)
 
 
 def compare_rows(
@@ -49,15 +37,22 @@ def compare_rows(
     """One row per schedule, all for the same model and the same work (see COMPARE_NOTE); a
     schedule that cannot run at this size gets an ``error`` instead of figures. Rows carry
     ``relative_step_time`` against REFERENCE_SCHEDULE when it is among them and runs."""
+    from vpipe.sim.cost_model import CostModelError
     from vpipe.sim.simulator import simulate
 
+    if costs.unit != "rank":
+        raise CostModelError(
+            "compare splits one model into ranks x V stages, so its costs are per rank's share "
+            "(unit=rank): per-stage costs of a schedule with V stages per rank are V times "
+            f"smaller (f={costs.f:g} per stage at V=2 is f={2 * costs.f:g} per rank)"
+        )
     rows: list[dict[str, Any]] = []
     for name in names:
         row: dict[str, Any] = {"schedule": name}
         try:
             schedule = make_named(name, ranks, microbatches, stages_per_rank)
             v = schedule.stages_per_rank
-            result = simulate(schedule, share_costs(costs, v))
+            result = simulate(schedule, costs)  # each stage 1/V of the rank's share
         except VpipeError as e:
             row["error"] = str(e)
             rows.append(row)

@@ -1,11 +1,16 @@
 """The simulator's cost model: compute times per kind and stage, message costs, the runtime's
-per-action overheads and activation bytes, and its text form (``f=1,b=1,w=1,comm=0``)."""
+per-action overheads and activation bytes, and its text form (``f=1,b=1,w=1,comm=0``).
+
+One cost convention for every cost string (``vpipe simulate``, ``compare``, ``plan``, and
+:meth:`CostModel.parse` in Python): :data:`COST_CONVENTION`. A model built in Python with
+``CostModel(...)`` is per stage unless it says ``unit="rank"``.
+"""
 
 from __future__ import annotations
 
 import math
 from collections.abc import Iterable, Mapping, Sequence
-from dataclasses import dataclass, fields
+from dataclasses import dataclass, fields, replace
 from typing import Any
 
 import numpy as np
@@ -13,7 +18,23 @@ import numpy as np
 from vpipe.errors import VpipeError
 from vpipe.ir.engine import LinkModel
 
-__all__ = ["CostModel", "CostModelError", "PerStage", "parse_numbers"]
+__all__ = [
+    "COST_CONVENTION",
+    "CostModel",
+    "CostModelError",
+    "PerStage",
+    "parse_numbers",
+    "split_unit",
+]
+
+COST_CONVENTION = (
+    "f, b, w (and act_bytes) are the times (bytes) of one rank's share of the model (1/P of it: "
+    "a whole stage when each rank holds one) for one microbatch; a schedule with V stages per "
+    "rank gives each stage 1/V of them (unit=rank, the default; unit=stage gives them per "
+    "stage where a single schedule is simulated). comm, handshake, post and gap are per "
+    "message or action, whatever V"
+)
+UNITS = ("rank", "stage")
 
 
 class CostModelError(VpipeError, ValueError):
@@ -44,6 +65,11 @@ class CostModel:
 
     ``overlap`` scales the parts of an overlap action (``(0F3;3B1)OVERLAP_F_B``): what running
     them together costs relative to running them apart (1: no gain; calibration measures it).
+
+    ``unit``: ``"stage"`` (the default here) means f, b, w, ``per_stage`` and
+    ``activation_bytes`` are per stage; ``"rank"`` means per rank's share of the model, split
+    evenly over a schedule's stages per rank (:meth:`for_schedule`; the convention of cost
+    strings, :data:`COST_CONVENTION`).
     """
 
     f: float = 1.0
@@ -58,8 +84,11 @@ class CostModel:
     gap: float = 0.0
     overlap: float = 1.0
     comm_handshake: float = 0.0
+    unit: str = "stage"
 
     def __post_init__(self) -> None:
+        if self.unit not in UNITS:
+            raise CostModelError(f"unit must be 'rank' or 'stage', got {self.unit!r}")
         for name in ("f", "b", "w", "comm_latency", "comm_handshake", "post", "gap", "overlap"):
             _non_negative(name, getattr(self, name))
         bw = self.comm_bandwidth
@@ -100,10 +129,35 @@ class CostModel:
         a message whose receive is posted after its send), bw (bandwidth,
         bytes per time unit), bytes (per boundary), act_bytes (per stage), post (per SEND or
         RECV posted), gap (per action), overlap (an overlap action's parts cost this times
-        their separate costs), plus the field names. Unspecified keys keep their defaults."""
+        their separate costs), plus the field names, and ``unit=rank`` (the default) or
+        ``unit=stage`` (:data:`COST_CONVENTION`). Unspecified keys keep their defaults."""
+        text, unit = split_unit(text, "cost", CostModelError)
+        if "rows" in {item.partition("=")[0].strip() for item in text.split(",")}:
+            raise CostModelError(
+                "rows= is vpipe plan's key (it rescales the costs to each microbatch size); "
+                "here the costs are those of the microbatch simulated: drop rows, or multiply "
+                "f, b, w and act_bytes by (rows of the simulated microbatch) / rows"
+            )
         values = parse_numbers(text, cls._ALIASES, "cost", CostModelError)
         kwargs = {cls._ALIASES[k]: v for k, v in values.items()}
-        return cls(**kwargs)
+        return cls(**kwargs, unit=unit)
+
+    def for_schedule(self, stages_per_rank: int) -> CostModel:
+        """The per-stage model of a schedule with ``stages_per_rank`` stages per rank: this one
+        if it is per stage; else its f, b, w, per-stage overrides and activation bytes / V."""
+        if self.unit == "stage":
+            return self
+        v = stages_per_rank
+        per_stage = self.per_stage and {
+            s: {k: t / v for k, t in over.items()} for s, over in self.per_stage.items()
+        }
+        act = self.activation_bytes
+        if isinstance(act, Mapping):
+            act = {k: x / v for k, x in act.items()}
+        elif act is not None:
+            act = act / v if isinstance(act, (int, float)) else [x / v for x in act]
+        return replace(self, f=self.f / v, b=self.b / v, w=self.w / v, per_stage=per_stage,
+                       activation_bytes=act, unit="stage")  # fmt: skip
 
     def stage_times(self, n_stages: int) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
         """Arrays (f, b, w) per stage."""
@@ -157,6 +211,20 @@ def parse_numbers(
         except ValueError:
             raise error(f"bad {what} value in {item!r}: not a number") from None
     return values
+
+
+def split_unit(text: str, what: str, error: type[Exception]) -> tuple[str, str]:
+    """``text`` without its ``unit=`` item, and that unit (``rank`` when absent)."""
+    unit, rest = "rank", []
+    for item in str(text).split(","):
+        key, sep, value = item.partition("=")
+        if key.strip() != "unit":
+            rest.append(item)
+        elif value.strip() in UNITS:
+            unit = value.strip()
+        else:
+            raise error(f"bad {what} item {item.strip()!r}: unit is 'rank' or 'stage'")
+    return ",".join(rest), unit
 
 
 def _non_negative(name: str, value: Any) -> None:

@@ -216,7 +216,7 @@ class SimResult:
 
 def simulate(
     schedule: Schedule,
-    costs: CostModel | None = None,
+    costs: CostModel | str | None = None,
     *,
     recv_lookahead: int = 1,
     action_times: Mapping[tuple[int, str, int], float] | None = None,
@@ -226,8 +226,12 @@ def simulate(
     a lowered one runs as given. ``action_times`` gives some compute parts their own time,
     keyed by (stage, kind letter, microbatch), e.g. a measured step's
     (:mod:`vpipe.predict.step_replay`); the others cost what ``costs`` says, overlap scaling
-    included. Invalid schedules raise ScheduleError."""
-    costs = costs or CostModel()
+    included. ``costs`` per rank's share (``unit="rank"``, as cost strings are) are split evenly
+    over the schedule's stages per rank; a string is parsed (:meth:`CostModel.parse`). Invalid
+    schedules raise ScheduleError."""
+    if isinstance(costs, str):
+        costs = CostModel.parse(costs)
+    costs = (costs or CostModel()).for_schedule(schedule.stages_per_rank)  # unit=rank: 1/V each
     fl = flatten(schedule)
     check_static(fl)
     plan = None if fl.lowered else plan_comm(fl, recv_lookahead)

@@ -161,7 +161,7 @@ def plan_sections(res: BenchResults, top: int = 10) -> list[Section]:
     """The plan for the measured host: costs calibrated on the sweep's vpipe zbv config (else
     its first profiled vpipe config), every family x stages x M simulated for this sweep's
     ranks and batch, within the most memory any config of the sweep used."""
-    from vpipe.predict.plan import Budget, PlanError, calibrated_costs, plan
+    from vpipe.predict.plan import Budget, PlanError, calibrated_costs, plan, plural
     from vpipe.schedules import make_schedule
     from vpipe.sweep.dp_section import plan_dp
 
@@ -206,17 +206,19 @@ def plan_sections(res: BenchResults, top: int = 10) -> list[Section]:
         f"vpipe plan for {res.spec.ranks} ranks and batch {res.spec.batch}, costs calibrated on "
         f"{base.schedule} M={int(base.microbatches)} (vpipe), budget: the most memory a config "
         f"of this sweep used ({budget.describe(budget.value)} per rank). Recommended: "
-        f"{rec['schedule']} with {rec['stages_per_rank']} stages per rank and "
-        f"{rec['microbatches']} microbatches, {rec['predicted_step_s'] * 1e3:.2f} ms per step "
-        f"predicted. Fastest {min(top, len(result['candidates']))} of "
+        f"{rec['schedule']} with {plural(rec['stages_per_rank'], 'stage')} per rank and "
+        f"{plural(rec['microbatches'], 'microbatch')}, "
+        f"{rec['predicted_step_s'] * 1e3:.2f} ms per step predicted. Fastest {min(top, len(result['candidates']))} of "
         f"{len(result['candidates'])} candidates; `vpipe plan --from STORE --run "
         f"{base.run_id} --memory ...` plans for another budget." + dp_note
+        + "".join(f" Left out {fam}: {why}." for fam, why in result["left_out"].items())
     )
     return [table_section("Plan for this host", table, note)]
 
 
 def _timeline_sections(res: BenchResults) -> list[Section]:
-    from vpipe.report.plots import plot_gantt, plot_memory_timeline, schedule_order, to_png
+    from vpipe.report.gantt import plot_gantt, plot_memory_timeline
+    from vpipe.report.plots import schedule_order, to_png
 
     runs = res.measured
     if not res.events or runs.empty:
@@ -244,12 +246,16 @@ def _timeline_sections(res: BenchResults) -> list[Section]:
         for impl in ("vpipe", "torch"):
             x = res.memory.get(Config(sched, m, impl).run_id(res.bench_id))
             if x is not None and len(x):
-                mems.append(x.assign(label=f"{sched} {impl}"))
+                row = runs[(runs["schedule"] == sched) & (runs["microbatches"] == m)
+                           & (runs["impl"] == impl)]  # fmt: skip
+                timed = float(row["step_time_s"].iloc[0]) * 1e3 if len(row) else None
+                mems.append(x.assign(label=f"{sched} {impl}", timed_ms=timed))
     if mems:
         mem.images[f"Saved activations over time M={m}"] = to_png(
             plot_memory_timeline(
                 pd.concat(mems, ignore_index=True),
-                "Bytes saved for backward during one step, per rank",
+                "Bytes saved for backward during one metered step, per rank (one more step, "
+                "with hooks counting the saved tensors: its length is not the step time)",
             )
         )
     return [s for s in (gantt, mem) if s.images]
