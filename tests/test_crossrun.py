@@ -113,6 +113,8 @@ def test_verdict_rules_and_host_differed():
     assert verdict(ratio(0.70, 0.90), t) == "slower"
     assert verdict(ratio(0.98, 1.03), t) == "within noise"
     assert verdict(ratio(1.01, 1.05), t) == "within noise"  # real, but inside the noise band
+    # a wide noise band does not swallow a difference whose interval excludes 1
+    assert verdict(ratio(1.08, 1.22), 0.21) == "faster"
     assert verdict(ratio(0.95, 1.25), t) == "inconclusive"  # holds 1 and a 20% effect
     assert verdict(ratio(0.70, 0.90), t, ["other processes' CPU 0.1 vs 1.0 cores"]) == (
         "host differed"

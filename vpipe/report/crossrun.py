@@ -250,7 +250,8 @@ def verdict(r: CrossRatio, threshold: float, host_differences: Sequence[str] = (
     - "host differed" whenever the hosts' states differed: normalising by the reference can
       hide a real change as well as invent one (a 15% delay measured on a loaded host against
       a quiet one came out "within noise"), so neither a difference nor its absence is claimed;
-    - interval excludes 1: "within noise" when the estimate is inside the band, else
+    - interval excludes 1: "within noise" when the estimate is inside the band (at most half
+      of :data:`MAX_WITHIN_NOISE`: the interval holds the run-to-run spread already), else
       "faster"/"slower";
     - interval holds 1: "within noise" when it lies inside twice the band (no effect the
       size of the noise is left possible; never wider than :data:`MAX_WITHIN_NOISE`), else
@@ -264,7 +265,10 @@ def verdict(r: CrossRatio, threshold: float, host_differences: Sequence[str] = (
         return "host differed"
     lo, hi, d = math.log(r.low), math.log(r.high), math.log(r.value)
     if lo > 0 or hi < 0:
-        if abs(d) <= threshold:
+        # the interval already carries the run-to-run spread, so the noise band only keeps
+        # tiny differences from being called changes: capped at half of MAX_WITHIN_NOISE (a
+        # 15% delay inside a 21% band, measured on a quiet host, was called "within noise")
+        if abs(d) <= min(threshold, MAX_WITHIN_NOISE / 2):
             return "within noise"
         return "faster" if lo > 0 else "slower"
     band = max(2 * MIN_EFFECT, min(2 * threshold, MAX_WITHIN_NOISE))
