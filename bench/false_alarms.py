@@ -1,20 +1,24 @@
 """False alarms and detections of cross-run comparisons (``vpipe report A B``'s rules).
 
-    python -m bench.false_alarms [--aa 20] [--delayed 10] [--blocks 2] [--delay-pct 15]
+    python -m bench.false_alarms [--aa 20] [--delayed 10] [--blocks 3] [--delay-pct 15]
 
-Runs a small sweep (two schedules, vpipe's runtime, a small MLP) many times, each run being
-``--blocks`` independent launches, interleaved so that slow drift of the host hits every kind:
+Runs a compute-bound sweep (two schedules, vpipe's runtime, an MLP whose actions take
+milliseconds) many times, each run being ``--blocks`` independent launches, interleaved so
+that slow drift of the host hits every kind:
 
-- **A/A**: the same code twice, once quiet and once with a CPU hog (a busy loop pinned to one
-  core, started by this script and stopped after the run). Any "faster"/"slower" verdict is a
-  false alarm.
+- **A/A busy**: the same code twice, once quiet and once with a CPU hog (a busy loop pinned
+  to one core, started by this script and stopped after the run). Any "faster"/"slower"
+  verdict is a false alarm.
+- **A/A quiet**: each quiet run against the next quiet run (no extra launches): the test of
+  the interval itself, since the host judgement cannot step in.
 - **A/A'**: quiet against quiet with a delay injected per step on rank 0
   (``--inject-delay-ms``), ``--delay-pct`` of the slowest config's quiet median step time, so
   every config is slowed by at least that much. Each config reported "slower" is a detection.
 
-Prints every comparison's verdicts, the false-alarm rate (comparisons with any faster/slower
-verdict, and configs), the detection rate, the run-to-run spread of the quiet launches (the
-figure behind :data:`vpipe.report.crossrun.DEFAULT_BETWEEN_SD`), the host's load and the wall time.
+Prints every comparison's verdicts, the false-alarm rates (comparisons with any faster/slower
+verdict, and configs), the detection rate, the quiet launches' spread (in total, and the
+launch-to-launch part beyond the steps' sampling noise: the figure behind
+:data:`vpipe.report.crossrun.LAUNCH_SD`), the host's load and the wall time.
 """
 
 from __future__ import annotations
@@ -28,11 +32,13 @@ from collections import Counter
 from typing import Any
 
 SCHEDULES = ("1f1b", "zbv")
-# Compute per action well above the runtime's per-action overhead (about 1-3 ms of matmuls per
-# action on one core), as the comparisons users make are: an overhead-bound toy measures
-# thread wake-ups, whose spread between launches is several times larger.
-SIZES = {"d_model": 256, "d_hidden": 1024}
+# Compute per action well above the runtime's per-action overhead (about 5-10 ms of matmuls per
+# action on one core; steps of about 70 ms), as the comparisons users make are: an
+# overhead-bound toy (MLP 256/1024) measures thread wake-ups, its steps spread 15-25% (log sd)
+# against 6-8% here, and a 9-step block cannot resolve 15%.
+SIZES = {"d_model": 512, "d_hidden": 2048}
 BATCH, MICROBATCHES = 128, 4
+WARMUP, STEPS, ROUNDS = 2, 4, 5  # 20 timed steps per config per launch
 
 
 def spec(blocks: int, delay_ms: float = 0.0) -> Any:
@@ -46,9 +52,9 @@ def spec(blocks: int, delay_ms: float = 0.0) -> Any:
         schedules=SCHEDULES,
         microbatches=(MICROBATCHES,),
         impls=("vpipe",),
-        warmup=1,
-        steps=3,
-        rounds=3,
+        warmup=WARMUP,
+        steps=STEPS,
+        rounds=ROUNDS,
         profile=False,
         progress=False,
         blocks=blocks,
@@ -97,11 +103,42 @@ def verdicts(base: Any, run: Any) -> list[str]:
     return words
 
 
+DECIDED = {"faster", "slower"}
+
+
+def _verdicts_only(rows: list[list[str]]) -> list[list[str]]:
+    return [[v for v in row if not v.startswith("[")] for row in rows]
+
+
+def alarm_rate(rows: list[list[str]]) -> str:
+    """The verdicts of A/A comparisons, and how many said faster/slower (false alarms)."""
+    rows = _verdicts_only(rows)
+    alarms = sum(any(v in DECIDED for v in row) for row in rows)
+    configs = sum(v in DECIDED for row in rows for v in row)
+    return (
+        f"{dict(Counter(v for r in rows for v in r))}; false alarms {alarms}/{len(rows)} "
+        f"comparisons ({alarms / max(len(rows), 1):.0%}), "
+        f"{configs}/{sum(len(r) for r in rows)} configs"
+    )
+
+
+def detection_rate(rows: list[list[str]], pct: float) -> str:
+    """The verdicts of A/A' comparisons, and how many called every config slower."""
+    rows = _verdicts_only(rows)
+    caught = sum(all(v == "slower" for v in row) for row in rows)
+    configs = sum(v == "slower" for row in rows for v in row)
+    return (
+        f"{dict(Counter(v for r in rows for v in r))}; a {pct:g}% delay detected in "
+        f"{caught}/{len(rows)} comparisons ({caught / max(len(rows), 1):.0%}), "
+        f"{configs}/{sum(len(r) for r in rows)} configs"
+    )
+
+
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--aa", type=int, default=20, help="A/A comparisons (default 20)")
     p.add_argument("--delayed", type=int, default=10, help="A/A' comparisons (default 10)")
-    p.add_argument("--blocks", type=int, default=2, help="launches per run (default 2)")
+    p.add_argument("--blocks", type=int, default=3, help="launches per run (default 3)")
     p.add_argument("--delay-pct", type=float, default=15.0, help="injected delay, %% (default 15)")
     args = p.parse_args(argv)
     t0 = time.perf_counter()
@@ -112,15 +149,19 @@ def main(argv: list[str] | None = None) -> int:
     delay_ms = round(slowest * args.delay_pct / 100 * 1e3, 3)
     print(f"slowest config's median step {slowest * 1e3:.2f} ms: injected delay {delay_ms} ms")
 
-    from vpipe.report.crossrun import between_block_sd
+    from vpipe.report.crossrun import between_block_sd, launch_spread
     from vpipe.report.crossrun_table import all_blocks
 
     aa: list[list[str]] = []
+    aa_quiet: list[list[str]] = []
     delayed: list[list[str]] = []
     quiet_runs = []
     for i in range(max(args.aa, args.delayed)):
         quiet = sweep(f"quiet{i}", args.blocks)
         quiet_runs.append(quiet)
+        if i > 0:
+            aa_quiet.append(verdicts(quiet_runs[-2], quiet))
+            print(f"A/A  {i:2d} quiet vs quiet:  {', '.join(aa_quiet[-1])}", flush=True)
         if i < args.aa:
             with Hog():
                 busy = sweep(f"busy{i}", args.blocks)
@@ -131,34 +172,21 @@ def main(argv: list[str] | None = None) -> int:
             delayed.append(verdicts(quiet, slow))
             print(f"A/A' {i + 1:2d} quiet vs delayed: {', '.join(delayed[-1])}", flush=True)
 
-    decided = {"faster", "slower"}
-    aa = [[v for v in row if not v.startswith("[")] for row in aa]
-    delayed = [[v for v in row if not v.startswith("[")] for row in delayed]
-    alarms = sum(any(v in decided for v in row) for row in aa)
-    alarm_configs = sum(v in decided for row in aa for v in row)
-    caught = sum(all(v == "slower" for v in row) for row in delayed)
-    caught_configs = sum(v == "slower" for row in delayed for v in row)
-    n_aa_cfg = sum(len(r) for r in aa)
-    n_d_cfg = sum(len(r) for r in delayed)
-    sd = between_block_sd([c for s in quiet_runs for c in all_blocks(s.steps)], normalise=True)
-    raw_sd = between_block_sd([c for s in quiet_runs for c in all_blocks(s.steps)], False)
     wall = time.perf_counter() - t0
     print()
-    print(f"A/A verdicts:  {dict(Counter(v for r in aa for v in r))}")
-    print(f"A/A' verdicts: {dict(Counter(v for r in delayed for v in r))}")
-    print(
-        f"false alarms: {alarms}/{len(aa)} comparisons ({alarms / max(len(aa), 1):.0%}), "
-        f"{alarm_configs}/{n_aa_cfg} configs"
-    )
-    print(
-        f"detection of a {args.delay_pct:g}% delay: {caught}/{len(delayed)} comparisons "
-        f"({caught / max(len(delayed), 1):.0%}), {caught_configs}/{n_d_cfg} configs"
-    )
-    print(
-        f"run-to-run sd (log) of quiet launches: normalised {sd:.3f}, raw {raw_sd:.3f}"
-        if sd is not None and raw_sd is not None
-        else "run-to-run sd: needs --blocks >= 2"
-    )
+    for name, rows in (("A/A busy", aa), ("A/A quiet", aa_quiet)):
+        print(f"{name}: {alarm_rate(rows)}")
+    print(f"A/A': {detection_rate(delayed, args.delay_pct)}")
+    configs = [c for s in quiet_runs for c in all_blocks(s.steps)]
+    for normalise, name in ((True, "normalised"), (False, "raw")):
+        total, launch = between_block_sd(configs, normalise), launch_spread(configs, normalise)
+        if total is None or launch is None:
+            print("run-to-run spread: needs --blocks >= 2")
+            break
+        print(
+            f"quiet launches, {name}: sd between blocks {total:.3f} (log), of which "
+            f"launch-to-launch {launch[0]:.3f} ({launch[1]} dof) beyond the steps' sampling noise"
+        )
     print(
         f"host load (1 min) at start {load0:.2f}, at end {os.getloadavg()[0]:.2f}; "
         f"{os.cpu_count()} CPUs; wall time {wall:.0f} s"

@@ -15,8 +15,8 @@ from vpipe.report.crossrun import (
     Block,
     Z,
     between_block_sd,
-    between_block_spread,
     cross_ratio,
+    launch_spread,
     noise_threshold,
     paired_rounds_to_settle,
     rounds_to_settle,
@@ -37,8 +37,8 @@ def test_normalisation_cancels_a_uniformly_slower_host():
     rng = np.random.default_rng(0)
     quiet = [_block(rng) for _ in range(4)]
     busy = [_block(rng, slow=1.6) for _ in range(4)]
-    raw = cross_ratio(quiet, busy, normalise=False, between_sd=0.0)
-    norm = cross_ratio(quiet, busy, normalise=True, between_sd=0.0)
+    raw = cross_ratio(quiet, busy, normalise=False, launch_sd=0.0)
+    norm = cross_ratio(quiet, busy, normalise=True, launch_sd=0.0)
     assert raw.value == pytest.approx(1 / 1.6, rel=0.03) and raw.high < 0.7
     assert norm.normalised and norm.value == pytest.approx(1.0, abs=0.03)
     assert norm.low < 1 < norm.high
@@ -50,7 +50,7 @@ def test_a_code_slowdown_survives_normalisation():
     rng = np.random.default_rng(1)
     base = [_block(rng) for _ in range(MIN_BLOCKS)]
     slower = [_block(rng, extra=0.015) for _ in range(MIN_BLOCKS)]  # 15% on a 0.1 s step
-    r = cross_ratio(base, slower, normalise=True, between_sd=0.0)
+    r = cross_ratio(base, slower, normalise=True, launch_sd=0.0)
     assert r.hierarchical and r.value == pytest.approx(1 / 1.15, rel=0.03)
     assert verdict(r, noise_threshold(0.0)) == "slower"
 
@@ -64,8 +64,8 @@ def test_hierarchical_interval_carries_between_block_spread():
                        ref=0.01 / math.exp(0)) for _ in range(MIN_BLOCKS)]  # fmt: skip
 
     a, b = side(), side()
-    r = cross_ratio(a, b, normalise=False, between_sd=0.0)
-    within_only = cross_ratio(a[:1], b[:1], normalise=False, between_sd=0.0)
+    r = cross_ratio(a, b, normalise=False, launch_sd=0.0)
+    within_only = cross_ratio(a[:1], b[:1], normalise=False, launch_sd=0.0)
     # the between-block sd of 0.1 gives a log-ratio sd of about 0.1*sqrt(2/8) = 0.05
     half = (math.log(r.high) - math.log(r.low)) / 2
     assert 0.05 < half < 0.25 and r.hierarchical
@@ -77,8 +77,8 @@ def test_hierarchical_interval_carries_between_block_spread():
 def test_single_blocks_are_widened_by_the_run_to_run_spread():
     rng = np.random.default_rng(3)
     a, b = [_block(rng)], [_block(rng)]
-    narrow = cross_ratio(a, b, normalise=True, between_sd=0.0)
-    wide = cross_ratio(a, b, normalise=True, between_sd=0.05)
+    narrow = cross_ratio(a, b, normalise=True, launch_sd=0.0)
+    wide = cross_ratio(a, b, normalise=True, launch_sd=0.05)
     assert not wide.hierarchical and wide.between == pytest.approx(1.96 * 0.05 * math.sqrt(2), 1e-3)
     assert wide.low < narrow.low and wide.high > narrow.high
     half = (math.log(wide.high) - math.log(wide.low)) / 2
@@ -94,12 +94,47 @@ def test_few_launches_widen_by_students_t():
         t_quantile(0)
     rng = np.random.default_rng(4)
     a, b = [_block(rng), _block(rng)], [_block(rng), _block(rng)]
-    known = cross_ratio(a, b, normalise=True, between_sd=0.05)
-    guessed = cross_ratio(a, b, normalise=True, between_sd=0.05, between_dof=4)
+    known = cross_ratio(a, b, normalise=True, launch_sd=0.05)
+    guessed = cross_ratio(a, b, normalise=True, launch_sd=0.05, launch_dof=4)
     assert guessed.between == pytest.approx(known.between * 2.776 / Z, rel=1e-3)
     assert guessed.low < known.low and guessed.high > known.high
-    sd, dof = between_block_spread([a, b], normalise=True)
-    assert dof == 2 and sd == pytest.approx(between_block_sd([a, b], normalise=True))
+    sd, dof = launch_spread([a, b], normalise=True)
+    assert dof == 2 and 0 <= sd <= between_block_sd([a, b], normalise=True)
+
+
+def test_launch_spread_separates_launch_effects_from_sampling_noise():
+    """Blocks of few noisy steps spread widely with no launch effect at all; blocks of many
+    precise steps spread only by their launch effect. The launch sd counts only the latter,
+    while the blocks' total spread counts both."""
+    rng = np.random.default_rng(5)
+    noisy = [[_block(rng, noise=0.15, n=9) for _ in range(3)] for _ in range(40)]
+    total = between_block_sd(noisy, normalise=False)
+    launch, dof = launch_spread(noisy, normalise=False)
+    assert dof == 80 and total > 0.05 and launch < 0.4 * total
+
+    def launched(sd):
+        return _block(rng, slow=math.exp(sd * rng.standard_normal()), noise=0.005, n=30)
+
+    precise = [[launched(0.05) for _ in range(3)] for _ in range(40)]
+    launch, _ = launch_spread(precise, normalise=False)
+    assert launch == pytest.approx(0.05, rel=0.2)
+
+
+def test_precise_blocks_resolve_a_15_percent_delay_with_three_launches():
+    """With 30 steps per block (2% noise) and launches 3% apart, three blocks per side
+    resolve a 15% delay and call an identical run within noise."""
+    rng = np.random.default_rng(6)
+
+    def side(extra=0.0):
+        return [_block(rng, slow=math.exp(0.03 * rng.standard_normal()), n=30, extra=extra)
+                for _ in range(3)]  # fmt: skip
+
+    base = side()
+    slow = cross_ratio(base, side(extra=0.015), normalise=True, launch_sd=0.03, launch_dof=8)
+    same = cross_ratio(base, side(), normalise=True, launch_sd=0.03, launch_dof=8)
+    assert verdict(slow, noise_threshold(slow.noise_sd)) == "slower"
+    assert verdict(same, noise_threshold(same.noise_sd)) == "within noise"
+    assert 0.03 < same.noise_sd < 0.05
 
 
 def test_verdict_rules_and_host_differed():
@@ -122,7 +157,7 @@ def test_verdict_rules_and_host_differed():
     assert verdict(ratio(0.95, 1.25), t, ["CPU steal"]) == "host differed"
     # a host that differed leaves no claim, not even "within noise"
     assert verdict(ratio(0.98, 1.03), t, ["CPU steal"]) == "host differed"
-    assert noise_threshold(0.0) == MIN_EFFECT
+    assert noise_threshold(0.0) == MIN_EFFECT == noise_threshold(float("nan"))
     assert noise_threshold(0.04) == pytest.approx(1.96 * 0.04 * math.sqrt(2), rel=1e-3)
 
 
@@ -153,7 +188,7 @@ def test_old_sweeps_without_references_compare_raw():
     rng = np.random.default_rng(4)
     a = [Block.of(0.1 + 0.001 * rng.random(9))]
     b = [_block(rng, n=9)]
-    r = cross_ratio(a, b, normalise=True, between_sd=0.04)
+    r = cross_ratio(a, b, normalise=True, launch_sd=0.04)
     assert not r.normalised and r.has_interval
     assert between_block_sd([a, b], normalise=False) is None  # one block each
     with pytest.raises(ValueError, match="3 steps but 2 reference"):

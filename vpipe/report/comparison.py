@@ -401,11 +401,13 @@ def _comparison_note(sweeps: Sequence[Sweep], differs: str) -> str:
         "median step time over its median reference time (normalised; raw when a sweep has no "
         f"reference timings), averaged in log over blocks. {CONFIDENCE:.0%} interval: a "
         f"hierarchical bootstrap (blocks, then steps; {RESAMPLES} resamples, seed {SEED}) when "
-        f"both sweeps have {MIN_BLOCKS}+ blocks, else the steps' bootstrap widened by the "
-        f"run-to-run spread, sd {spread.sd:.3f} in log ({spread.source}). Verdict: faster/slower "
-        "only when the interval excludes 1 and the ratio is beyond the A/A noise band "
-        f"(+-{noise_threshold(spread.sd):.1%}: two launches of the same code differ by less "
-        '95% of the time); "host differed" whenever the hosts\' states differed (see Host): '
+        f"both sweeps have {MIN_BLOCKS}+ blocks, else estimate +- t x sd, where each block "
+        "adds its steps' sampling variance (bootstrap) and the launch-to-launch variance, "
+        f"sd {spread.sd:.3f} in log ({spread.source}). Verdict: faster/slower "
+        "only when the interval excludes 1 and the ratio is beyond the config's A/A noise band "
+        "(1.96 x sqrt 2 x the sd of one launch's figure, at least "
+        f"{noise_threshold(0.0):.0%}: two launches of the same code differ by less "
+'95% of the time); "host differed" whenever the hosts\' states differed (see Host): '
         "then normalising may hide a change as well as invent one; \"within noise\" when the "
         'ratio is inside the band and the interval inside twice the band; else '
         '"inconclusive", with the rounds '

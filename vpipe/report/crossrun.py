@@ -9,13 +9,20 @@ interval that holds when the host changed between them, and the verdict rules.
   median(step times) / median(reference times) over the same steps, so a host that is uniformly
   slower (another job, a lower clock) cancels out. Where a sweep has no reference timings (an
   older store) the raw medians are used and the comparison says so.
-- **Interval** (:func:`cross_ratio`): with at least :data:`MIN_BLOCKS` blocks on both sides, a
-  hierarchical percentile bootstrap in log space: resample blocks with replacement, then each
-  picked block's steps (and their references, paired) with replacement; a side's figure is the
-  mean log of its picked blocks' figures. With fewer blocks, run-to-run variance cannot be
-  resampled, so the within-run bootstrap interval is widened by the between-run spread
-  ``sd_between`` (measured from the sweeps' own blocks, or :data:`DEFAULT_BETWEEN_SD`, measured
-  by ``python -m bench.false_alarms``): half-width ``sqrt(h_within^2 + (z * sd * sqrt(1/a + 1/b))^2)``.
+- **Interval** (:func:`cross_ratio`): a random-effects model in log space. A block's figure
+  is the config's true figure plus a launch effect (sd ``launch_sd``: thread placement,
+  memory layout, the host in that minute) plus the sampling noise of a median of its steps
+  (its variance from a bootstrap of the block's steps, references paired with their steps).
+  A side's figure is the mean over its blocks, so the difference's variance is
+  ``sum over sides of (launch_sd^2 + mean sampling variance) / blocks``, and the interval is
+  the estimate +- t x its sd (Student's t for ``launch_sd``'s degrees of freedom). The launch
+  sd is estimated from the sweeps' own repeated blocks (:func:`launch_spread`: their spread
+  less what their sampling noise explains), never below :data:`LAUNCH_SD` (measured by
+  ``python -m bench.false_alarms``), since few launches can show far too small a spread by
+  chance. Keeping the two parts apart matters: a block of many steps is precise, and
+  charging it a fixed run-to-run sd measured on noisy short blocks hides real slowdowns.
+  With at least :data:`MIN_BLOCKS` blocks per side, a hierarchical percentile bootstrap
+  (blocks, then steps) replaces the model.
 - **Verdict** (:func:`verdict`): "faster"/"slower" only when the interval excludes 1 and the
   estimate is beyond the A/A noise band (:func:`noise_threshold`: 95% of two single launches
   of the same code differ by less); "within noise" when the estimate is inside the band and
@@ -45,9 +52,9 @@ from vpipe.stats import CONFIDENCE, MIN_SAMPLES, RESAMPLES, SEED, outliers
 # sqrt(2/3), with 10 distinct outcomes); below this many per side the interval is the
 # analytic one, with Student's t for the spread's degrees of freedom.
 MIN_BLOCKS = 8
-# Run-to-run spread (sd of log normalised medians between independent launches of one config)
-# used when the sweeps have no repeated blocks; measured by bench.false_alarms (see README).
-DEFAULT_BETWEEN_SD = 0.06  # quiet 2-core host, 3-6 launches: 0.054-0.094 (README)
+# Launch-to-launch sd (log) beyond the blocks' own sampling noise: assumed when the sweeps have
+# no repeated blocks, and the floor of a measured one; measured by bench.false_alarms (README).
+LAUNCH_SD = 0.03
 MIN_EFFECT = 0.02  # never call a difference under 2% (log) a speedup or a slowdown
 # "within noise" rules out effects this large at most (log ~10%): with a wider noise band the
 # honest answer is "inconclusive", not that nothing changed
@@ -104,7 +111,10 @@ class Block:
 class CrossRatio:
     """base / run of a config's figure (> 1: the run is faster), its 95% interval, the blocks
     and steps behind each side, whether normalised, the outliers dropped and the interval's
-    within-run half-width and between-run half-width (log)."""
+    interval's half-widths (log) from the blocks' sampling noise (``within``: shrinks with
+    more steps) and from the launch-to-launch spread (``between``: shrinks only with more
+    blocks), and ``noise_sd``: the sd of one launch's figure of this config (both parts), from
+    which the A/A noise band follows (:func:`noise_threshold`)."""
 
     value: float
     low: float
@@ -116,6 +126,7 @@ class CrossRatio:
     within: float
     between: float
     hierarchical: bool
+    noise_sd: float = float("nan")
 
     @property
     def has_interval(self) -> bool:
@@ -141,19 +152,13 @@ def _within_draws(block: Block, normalise: bool, rng: np.random.Generator) -> np
     return out
 
 
-def side_draws(
-    blocks: Sequence[Block], normalise: bool, rng: np.random.Generator, hierarchical: bool
-) -> np.ndarray:
-    """Bootstrap draws of a side's log figure (the mean over its blocks): hierarchical
-    (blocks, then steps within each picked block) or, without it, every block kept and only
-    its steps resampled."""
-    within = np.stack([_within_draws(b, normalise, rng) for b in blocks])  # blocks x R
-    nb = len(blocks)
-    if not hierarchical:
-        return within.mean(axis=0)
-    pick = rng.integers(0, nb, size=(RESAMPLES, nb))
-    column = rng.integers(0, RESAMPLES, size=(RESAMPLES, nb))  # a fresh resample per pick
-    return within[pick, column].mean(axis=1)
+def _sampling_variances(
+    blocks: Sequence[Block], normalise: bool, rng: np.random.Generator
+) -> tuple[np.ndarray, np.ndarray]:
+    """Each block's bootstrap draws (blocks x RESAMPLES) and the variance of its log figure
+    from its own steps: the sampling noise of a median of that many steps."""
+    draws = np.stack([_within_draws(b, normalise, rng) for b in blocks])
+    return draws, draws.var(axis=1)
 
 
 def cross_ratio(
@@ -161,42 +166,43 @@ def cross_ratio(
     run: Sequence[Block],
     *,
     normalise: bool,
-    between_sd: float,
-    between_dof: int | None = None,
+    launch_sd: float,
+    launch_dof: int | None = None,
 ) -> CrossRatio:
-    """base / run of a config's (normalised) figure with a 95% interval that includes the
-    run-to-run spread: hierarchical when both sides have :data:`MIN_BLOCKS` blocks, else the
-    within-run bootstrap widened by ``between_sd`` (estimated with ``between_dof`` degrees of
-    freedom, None: known), see the module's doc."""
+    """base / run of a config's (normalised) figure with a 95% interval under the
+    random-effects model of the module's doc: each side's figure is the mean of its blocks',
+    whose variance is the launch-to-launch ``launch_sd``^2 (estimated with ``launch_dof``
+    degrees of freedom, None: known) plus the block's own sampling variance; hierarchical
+    bootstrap instead when both sides have :data:`MIN_BLOCKS` blocks."""
     cleaned = [[b.cleaned() for b in side] for side in (base, run)]
     dropped = sum(n for side in cleaned for _, n in side)
     sides = [[b for b, _ in side if b.steps.size] for side in cleaned]
     normalise = normalise and all(normalisable(s) for s in sides)
     blocks = (len(sides[0]), len(sides[1]))
     steps = tuple(sum(b.steps.size for b in s) for s in sides)
+    nan = float("nan")
     if min(blocks) == 0:
-        nan = float("nan")
-        return CrossRatio(nan, nan, nan, blocks, steps, normalise, dropped, nan, nan, False)
+        return CrossRatio(nan, nan, nan, blocks, steps, normalise, dropped, nan, nan, False, nan)
     figures = [np.mean([b.log_figure(normalise) for b in s]) for s in sides]
     log_value = float(figures[0] - figures[1])
-    hierarchical = min(blocks) >= MIN_BLOCKS
     if min(steps) < MIN_SAMPLES:
-        nan = float("nan")
         return CrossRatio(
-            math.exp(log_value), nan, nan, blocks, steps, normalise, dropped, nan, nan, False
+            math.exp(log_value), nan, nan, blocks, steps, normalise, dropped, nan, nan, False, nan
         )
     rng = np.random.default_rng(SEED)
-    draws = side_draws(sides[0], normalise, rng, hierarchical) - side_draws(
-        sides[1], normalise, rng, hierarchical
-    )
-    tail = (1 - CONFIDENCE) / 2 * 100
-    lo, hi = (float(x) for x in np.percentile(draws, [tail, 100 - tail]))
-    within = (hi - lo) / 2
-    spread = t_quantile(between_dof) * between_sd
-    between = 0.0 if hierarchical else spread * math.sqrt(1 / blocks[0] + 1 / blocks[1])
-    if not hierarchical:  # widen around the bootstrap's centre by the run-to-run spread
-        centre, half = (lo + hi) / 2, math.hypot(within, between)
-        lo, hi = centre - half, centre + half
+    (draws_a, var_a), (draws_b, var_b) = (_sampling_variances(s, normalise, rng) for s in sides)
+    q = t_quantile(launch_dof)
+    within = q * math.sqrt(var_a.sum() / blocks[0] ** 2 + var_b.sum() / blocks[1] ** 2)
+    between = q * launch_sd * math.sqrt(1 / blocks[0] + 1 / blocks[1])
+    noise_sd = math.sqrt(launch_sd**2 + float(np.concatenate([var_a, var_b]).mean()))
+    hierarchical = min(blocks) >= MIN_BLOCKS
+    if hierarchical:
+        draws = _hierarchical(draws_a, rng) - _hierarchical(draws_b, rng)
+        tail = (1 - CONFIDENCE) / 2 * 100
+        lo, hi = (float(x) for x in np.percentile(draws, [tail, 100 - tail]))
+    else:
+        half = math.hypot(within, between)
+        lo, hi = log_value - half, log_value + half
     return CrossRatio(
         math.exp(log_value),
         math.exp(lo),
@@ -208,40 +214,68 @@ def cross_ratio(
         within,
         between,
         hierarchical,
+        noise_sd,
     )
 
 
+def _hierarchical(draws: np.ndarray, rng: np.random.Generator) -> np.ndarray:
+    """Hierarchical bootstrap draws of a side's log figure from its blocks' own draws
+    (blocks x R): resample blocks with replacement, then a fresh resample of each picked
+    block's steps; the side's figure is the mean over its picked blocks."""
+    nb, resamples = draws.shape
+    pick = rng.integers(0, nb, size=(resamples, nb))
+    column = rng.integers(0, resamples, size=(resamples, nb))
+    return draws[pick, column].mean(axis=1)
+
+
 def between_block_sd(configs: Iterable[Sequence[Block]], normalise: bool) -> float | None:
-    """The pooled run-to-run spread (:func:`between_block_spread`'s sd); None when no config
-    has two blocks."""
-    spread = between_block_spread(configs, normalise)
-    return None if spread is None else spread[0]
-
-
-def between_block_spread(
-    configs: Iterable[Sequence[Block]], normalise: bool
-) -> tuple[float, int] | None:
-    """The pooled run-to-run spread and its degrees of freedom: the standard deviation of
-    blocks' log figures around their config's mean, over every config with at least two blocks
-    (an A/A measurement: the same code launched several times); None when no config has two
-    blocks."""
+    """The pooled sd of blocks' log figures around their config's mean (launch-to-launch
+    spread and sampling noise together), over every config with at least two blocks; None
+    when no config has two."""
     squares, dof = 0.0, 0
-    for blocks in configs:
-        kept = [b.cleaned()[0] for b in blocks]
-        kept = [b for b in kept if b.steps.size]
-        if len(kept) < 2 or (normalise and not normalisable(kept)):
-            continue
+    for kept in _repeated(configs, normalise):
         logs = np.array([b.log_figure(normalise) for b in kept])
         squares += float(((logs - logs.mean()) ** 2).sum())
         dof += len(logs) - 1
-    return (math.sqrt(squares / dof), dof) if dof else None
+    return math.sqrt(squares / dof) if dof else None
 
 
-def noise_threshold(between_sd: float) -> float:
-    """The A/A noise band (log): 95% of comparisons of two single launches of the same code
+def launch_spread(
+    configs: Iterable[Sequence[Block]], normalise: bool
+) -> tuple[float, int] | None:
+    """The launch-to-launch sd (log) beyond each block's sampling noise, pooled over every
+    config with at least two blocks (an A/A measurement: the same code launched several
+    times), with its degrees of freedom: the blocks' squared deviations from their config's
+    mean, less what the blocks' own sampling variances explain (method of moments, at least
+    0). None when no config has two blocks."""
+    rng = np.random.default_rng(SEED)
+    excess, dof = 0.0, 0
+    for kept in _repeated(configs, normalise):
+        logs = np.array([b.log_figure(normalise) for b in kept])
+        _, var = _sampling_variances(kept, normalise, rng)
+        excess += float(((logs - logs.mean()) ** 2).sum()) - (len(kept) - 1) * float(var.mean())
+        dof += len(kept) - 1
+    return (math.sqrt(max(excess, 0.0) / dof), dof) if dof else None
+
+
+def _repeated(configs: Iterable[Sequence[Block]], normalise: bool) -> Iterable[list[Block]]:
+    """Each config's non-empty blocks without outliers, for configs with at least two (all
+    normalisable when ``normalise``)."""
+    for blocks in configs:
+        kept = [b.cleaned()[0] for b in blocks]
+        kept = [b for b in kept if b.steps.size]
+        if len(kept) >= 2 and not (normalise and not normalisable(kept)):
+            yield kept
+
+
+def noise_threshold(single_sd: float) -> float:
+    """The A/A noise band (log) of a config whose single launch's figure has sd ``single_sd``
+    (:attr:`CrossRatio.noise_sd`): 95% of comparisons of two single launches of the same code
     differ by less (``z * sd * sqrt(2)``), at least :data:`MIN_EFFECT`. A difference inside it
     is within noise even when its interval excludes 1."""
-    return max(MIN_EFFECT, Z * between_sd * math.sqrt(2))
+    if math.isnan(single_sd):
+        return MIN_EFFECT
+    return max(MIN_EFFECT, Z * single_sd * math.sqrt(2))
 
 
 def verdict(r: CrossRatio, threshold: float, host_differences: Sequence[str] = ()) -> str:

@@ -17,12 +17,12 @@ from typing import Any
 import pandas as pd
 
 from vpipe.report.crossrun import (
-    DEFAULT_BETWEEN_SD,
+    LAUNCH_SD,
     Block,
     CrossRatio,
     between_block_sd,
-    between_block_spread,
     cross_ratio,
+    launch_spread,
     noise_threshold,
     normalisable,
     rounds_to_settle,
@@ -58,8 +58,9 @@ def all_blocks(steps: pd.DataFrame | None) -> list[list[Block]]:
 
 @dataclass(frozen=True)
 class RunToRun:
-    """The run-to-run spread a comparison uses: sd of log figures between launches, its
-    degrees of freedom (None: the measured default, taken as known) and where it came from."""
+    """The launch-to-launch spread a comparison uses (sd in log, beyond each block's sampling
+    noise), its degrees of freedom (None: the measured default, taken as known) and where it
+    came from."""
 
     sd: float
     dof: int | None
@@ -67,20 +68,20 @@ class RunToRun:
 
 
 def run_to_run_sd(steps: Sequence[pd.DataFrame | None], normalise: bool) -> RunToRun:
-    """The run-to-run spread for the comparison: pooled over every config with several blocks
-    in any of the sweeps, never below :data:`DEFAULT_BETWEEN_SD` (a spread estimated from a
-    few launches can come out far too small by chance), with its degrees of freedom; else the
-    default alone."""
+    """The launch-to-launch spread for the comparison: pooled over every config with several
+    blocks in any of the sweeps (:func:`vpipe.report.crossrun.launch_spread`), never below
+    :data:`LAUNCH_SD` (a spread estimated from a few launches can come out far too small by
+    chance), with its degrees of freedom; else the default alone."""
     configs = [c for s in steps for c in all_blocks(s)]
-    measured = between_block_spread(configs, normalise)
+    measured = launch_spread(configs, normalise)
     if measured is None:
         return RunToRun(
-            DEFAULT_BETWEEN_SD, None, "the default measured by bench.false_alarms (no repeated blocks)"
+            LAUNCH_SD, None, "the default measured by bench.false_alarms (no repeated blocks)"
         )
     sd, dof = measured
-    floor = " (the default floor)" if sd < DEFAULT_BETWEEN_SD else ""
+    floor = " (the default floor)" if sd < LAUNCH_SD else ""
     return RunToRun(
-        max(sd, DEFAULT_BETWEEN_SD),
+        max(sd, LAUNCH_SD),
         dof,
         f"measured from the sweeps' repeated blocks, sd {sd:.3f} with {dof} degrees of "
         f"freedom{floor}; Student's t",
@@ -127,10 +128,10 @@ def cross_cells(
     its interval, the raw ratio, the verdict and, when inconclusive, the rounds per block
     that would settle it."""
     use = normalise and normalisable(base) and normalisable(run)
-    between = {"between_sd": spread.sd, "between_dof": spread.dof}
-    r = cross_ratio(base, run, normalise=use, **between)
-    raw = r if not use else cross_ratio(base, run, normalise=False, **between)
-    threshold = noise_threshold(spread.sd)
+    launch = {"launch_sd": spread.sd, "launch_dof": spread.dof}
+    r = cross_ratio(base, run, normalise=use, **launch)
+    raw = r if not use else cross_ratio(base, run, normalise=False, **launch)
+    threshold = noise_threshold(r.noise_sd)
     word = verdict(r, threshold, host_differences)
     return {
         label: _fmt(r.value),
