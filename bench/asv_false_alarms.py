@@ -68,6 +68,8 @@ def make_commits(repo: Path, delay_ms: float) -> tuple[str, str, str]:
 
 
 def asv_config(repo: Path, work: Path) -> Path:
+    """A copy of ``repo``'s asv.conf.json in ``work`` that benchmarks ``repo`` and keeps its
+    results, HTML and environments under ``work`` (nothing of the checkout is touched)."""
     conf = json.loads((repo / "asv.conf.json").read_text())
     conf.update(
         repo=str(repo),

@@ -15,6 +15,8 @@ from pathlib import Path
 
 import pytest
 
+from bench.asv_false_alarms import asv_config
+
 ROOT = Path(__file__).resolve().parents[1]
 
 pytestmark = pytest.mark.skipif(shutil.which("asv") is None, reason="asv not installed")
@@ -23,15 +25,7 @@ pytestmark = pytest.mark.skipif(shutil.which("asv") is None, reason="asv not ins
 def _asv(tmp_path: Path, *args: str, env: dict[str, str] | None = None, timeout: float = 120):
     conf = json.loads((ROOT / "asv.conf.json").read_text())
     assert conf["benchmark_dir"] == "bench" and conf["results_dir"] == "results/asv"
-    conf.update(
-        repo=str(ROOT),
-        benchmark_dir=str(ROOT / "bench"),
-        results_dir=str(tmp_path / "results"),
-        html_dir=str(tmp_path / "html"),
-        env_dir=str(tmp_path / "env"),
-    )
-    path = tmp_path / "asv.conf.json"
-    path.write_text(json.dumps(conf))
+    path = asv_config(ROOT, tmp_path)
     full_env = {**os.environ, "HOME": str(tmp_path / "home"), **(env or {})}
     (tmp_path / "home").mkdir(exist_ok=True)
     cmd = [sys.executable, "-m", "asv", *args, "--config", str(path)]

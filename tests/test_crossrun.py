@@ -15,6 +15,7 @@ from vpipe.report.crossrun import (
     Block,
     Z,
     between_block_sd,
+    blocks_to_settle,
     cross_ratio,
     launch_spread,
     noise_threshold,
@@ -178,6 +179,10 @@ def test_rounds_to_settle_scales_with_the_variance():
     # the run-to-run part alone is wider than what would decide: no number of rounds does
     stuck = cross_ratio_stub(1.03, 0.9, 1.18, 0.02, between=0.08)
     assert rounds_to_settle(stuck, 0.03, 3) is None
+    # more blocks shrink both parts: estimate 3% (log 0.0296), band 0.06, so the interval must
+    # fit inside +-0.06, i.e. a half-width of 0.0304 from hypot(0.02, 0.08) = 0.0825 now
+    need = math.ceil((math.hypot(0.02, 0.08) / (0.06 - math.log(1.03))) ** 2)
+    assert blocks_to_settle(stuck, 0.03) == need == 8
     assert paired_rounds_to_settle(1.05, 0.99, 1.11, 3) == math.ceil(
         3 * ((math.log(1.11) - math.log(0.99)) / 2 / math.log(1.05)) ** 2
     )

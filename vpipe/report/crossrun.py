@@ -318,13 +318,32 @@ def rounds_to_settle(r: CrossRatio, threshold: float, rounds: int) -> int | None
     run-to-run part alone is too wide: more blocks)."""
     if not r.has_interval or rounds < 1:
         return None
-    d = abs(math.log(r.value))
-    band = max(2 * MIN_EFFECT, min(2 * threshold, MAX_WITHIN_NOISE))
-    target = max(d, band - d)  # the half-width that would decide
+    target = _deciding_half_width(r, threshold)
     room = target**2 - r.between**2
     if room <= 0 or r.within <= 0:
         return None
     return max(rounds + 1, math.ceil(rounds * r.within**2 / room))
+
+
+def blocks_to_settle(r: CrossRatio, threshold: float) -> int | None:
+    """Blocks per side (``vpipe bench --blocks K`` for both runs) that would make an
+    inconclusive interval decide, from the observed spread: both parts of the half-width
+    shrink as 1/sqrt(blocks) (from the harmonic mean of the two sides' blocks now). None
+    without an interval."""
+    if not r.has_interval:
+        return None
+    target = _deciding_half_width(r, threshold)
+    now = 2 / (1 / r.blocks[0] + 1 / r.blocks[1])
+    half = math.hypot(r.within, r.between)
+    return max(math.floor(now) + 1, math.ceil(now * (half / target) ** 2))
+
+
+def _deciding_half_width(r: CrossRatio, threshold: float) -> float:
+    """The half-width at which the interval around the current estimate would decide:
+    exclude 1, or fit inside twice the noise band, whichever is nearer."""
+    d = abs(math.log(r.value))
+    band = max(2 * MIN_EFFECT, min(2 * threshold, MAX_WITHIN_NOISE))
+    return max(d, band - d)
 
 
 def paired_rounds_to_settle(value: float, low: float, high: float, rounds: int) -> int | None:

@@ -21,6 +21,7 @@ from vpipe.report.crossrun import (
     Block,
     CrossRatio,
     between_block_sd,
+    blocks_to_settle,
     cross_ratio,
     launch_spread,
     noise_threshold,
@@ -150,7 +151,10 @@ def cross_cells(
 
 def _settle(r: CrossRatio, threshold: float, rounds: int) -> str:
     n = rounds_to_settle(r, threshold, rounds)
-    return f"~{n} rounds" if n is not None else "more blocks (--blocks)"
+    if n is not None:
+        return f"~{n} rounds"
+    k = blocks_to_settle(r, threshold)
+    return f"--blocks {k} (both runs)" if k is not None else "more blocks (--blocks)"
 
 
 def _fmt(v: float) -> str:
