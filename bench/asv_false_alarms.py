@@ -5,8 +5,8 @@
 
 In a scratch clone of this checkout's HEAD it makes two commits on top: one that changes only
 the README (benchmarked code identical: any "PERFORMANCE DECREASED" or "INCREASED" is a false
-alarm), and one that makes every pipeline step sleep ``--delay-ms`` longer (the default of
-``RankSpec.inject_delay_s``: a real slowdown, which asv must report). It then runs ``asv
+alarm), and one that makes every pipeline step sleep ``--delay-ms`` longer (a sleep added to
+the harness's training step on every rank: a real slowdown, which asv must report). It then runs ``asv
 continuous`` (asv's own virtualenv, default factor 1.1) ``--tries`` times on the identical pair
 and once on the slowed pair, and prints each verdict and the wall time. ``--busy`` keeps one
 core busy (a pinned busy loop) while the second commit of each pair is benchmarked, so the
@@ -28,7 +28,10 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
 HARNESS = "vpipe/sweep/harness.py"
-DELAY_FIELD = "    inject_delay_s: float = 0.0"
+# the slowed commit sleeps in every rank's training step, just after this line (a change to the
+# benchmarked code; a changed default of RankSpec.inject_delay_s would not do: the sweep passes
+# its own --inject-delay-ms explicitly)
+STEP_LINE = "        self.zero_grad()\n"
 HOG = "import os\nos.sched_setaffinity(0, {0})\nwhile True: pass"  # one core kept busy
 
 
@@ -60,9 +63,9 @@ def make_commits(repo: Path, delay_ms: float) -> tuple[str, str, str]:
     git(repo, "checkout", "-q", base)
     harness = repo / HARNESS
     text = harness.read_text()
-    if DELAY_FIELD not in text:
-        raise SystemExit(f"{HARNESS} has no line {DELAY_FIELD.strip()!r} to slow the steps with")
-    harness.write_text(text.replace(DELAY_FIELD, f"    inject_delay_s: float = {delay_ms / 1e3}"))
+    if text.count(STEP_LINE) != 1:
+        raise SystemExit(f"{HARNESS} has no single line {STEP_LINE.strip()!r} to slow steps after")
+    harness.write_text(text.replace(STEP_LINE, f"{STEP_LINE}        time.sleep({delay_ms / 1e3})\n"))
     slow = commit(repo, f"every step {delay_ms} ms slower")
     return base, same, slow
 
@@ -121,7 +124,12 @@ def continuous(
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--tries", type=int, default=3, help="A/A runs of asv continuous (default 3)")
-    p.add_argument("--delay-ms", type=float, default=10.0, help="slowdown per step (default 10: 15%% of the suite's 70 ms step at M=4)")
+    p.add_argument(
+        "--delay-ms",
+        type=float,
+        default=10.0,
+        help="slowdown per step (default 10: 15%% of the suite's 70 ms step at M=4)",
+    )
     p.add_argument("--schedules", default="1f1b,zbv")
     p.add_argument("--microbatches", default="4")
     p.add_argument("--busy", action="store_true", help="a busy core while the 2nd commit runs")
