@@ -1,12 +1,14 @@
 """asv benchmarks of the pure-Python schedule tools on a large schedule: zbv at P=64, M=1024
 (393k compute actions; 909k actions once lowered). Goal: ``simulate`` in under 2 s.
 
-The timer is the process's CPU time (``time.process_time``), not the wall clock: these calls
-are single-process and compute-only, so their CPU time is what the code costs, and another job
-on the host barely moves it (zbv P=64 M=1024 ``simulate`` under a load of 5.5 on 2 cores: wall
-1.6-5.1 s, CPU 0.37-0.38 s), where seconds of wall time made ``asv continuous`` report the same
-code 1.5x slower. Seven repeats give asv's Mann-Whitney test enough samples to judge a change.
-``python -m bench.bench_sim`` prints both clocks.
+Each benchmark tracks its CPU seconds over those of a fixed reference workload (Python dicts
+and lists, a numpy sort and cumulative sum: what the simulator's own work is made of), timed
+alternately with it in the same process, the median of :data:`REPEATS` of each: a figure in
+reference units that a host slower for the moment (another job sharing the core or its cache,
+a lower clock) leaves unchanged. CPU time alone was not enough: with one core kept busy,
+``asv continuous`` reported the same code's ``lower`` 1.19x slower (204 vs 243 ms of CPU), and
+before that wall time made it report ``simulate`` 1.5x slower. ``python -m bench.bench_sim``
+prints the absolute wall and CPU seconds.
 """
 
 from __future__ import annotations
@@ -32,51 +34,98 @@ def _lowered():
     return lower(_schedule(), check=False)
 
 
-class ZBV64x1024:
-    """simulate / lower / validate of zbv, P=64, M=1024, in CPU seconds."""
+REPEATS = 5
+UNIT = "reference units"
 
-    timer = time.process_time
-    number = 1
-    repeat = 7
-    rounds = 1
-    warmup_time = 0
+
+def reference_work() -> None:
+    """The fixed workload the benchmarks are measured in: about 30 ms of CPU."""
+    import numpy as np
+
+    counts: dict[int, int] = {}
+    for i in range(300_000):
+        counts[i % 1000] = counts.get(i % 1000, 0) + i
+    doubled = [x * 2 for x in range(200_000)]
+    values = np.random.default_rng(0).random(400_000)
+    np.sort(values)
+    np.cumsum(values)
+    del doubled
+
+
+def normalised_cpu(call: Callable[[], object], repeats: int = REPEATS) -> float:
+    """Median CPU seconds of ``call`` over the median CPU seconds of :func:`reference_work`,
+    the two timed alternately (reference first and last)."""
+    import statistics
+
+    def cpu(f: Callable[[], object]) -> float:
+        start = time.process_time()
+        f()
+        return time.process_time() - start
+
+    ops, refs = [], [cpu(reference_work)]
+    for _ in range(repeats):
+        ops.append(cpu(call))
+        refs.append(cpu(reference_work))
+    return statistics.median(ops) / statistics.median(refs)
+
+
+class ZBV64x1024:
+    """simulate / lower / validate of zbv, P=64, M=1024, in reference units of CPU time."""
+
     timeout = 600
 
     def setup(self) -> None:
         self.schedule = _schedule()
         self.lowered = _lowered()
 
-    def time_simulate(self) -> None:
+    def simulate(self) -> None:
         """Compute-only input: validates, plans the communication, replays."""
         from vpipe import simulate
 
         simulate(self.schedule)
 
-    def time_simulate_lowered(self) -> None:
+    def simulate_lowered(self) -> None:
         from vpipe import simulate
 
         simulate(self.lowered)
 
-    def time_lower(self) -> None:
+    def lower(self) -> None:
         """Validates the input, then inserts SEND/RECV."""
         from vpipe import lower
 
         lower(self.schedule)
 
-    def time_lower_unchecked(self) -> None:
+    def lower_unchecked(self) -> None:
         from vpipe import lower
 
         lower(self.schedule, check=False)
 
-    def time_validate(self) -> None:
+    def validate(self) -> None:
         from vpipe import validate
 
         validate(self.schedule)
 
-    def time_validate_lowered(self) -> None:
+    def validate_lowered(self) -> None:
         from vpipe import validate
 
         validate(self.lowered)
+
+
+OPERATIONS = ("simulate", "simulate_lowered", "lower", "lower_unchecked", "validate",
+              "validate_lowered")  # fmt: skip
+
+
+def _track(operation: str) -> Callable[[ZBV64x1024], float]:
+    def track(self: ZBV64x1024) -> float:
+        return normalised_cpu(getattr(self, operation))
+
+    track.__name__ = track.__qualname__ = f"track_{operation}"
+    track.unit = UNIT  # type: ignore[attr-defined]
+    return track
+
+
+for _operation in OPERATIONS:
+    setattr(ZBV64x1024, f"track_{_operation}", _track(_operation))
 
 
 def _clocks(call: Callable[[], object], repeats: int) -> tuple[float, float]:
@@ -100,9 +149,10 @@ def main() -> None:
         f"{SCHEDULE} P={RANKS} M={MICROBATCHES}: {bench.schedule.n_compute_actions()} compute "
         f"actions, {sum(map(len, bench.lowered.actions))} actions lowered"
     )
-    for name in sorted(n for n in dir(bench) if n.startswith("time_")):
+    for name in OPERATIONS:
         wall, cpu = _clocks(getattr(bench, name), 3)
-        print(f"{name[5:]:>18}: median {wall:.3f} s wall, {cpu:.3f} s CPU")
+        units = normalised_cpu(getattr(bench, name), 3)
+        print(f"{name:>18}: median {wall:.3f} s wall, {cpu:.3f} s CPU, {units:.2f} reference units")
 
 
 if __name__ == "__main__":

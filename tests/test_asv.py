@@ -89,7 +89,7 @@ def test_asv_continuous_builds_both_commits_with_every_dependency(tmp_path):
     res = _asv(
         tmp_path,
         "continuous", "--machine", "vpipe-test", "--quick", "--factor", "100",
-        "--bench", r"ZBV64x1024.time_simulate$", base, tip,
+        "--bench", r"ZBV64x1024.track_simulate$", base, tip,
         timeout=1200,
     )  # fmt: skip
     out = res.stdout + res.stderr
@@ -100,5 +100,5 @@ def test_asv_continuous_builds_both_commits_with_every_dependency(tmp_path):
     assert sorted(r["commit_hash"] for r in runs) == sorted([base, tip])
     for r in runs:
         assert r["params"]["torch"] == "2.13.0"
-        value = r["results"]["bench_sim.ZBV64x1024.time_simulate"][0][0]
+        value = r["results"]["bench_sim.ZBV64x1024.track_simulate"][0][0]
         assert isinstance(value, float) and value > 0
