@@ -16,8 +16,12 @@ config's median step time over the median time of the host-speed reference timed
 every step (:mod:`vpipe.sweep.reference`), the median over ``VPIPE_ASV_BLOCKS`` independent
 launches (default 3), in units of the reference (a dimensionless figure that a uniformly
 slower host leaves unchanged); raw seconds and bubble ratios are in the reports, not tracked
-(asv compares one value per commit, and those move with the host). ``VPIPE_ASV_INJECT_DELAY_MS`` sleeps that long per step on rank
-0 (``vpipe bench --inject-delay-ms``), to check that a real slowdown shows.
+(asv compares one value per commit, and those move with the host). A sweep during which other
+processes kept more than half a core busy records no figure (asv shows the benchmarks as
+skipped, with the reason): the reference over-corrects for a busy core, so such a figure is
+not comparable (``VPIPE_ASV_ALLOW_BUSY=1`` records it anyway). ``VPIPE_ASV_INJECT_DELAY_MS``
+sleeps that long per step on rank 0 (``vpipe bench --inject-delay-ms``), to check that a real
+slowdown shows.
 """
 
 from __future__ import annotations
@@ -38,6 +42,23 @@ SCHEDULES = parse_list(os.environ.get("VPIPE_ASV_SCHEDULES", ",".join(DEFAULT_SC
 MICROBATCHES = [int(m) for m in parse_list(os.environ.get("VPIPE_ASV_MICROBATCHES", "4,8"))]
 BLOCKS = int(os.environ.get("VPIPE_ASV_BLOCKS", "3"))
 INJECT_DELAY_MS = float(os.environ.get("VPIPE_ASV_INJECT_DELAY_MS", "0"))
+ALLOW_BUSY = os.environ.get("VPIPE_ASV_ALLOW_BUSY", "") not in ("", "0")
+BUSY = "host busy"
+
+
+def busy_host(host_rounds: list[dict[str, Any]]) -> str | None:
+    """Why the sweep's figures cannot stand for this commit, when other processes kept more
+    of the CPU busy than :data:`vpipe.trace.host_state.LIMITS` allows (under a busy core the
+    normalised step came out 0.89x, a false "PERFORMANCE INCREASED"); None on a quiet host."""
+    from vpipe.trace.host_state import LIMITS, summarise
+
+    other = summarise(host_rounds).get("other_cores")
+    if other is None or other <= LIMITS["other_cores"]:
+        return None
+    return (
+        f"other processes kept {other:.2f} cores busy during the sweep (limit "
+        f"{LIMITS['other_cores']}): no figure recorded; VPIPE_ASV_ALLOW_BUSY=1 records it anyway"
+    )
 
 
 def tracked() -> list[Metric]:
@@ -101,6 +122,9 @@ class PipelineCPU:
         with tempfile.TemporaryDirectory() as tmp:
             spec.trace_dir = tmp
             res = collect(spec, run_blocks(spec, "asv"), "asv", 0.0, simulate=False)
+        busy = None if ALLOW_BUSY else busy_host(res.host.to_dict("records"))
+        if busy:
+            return {BUSY: busy}
         return {
             f"{row['schedule']}/{int(row['microbatches'])}": {
                 m.asv.name: m.asv.value(row[m.name]) for m in tracked()
@@ -109,3 +133,8 @@ class PipelineCPU:
         }
 
     setup_cache.timeout = 600
+
+    def setup(self, cache: dict, schedule: str, microbatches: int) -> None:
+        """Skip (asv shows n/a) when the sweep ran on a busy host."""
+        if BUSY in cache:
+            raise NotImplementedError(cache[BUSY])

@@ -17,6 +17,7 @@ from vpipe.report.crossrun import (
     between_block_sd,
     blocks_to_settle,
     cross_ratio,
+    family_confidence,
     launch_spread,
     noise_threshold,
     paired_rounds_to_settle,
@@ -89,10 +90,17 @@ def test_single_blocks_are_widened_by_the_run_to_run_spread():
 def test_few_launches_widen_by_students_t():
     """A spread estimated from few launches is uncertain itself: the interval uses Student's t
     for its degrees of freedom, falling to the normal quantile as they grow."""
-    assert t_quantile(None) == Z and t_quantile(4) == pytest.approx(2.776, abs=1e-3)
-    assert t_quantile(11) == t_quantile(10) > t_quantile(20) > t_quantile(1000) == Z
+    assert t_quantile(None) == pytest.approx(Z) and t_quantile(4) == pytest.approx(2.776, abs=1e-3)
+    assert t_quantile(1) == pytest.approx(12.706, abs=1e-3)
+    assert t_quantile(2) == pytest.approx(4.303, abs=1e-3)
+    assert t_quantile(10) == pytest.approx(2.228, abs=1e-3)
+    assert t_quantile(10, 0.99) == pytest.approx(3.169, abs=2e-3)  # tables' t(0.995, 10)
+    assert t_quantile(8, 0.995) == pytest.approx(3.833, abs=2e-3)
+    assert t_quantile(10) > t_quantile(20) > t_quantile(1000) > Z
     with pytest.raises(ValueError):
         t_quantile(0)
+    with pytest.raises(ValueError):
+        t_quantile(4, 1.0)
     rng = np.random.default_rng(4)
     a, b = [_block(rng), _block(rng)], [_block(rng), _block(rng)]
     known = cross_ratio(a, b, normalise=True, launch_sd=0.05)
@@ -136,6 +144,29 @@ def test_precise_blocks_resolve_a_15_percent_delay_with_three_launches():
     assert verdict(slow, noise_threshold(slow.noise_sd)) == "slower"
     assert verdict(same, noise_threshold(same.noise_sd)) == "within noise"
     assert 0.03 < same.noise_sd < 0.05
+
+
+def test_many_configs_keep_the_a_a_false_alarm_rate_at_5_percent():
+    """60 A/A comparisons of 10 configs (launches 3% apart, as assumed): with 95% intervals
+    per config about a third of the comparisons call some config faster or slower; with the
+    family's confidence (Bonferroni) about 5% do."""
+    rng = np.random.default_rng(7)
+
+    def launch():
+        return [_block(rng, slow=math.exp(0.03 * rng.standard_normal()), noise=0.01, n=20)]
+
+    def alarmed(configs):
+        words = []
+        for _ in range(10):
+            r = cross_ratio(launch(), launch(), normalise=False, launch_sd=0.03,
+                            confidence=family_confidence(configs))  # fmt: skip
+            words.append(verdict(r, noise_threshold(r.noise_sd)))
+        return any(w in ("faster", "slower") for w in words)
+
+    assert family_confidence(10) == pytest.approx(0.995) and family_confidence(1) == 0.95
+    per_config = sum(alarmed(1) for _ in range(60))
+    family = sum(alarmed(10) for _ in range(60))
+    assert per_config >= 12 and family <= 7, (per_config, family)
 
 
 def test_verdict_rules_and_host_differed():

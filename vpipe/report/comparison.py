@@ -147,7 +147,8 @@ def comparison_table(sweeps: Sequence[Sweep]) -> pd.DataFrame:
         comparable = not setup_differences(base, run)
         timed = base.steps is not None and run.steps is not None
         hosts = judge_hosts(host_summary(base.host, base.steps), host_summary(run.host, run.steps))
-        for idx in b.index.intersection(r.index):
+        shared = b.index.intersection(r.index)
+        for idx in shared:
             x, y = b.loc[idx], r.loc[idx]
             if timed:
                 cells = cross_cells(
@@ -158,6 +159,7 @@ def comparison_table(sweeps: Sequence[Sweep]) -> pd.DataFrame:
                     spread=spread,
                     host_differences=hosts,
                     rounds=int(run.meta_value("rounds", 3)),
+                    configs=len(shared),
                 )
                 cells.pop("_ratio")
                 cells["host"] = "; ".join(hosts) if cells["verdict"] == "host differed" else ""
@@ -399,7 +401,9 @@ def _comparison_note(sweeps: Sequence[Sweep], differs: str) -> str:
     words.append(
         "ratio = base figure / the run's (> 1: the run is faster); the figure is a block's "
         "median step time over its median reference time (normalised; raw when a sweep has no "
-        f"reference timings), averaged in log over blocks. {CONFIDENCE:.0%} interval: a "
+        f"reference timings), averaged in log over blocks. {CONFIDENCE:.0%} interval, "
+        "simultaneous over a run's n configs (each at 1 - 5%/n, Bonferroni, so that the same "
+        "code compared with itself shows any false verdict at most 5% of the time): a "
         f"hierarchical bootstrap (blocks, then steps; {RESAMPLES} resamples, seed {SEED}) when "
         f"both sweeps have {MIN_BLOCKS}+ blocks, else estimate +- t x sd, where each block "
         "adds its steps' sampling variance (bootstrap) and the launch-to-launch variance, "
@@ -410,8 +414,8 @@ def _comparison_note(sweeps: Sequence[Sweep], differs: str) -> str:
 '95% of the time); "host differed" whenever the hosts\' states differed (see Host): '
         "then normalising may hide a change as well as invent one; \"within noise\" when the "
         'ratio is inside the band and the interval inside twice the band; else '
-        '"inconclusive", with the rounds '
-        "per block (vpipe bench --rounds N) that would settle it. raw: the ratio of medians "
+        '"inconclusive", with the rounds per block (vpipe bench --rounds N) or the blocks '
+        "per run (--blocks K) that would settle it. raw: the ratio of medians "
         f"without normalisation. Steps over {OUTLIER_FACTOR:g}x their block's median are "
         "outliers, counted and excluded."
     )

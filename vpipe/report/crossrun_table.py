@@ -23,6 +23,7 @@ from vpipe.report.crossrun import (
     between_block_sd,
     blocks_to_settle,
     cross_ratio,
+    family_confidence,
     launch_spread,
     noise_threshold,
     normalisable,
@@ -124,12 +125,18 @@ def cross_cells(
     spread: RunToRun,
     host_differences: Sequence[str],
     rounds: int,
+    configs: int = 1,
 ) -> dict[str, Any]:
     """A config's cells: the ratio the verdict uses (normalised when both sides can be) with
     its interval, the raw ratio, the verdict and, when inconclusive, the rounds per block
-    that would settle it."""
+    that would settle it. ``configs``: how many configs the comparison holds, for
+    :func:`vpipe.report.crossrun.family_confidence`."""
     use = normalise and normalisable(base) and normalisable(run)
-    launch = {"launch_sd": spread.sd, "launch_dof": spread.dof}
+    launch = {
+        "launch_sd": spread.sd,
+        "launch_dof": spread.dof,
+        "confidence": family_confidence(configs),
+    }
     r = cross_ratio(base, run, normalise=use, **launch)
     raw = r if not use else cross_ratio(base, run, normalise=False, **launch)
     threshold = noise_threshold(r.noise_sd)
