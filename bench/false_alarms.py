@@ -1,6 +1,6 @@
 """False alarms and detections of cross-run comparisons (``vpipe report A B``'s rules).
 
-    python -m bench.false_alarms [--aa 20] [--delayed 10] [--blocks 3] [--delay-pct 15]
+    python -m bench.false_alarms [--aa 20] [--delayed 10] [--blocks 5] [--delay-pct 15]
 
 Runs a compute-bound sweep (two schedules, vpipe's runtime, an MLP whose actions take
 milliseconds) many times, each run being ``--blocks`` independent launches, interleaved so
@@ -90,11 +90,16 @@ class Hog:
 
 
 def verdicts(base: Any, run: Any) -> list[str]:
-    """The comparison's verdict per config, and each side's host state in brief."""
-    from vpipe.report.comparison import comparison_table
+    """The comparison's verdict per config ("verdict|ratio (interval)"), and each side's host
+    state in brief ("[...]")."""
+    from vpipe.report.comparison import comparison_table, ratio_label
     from vpipe.report.crossrun_table import host_summary
 
-    words = list(comparison_table([base, run])["verdict"])
+    table = comparison_table([base, run])
+    label = ratio_label([base, run])
+    words = [
+        f"{row['verdict']}|{row[label]} ({row['95% CI']})" for row in table.to_dict("records")
+    ]
     for s in (base, run):
         h = host_summary(s.host, s.steps)
         words.append(
@@ -107,7 +112,7 @@ DECIDED = {"faster", "slower"}
 
 
 def _verdicts_only(rows: list[list[str]]) -> list[list[str]]:
-    return [[v for v in row if not v.startswith("[")] for row in rows]
+    return [[v.split("|")[0] for v in row if not v.startswith("[")] for row in rows]
 
 
 def alarm_rate(rows: list[list[str]]) -> str:
@@ -138,7 +143,7 @@ def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--aa", type=int, default=20, help="A/A comparisons (default 20)")
     p.add_argument("--delayed", type=int, default=10, help="A/A' comparisons (default 10)")
-    p.add_argument("--blocks", type=int, default=3, help="launches per run (default 3)")
+    p.add_argument("--blocks", type=int, default=5, help="launches per run (default 5)")
     p.add_argument("--delay-pct", type=float, default=15.0, help="injected delay, %% (default 15)")
     args = p.parse_args(argv)
     t0 = time.perf_counter()
@@ -161,16 +166,16 @@ def main(argv: list[str] | None = None) -> int:
         quiet_runs.append(quiet)
         if i > 0:
             aa_quiet.append(verdicts(quiet_runs[-2], quiet))
-            print(f"A/A  {i:2d} quiet vs quiet:  {', '.join(aa_quiet[-1])}", flush=True)
+            print(f"A/A  {i:2d} quiet vs quiet:  {', '.join(aa_quiet[-1]).replace('|', ' ')}", flush=True)
         if i < args.aa:
             with Hog():
                 busy = sweep(f"busy{i}", args.blocks)
             aa.append(verdicts(quiet, busy))
-            print(f"A/A  {i + 1:2d} quiet vs busy:   {', '.join(aa[-1])}", flush=True)
+            print(f"A/A  {i + 1:2d} quiet vs busy:   {', '.join(aa[-1]).replace('|', ' ')}", flush=True)
         if i < args.delayed:
             slow = sweep(f"delayed{i}", args.blocks, delay_ms)
             delayed.append(verdicts(quiet, slow))
-            print(f"A/A' {i + 1:2d} quiet vs delayed: {', '.join(delayed[-1])}", flush=True)
+            print(f"A/A' {i + 1:2d} quiet vs delayed: {', '.join(delayed[-1]).replace('|', ' ')}", flush=True)
 
     wall = time.perf_counter() - t0
     print()
