@@ -154,7 +154,7 @@ def main(argv: list[str] | None = None) -> int:
     delay_ms = round(slowest * args.delay_pct / 100 * 1e3, 3)
     print(f"slowest config's median step {slowest * 1e3:.2f} ms: injected delay {delay_ms} ms")
 
-    from vpipe.report.crossrun import between_block_sd, launch_spread
+    from vpipe.report.crossrun import between_block_sd, launch_spread, run_drift
     from vpipe.report.crossrun_table import all_blocks
 
     aa: list[list[str]] = []
@@ -188,9 +188,11 @@ def main(argv: list[str] | None = None) -> int:
         if total is None or launch is None:
             print("run-to-run spread: needs --blocks >= 2")
             break
+        drift = run_drift([all_blocks(s.steps) for s in quiet_runs], normalise)
         print(
             f"quiet launches, {name}: sd between blocks {total:.3f} (log), of which "
-            f"launch-to-launch {launch[0]:.3f} ({launch[1]} dof) beyond the steps' sampling noise"
+            f"launch-to-launch {launch[0]:.3f} ({launch[1]} dof) beyond the steps' sampling "
+            f"noise; drift of whole runs beyond their blocks' spread {drift or 0:.3f}"
         )
     print(
         f"host load (1 min) at start {load0:.2f}, at end {os.getloadavg()[0]:.2f}; "

@@ -18,7 +18,7 @@ from pathlib import Path
 import pandas as pd
 
 from vpipe.errors import VpipeError
-from vpipe.report.crossrun import MIN_BLOCKS, noise_threshold
+from vpipe.report.crossrun import MIN_BLOCKS, RUN_SD, noise_threshold
 from vpipe.report.crossrun_table import (
     choose_normalisation,
     config_blocks,
@@ -407,7 +407,9 @@ def _comparison_note(sweeps: Sequence[Sweep], differs: str) -> str:
         f"hierarchical bootstrap (blocks, then steps; {RESAMPLES} resamples, seed {SEED}) when "
         f"both sweeps have {MIN_BLOCKS}+ blocks, else estimate +- t x sd, where each block "
         "adds its steps' sampling variance (bootstrap) and the launch-to-launch variance, "
-        f"sd {spread.sd:.3f} in log ({spread.source}). Verdict: faster/slower "
+        f"sd {spread.sd:.3f} in log ({spread.source}), and each run the drift of a whole run "
+        f"that its back-to-back blocks cannot show (sd {RUN_SD}, measured by "
+        "bench.false_alarms). Verdict: faster/slower "
         "only when the interval excludes 1 and the ratio is beyond the config's A/A noise band "
         "(1.96 x sqrt 2 x the sd of one launch's figure, at least "
         f"{noise_threshold(0.0):.0%}: two launches of the same code differ by less "

@@ -59,6 +59,11 @@ MIN_BLOCKS = 8
 # Launch-to-launch sd (log) beyond the blocks' own sampling noise: assumed when the sweeps have
 # no repeated blocks, and the floor of a measured one; measured by bench.false_alarms (README).
 LAUNCH_SD = 0.03
+# Drift of a whole run's figure (log sd) beyond what its blocks' spread shows: blocks are
+# launched back to back, so a host that is a little slower for that quarter of an hour moves
+# all of them together. Quiet runs of bench.false_alarms measured it (README); it cannot be
+# estimated from the two runs being compared, so it is assumed for every comparison.
+RUN_SD = 0.02
 MIN_EFFECT = 0.02  # never call a difference under 2% (log) a speedup or a slowdown
 # "within noise" rules out effects this large at most (log ~10%): with a wider noise band the
 # honest answer is "inconclusive", not that nothing changed
@@ -135,8 +140,9 @@ class CrossRatio:
     and steps behind each side, whether normalised, the outliers dropped and the interval's
     interval's half-widths (log) from the blocks' sampling noise (``within``: shrinks with
     more steps) and from the launch-to-launch spread (``between``: shrinks only with more
-    blocks), and ``noise_sd``: the sd of one launch's figure of this config (both parts), from
-    which the A/A noise band follows (:func:`noise_threshold`)."""
+    blocks), ``drift``: the half-width from the runs' own drift (:data:`RUN_SD`: no number
+    of rounds or blocks shrinks it), and ``noise_sd``: the sd of one launch's figure of this
+    config (all three parts), from which the A/A noise band follows (:func:`noise_threshold`)."""
 
     value: float
     low: float
@@ -149,6 +155,7 @@ class CrossRatio:
     between: float
     hierarchical: bool
     noise_sd: float = float("nan")
+    drift: float = 0.0
 
     @property
     def has_interval(self) -> bool:
@@ -191,13 +198,16 @@ def cross_ratio(
     launch_sd: float,
     launch_dof: int | None = None,
     confidence: float = CONFIDENCE,
+    run_sd: float = 0.0,
 ) -> CrossRatio:
     """base / run of a config's (normalised) figure with a 95% interval under the
     random-effects model of the module's doc: each side's figure is the mean of its blocks',
     whose variance is the launch-to-launch ``launch_sd``^2 (estimated with ``launch_dof``
     degrees of freedom, None: known) plus the block's own sampling variance; hierarchical
     bootstrap instead when both sides have :data:`MIN_BLOCKS` blocks. ``confidence``: the
-    interval's level (:func:`family_confidence` for one of several configs)."""
+    interval's level (:func:`family_confidence` for one of several configs). ``run_sd``: the
+    drift of a whole run's figure that its blocks, launched back to back, cannot show
+    (:data:`RUN_SD`), added once per side."""
     cleaned = [[b.cleaned() for b in side] for side in (base, run)]
     dropped = sum(n for side in cleaned for _, n in side)
     sides = [[b for b, _ in side if b.steps.size] for side in cleaned]
@@ -218,15 +228,18 @@ def cross_ratio(
     q = t_quantile(launch_dof, confidence)
     within = q * math.sqrt(var_a.sum() / blocks[0] ** 2 + var_b.sum() / blocks[1] ** 2)
     between = q * launch_sd * math.sqrt(1 / blocks[0] + 1 / blocks[1])
-    noise_sd = math.sqrt(launch_sd**2 + float(np.concatenate([var_a, var_b]).mean()))
+    drift = q * run_sd * math.sqrt(2)
+    sampling = float(np.concatenate([var_a, var_b]).mean())
+    noise_sd = math.sqrt(run_sd**2 + launch_sd**2 + sampling)
     hierarchical = min(blocks) >= MIN_BLOCKS
-    if hierarchical:
+    if hierarchical:  # the bootstrap's interval, widened by the runs' drift it cannot see
         draws = _hierarchical(draws_a, rng) - _hierarchical(draws_b, rng)
         tail = (1 - confidence) / 2 * 100
         lo, hi = (float(x) for x in np.percentile(draws, [tail, 100 - tail]))
+        centre, half = (lo + hi) / 2, math.hypot((hi - lo) / 2, drift)
     else:
-        half = math.hypot(within, between)
-        lo, hi = log_value - half, log_value + half
+        centre, half = log_value, math.sqrt(within**2 + between**2 + drift**2)
+    lo, hi = centre - half, centre + half
     return CrossRatio(
         math.exp(log_value),
         math.exp(lo),
@@ -239,6 +252,7 @@ def cross_ratio(
         between,
         hierarchical,
         noise_sd,
+        drift,
     )
 
 
@@ -280,6 +294,29 @@ def launch_spread(
         excess += float(((logs - logs.mean()) ** 2).sum()) - (len(kept) - 1) * float(var.mean())
         dof += len(kept) - 1
     return (math.sqrt(max(excess, 0.0) / dof), dof) if dof else None
+
+
+def run_drift(runs: Sequence[Sequence[Sequence[Block]]], normalise: bool) -> float | None:
+    """The drift of whole runs (log sd; what :data:`RUN_SD` stands for) from several runs of
+    the same sweep, each a list of configs' blocks in the same order: the variance of the runs'
+    mean figures per config less what their blocks' spread explains (method of moments, at
+    least 0), pooled over configs. None with fewer than two runs or blocks."""
+    excess, dof = 0.0, 0
+    for per_run in zip(*runs, strict=True):
+        means, shares = [], []
+        for blocks in per_run:
+            kept = [b.cleaned()[0] for b in blocks]
+            logs = [b.log_figure(normalise) for b in kept if b.steps.size]
+            if len(logs) < 2:
+                return None
+            means.append(float(np.mean(logs)))
+            shares.append(float(np.var(logs, ddof=1)) / len(logs))
+        if len(means) < 2:
+            return None
+        n = len(means) - 1
+        excess += n * (float(np.var(means, ddof=1)) - float(np.mean(shares)))
+        dof += n
+    return math.sqrt(max(excess, 0.0) / dof) if dof else None
 
 
 def _repeated(configs: Iterable[Sequence[Block]], normalise: bool) -> Iterable[list[Block]]:
@@ -343,7 +380,7 @@ def rounds_to_settle(r: CrossRatio, threshold: float, rounds: int) -> int | None
     if not r.has_interval or rounds < 1:
         return None
     target = _deciding_half_width(r, threshold)
-    room = target**2 - r.between**2
+    room = target**2 - r.between**2 - r.drift**2
     if room <= 0 or r.within <= 0:
         return None
     return max(rounds + 1, math.ceil(rounds * r.within**2 / room))
@@ -352,14 +389,17 @@ def rounds_to_settle(r: CrossRatio, threshold: float, rounds: int) -> int | None
 def blocks_to_settle(r: CrossRatio, threshold: float) -> int | None:
     """Blocks per side (``vpipe bench --blocks K`` for both runs) that would make an
     inconclusive interval decide, from the observed spread: both parts of the half-width
-    shrink as 1/sqrt(blocks) (from the harmonic mean of the two sides' blocks now). None
-    without an interval."""
+    shrink as 1/sqrt(blocks) (from the harmonic mean of the two sides' blocks now), the runs'
+    drift does not. None without an interval, or when the drift alone is too wide."""
     if not r.has_interval:
         return None
     target = _deciding_half_width(r, threshold)
+    room = target**2 - r.drift**2
+    if room <= 0:
+        return None
     now = 2 / (1 / r.blocks[0] + 1 / r.blocks[1])
-    half = math.hypot(r.within, r.between)
-    return max(math.floor(now) + 1, math.ceil(now * (half / target) ** 2))
+    shrinking = r.within**2 + r.between**2
+    return max(math.floor(now) + 1, math.ceil(now * shrinking / room))
 
 
 def _deciding_half_width(r: CrossRatio, threshold: float) -> float:

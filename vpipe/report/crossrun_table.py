@@ -18,6 +18,7 @@ import pandas as pd
 
 from vpipe.report.crossrun import (
     LAUNCH_SD,
+    RUN_SD,
     Block,
     CrossRatio,
     between_block_sd,
@@ -136,6 +137,7 @@ def cross_cells(
         "launch_sd": spread.sd,
         "launch_dof": spread.dof,
         "confidence": family_confidence(configs),
+        "run_sd": RUN_SD,
     }
     r = cross_ratio(base, run, normalise=use, **launch)
     raw = r if not use else cross_ratio(base, run, normalise=False, **launch)
@@ -157,11 +159,16 @@ def cross_cells(
 
 
 def _settle(r: CrossRatio, threshold: float, rounds: int) -> str:
+    """What would settle an inconclusive ratio, whichever times fewer steps: more rounds per
+    block, or more blocks per run."""
     n = rounds_to_settle(r, threshold, rounds)
-    if n is not None:
-        return f"~{n} rounds"
     k = blocks_to_settle(r, threshold)
-    return f"--blocks {k} (both runs)" if k is not None else "more blocks (--blocks)"
+    blocks_now = max(r.blocks)
+    if n is not None and (k is None or n * blocks_now <= rounds * k):
+        return f"~{n} rounds"
+    if k is not None:
+        return f"--blocks {k} (both runs)"
+    return f"nothing: the runs' own drift alone is +-{math.expm1(r.drift):.0%}"
 
 
 def _fmt(v: float) -> str:
