@@ -59,6 +59,13 @@ def _wait_for(kind: str, value: float, duration: float, parent: Path, proc) -> N
     time.sleep(value)
 
 
+def _default_sigint() -> None:
+    """Ctrl-C's default action in the child: a shell without job control starts background
+    commands with SIGINT ignored, and the child would inherit that (the whole suite run with
+    ``&`` saw every sweep finish)."""
+    signal.signal(signal.SIGINT, signal.SIG_DFL)
+
+
 def _no_staging_left(parent: Path) -> None:
     assert [p.name for p in parent.iterdir() if p.name.startswith(".")] == []
 
@@ -76,7 +83,7 @@ def test_ctrl_c_at_any_moment_leaves_a_complete_output(tmp_path):
     for kind, value in MOMENTS:
         proc = subprocess.Popen([sys.executable, *BENCH, str(out)], env=env, text=True,
                                 stdout=subprocess.PIPE, stderr=subprocess.PIPE,
-                                start_new_session=True)  # fmt: skip
+                                start_new_session=True, preexec_fn=_default_sigint)  # fmt: skip
         _wait_for(kind, value, duration, tmp_path, proc)
         try:
             os.killpg(proc.pid, signal.SIGINT)
