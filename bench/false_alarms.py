@@ -89,35 +89,36 @@ class Hog:
         self.proc.wait(timeout=10)
 
 
-def verdicts(base: Any, run: Any) -> list[str]:
-    """The comparison's verdict per config ("verdict|ratio (interval)"), and each side's host
-    state in brief ("[...]")."""
+def verdicts(base: Any, run: Any) -> tuple[list[str], str]:
+    """The comparison's verdict per config, and a line with each verdict's ratio and interval
+    and each side's host state in brief."""
     from vpipe.report.comparison import comparison_table, ratio_label
     from vpipe.report.crossrun_table import host_summary
 
     table = comparison_table([base, run])
     label = ratio_label([base, run])
-    words = [
-        f"{row['verdict']}|{row[label]} ({row['95% CI']})" for row in table.to_dict("records")
-    ]
+    rows = table.to_dict("records")
+    shown = [f"{row['verdict']} {row[label]} ({row['95% CI']})" for row in rows]
     for s in (base, run):
         h = host_summary(s.host, s.steps)
-        words.append(
+        shown.append(
             f"[{s.label}: other {h['other_cores'] or 0:.2f} cores, ref {(h['ref_s'] or 0) * 1e3:.2f} ms]"
         )
-    return words
+    return [row["verdict"] for row in rows], ", ".join(shown)
 
 
 DECIDED = {"faster", "slower"}
 
 
-def _verdicts_only(rows: list[list[str]]) -> list[list[str]]:
-    return [[v.split("|")[0] for v in row if not v.startswith("[")] for row in rows]
+def compare(title: str, base: Any, run: Any, into: list[list[str]]) -> None:
+    """Compare two runs, keep the verdicts in ``into`` and print them with their figures."""
+    words, line = verdicts(base, run)
+    into.append(words)
+    print(f"{title} {line}", flush=True)
 
 
 def alarm_rate(rows: list[list[str]]) -> str:
     """The verdicts of A/A comparisons, and how many said faster/slower (false alarms)."""
-    rows = _verdicts_only(rows)
     alarms = sum(any(v in DECIDED for v in row) for row in rows)
     configs = sum(v in DECIDED for row in rows for v in row)
     return (
@@ -129,7 +130,6 @@ def alarm_rate(rows: list[list[str]]) -> str:
 
 def detection_rate(rows: list[list[str]], pct: float) -> str:
     """The verdicts of A/A' comparisons, and how many called every config slower."""
-    rows = _verdicts_only(rows)
     caught = sum(all(v == "slower" for v in row) for row in rows)
     configs = sum(v == "slower" for row in rows for v in row)
     return (
@@ -165,17 +165,14 @@ def main(argv: list[str] | None = None) -> int:
         quiet = sweep(f"quiet{i}", args.blocks)
         quiet_runs.append(quiet)
         if i > 0:
-            aa_quiet.append(verdicts(quiet_runs[-2], quiet))
-            print(f"A/A  {i:2d} quiet vs quiet:  {', '.join(aa_quiet[-1]).replace('|', ' ')}", flush=True)
+            compare(f"A/A  {i:2d} quiet vs quiet: ", quiet_runs[-2], quiet, aa_quiet)
         if i < args.aa:
             with Hog():
                 busy = sweep(f"busy{i}", args.blocks)
-            aa.append(verdicts(quiet, busy))
-            print(f"A/A  {i + 1:2d} quiet vs busy:   {', '.join(aa[-1]).replace('|', ' ')}", flush=True)
+            compare(f"A/A  {i + 1:2d} quiet vs busy:  ", quiet, busy, aa)
         if i < args.delayed:
             slow = sweep(f"delayed{i}", args.blocks, delay_ms)
-            delayed.append(verdicts(quiet, slow))
-            print(f"A/A' {i + 1:2d} quiet vs delayed: {', '.join(delayed[-1]).replace('|', ' ')}", flush=True)
+            compare(f"A/A' {i + 1:2d} quiet vs delayed:", quiet, slow, delayed)
 
     wall = time.perf_counter() - t0
     print()

@@ -20,6 +20,7 @@ import pandas as pd
 from vpipe.errors import VpipeError
 from vpipe.report.crossrun import MIN_BLOCKS, RUN_SD, noise_threshold
 from vpipe.report.crossrun_table import (
+    RunToRun,
     choose_normalisation,
     config_blocks,
     cross_cells,
@@ -123,7 +124,27 @@ def ratio_label(sweeps: Sequence[Sweep]) -> str:
     return f"ratio (not a speedup: {words})" if words else "speedup"
 
 
-def comparison_table(sweeps: Sequence[Sweep]) -> pd.DataFrame:
+@dataclass(frozen=True)
+class CrossModel:
+    """How a comparison's sweeps are compared, decided once for its table and its note: why
+    normalisation is unavailable (empty when it is), whether figures are normalised and why,
+    and the launch-to-launch spread."""
+
+    notes: frozenset[str]
+    normalise: bool
+    why: str
+    spread: RunToRun
+
+
+def cross_model(sweeps: Sequence[Sweep]) -> CrossModel:
+    """The :class:`CrossModel` of ``sweeps`` (the first is the base)."""
+    notes = frozenset(n for s in sweeps[1:] if (n := normalisation_note(sweeps[0], s)))
+    steps = [s.steps for s in sweeps]
+    normalise, why = choose_normalisation(steps, not notes)
+    return CrossModel(notes, normalise, why, run_to_run_sd(steps, normalise))
+
+
+def comparison_table(sweeps: Sequence[Sweep], model: CrossModel | None = None) -> pd.DataFrame:
     """Base step time over each sweep's, per (schedule, M, impl) present in both (the first
     sweep is the base): the ratio of median step times with a bootstrap interval resampling
     each sweep's steps of the config independently (:func:`vpipe.stats.ratio_of_medians`).
@@ -138,9 +159,7 @@ def comparison_table(sweeps: Sequence[Sweep]) -> pd.DataFrame:
     base = sweeps[0]
     label = ratio_label(sweeps)
     b = base.runs.set_index(CONFIG)
-    available = all(normalisation_note(base, s) is None for s in sweeps[1:])
-    normalise, _ = choose_normalisation([s.steps for s in sweeps], available)
-    spread = run_to_run_sd([s.steps for s in sweeps], normalise)
+    model = model or cross_model(sweeps)
     rows = []
     for run in sweeps[1:]:
         r = run.runs.set_index(CONFIG)
@@ -155,8 +174,8 @@ def comparison_table(sweeps: Sequence[Sweep]) -> pd.DataFrame:
                     label,
                     config_blocks(base.steps, *idx),
                     config_blocks(run.steps, *idx),
-                    normalise=normalise,
-                    spread=spread,
+                    normalise=model.normalise,
+                    spread=model.spread,
                     host_differences=hosts,
                     rounds=int(run.meta_value("rounds", 3)),
                     configs=len(shared),
@@ -336,7 +355,8 @@ def comparison_report(paths: Sequence[str | Path]) -> tuple[str, str]:
     else:
         differs = setup_note(sweeps)
         title = "Step-time ratio (not a speedup)" if differs else "Speedup"
-        table = comparison_table(sweeps)
+        model = cross_model(sweeps)
+        table = comparison_table(sweeps, model)
         line = headline(table, sweeps[0].label, ratio_label(sweeps))
         knobs = knob_differences([s.meta for s in sweeps], [s.label for s in sweeps])
         if knobs:  # what a comparison of two knob settings compares
@@ -347,7 +367,7 @@ def comparison_report(paths: Sequence[str | Path]) -> tuple[str, str]:
             table_section(
                 f"{title} over {sweeps[0].label}",
                 table,
-                _comparison_note(sweeps, differs),
+                _comparison_note(sweeps, differs, model),
             )
         )
     title = "vpipe benchmark comparison"
@@ -386,18 +406,16 @@ def _num(v: float | None, fmt: str) -> str:
     return "" if v is None else fmt.format(v)
 
 
-def _comparison_note(sweeps: Sequence[Sweep], differs: str) -> str:
+def _comparison_note(sweeps: Sequence[Sweep], differs: str, model: CrossModel) -> str:
     """What the comparison table's figures mean, and why they are no speedup if so."""
     words = (
         [f"Not a speedup ({differs}): the ratio measures the setup as much as the code."]
         if differs
         else []
     )
-    notes = {n for s in sweeps[1:] if (n := normalisation_note(sweeps[0], s))}
-    words.extend(f"Note: {n}." for n in sorted(notes))
-    normalise, why = choose_normalisation([s.steps for s in sweeps], not notes)
-    words.append(f"Figure compared: {why}.")
-    spread = run_to_run_sd([s.steps for s in sweeps], normalise)
+    words.extend(f"Note: {n}." for n in sorted(model.notes))
+    words.append(f"Figure compared: {model.why}.")
+    spread = model.spread
     words.append(
         "ratio = base figure / the run's (> 1: the run is faster); the figure is a block's "
         "median step time over its median reference time (normalised; raw when a sweep has no "

@@ -23,6 +23,9 @@ interval that holds when the host changed between them, and the verdict rules.
   charging it a fixed run-to-run sd measured on noisy short blocks hides real slowdowns.
   With at least :data:`MIN_BLOCKS` blocks per side, a hierarchical percentile bootstrap
   (blocks, then steps) replaces the model.
+- **Drift of whole runs** (:data:`RUN_SD`): a run's blocks are launched back to back, so the
+  host's state of that quarter of an hour moves them together and their spread cannot show
+  it; each side adds it, and no number of rounds or blocks shrinks it.
 - **Several configs** (:func:`family_confidence`): a comparison of n configs gives each a
   1 - 0.05/n interval (Bonferroni), so that an A/A comparison shows any false verdict at most
   5% of the time, however many configs the sweep has.
@@ -137,8 +140,8 @@ class Block:
 @dataclass(frozen=True)
 class CrossRatio:
     """base / run of a config's figure (> 1: the run is faster), its 95% interval, the blocks
-    and steps behind each side, whether normalised, the outliers dropped and the interval's
-    interval's half-widths (log) from the blocks' sampling noise (``within``: shrinks with
+    and steps behind each side, whether normalised, the outliers dropped, the interval's
+    half-widths (log) from the blocks' sampling noise (``within``: shrinks with
     more steps) and from the launch-to-launch spread (``between``: shrinks only with more
     blocks), ``drift``: the half-width from the runs' own drift (:data:`RUN_SD`: no number
     of rounds or blocks shrinks it), and ``noise_sd``: the sd of one launch's figure of this
@@ -305,10 +308,10 @@ def run_drift(runs: Sequence[Sequence[Sequence[Block]]], normalise: bool) -> flo
     for per_run in zip(*runs, strict=True):
         means, shares = [], []
         for blocks in per_run:
-            kept = [b.cleaned()[0] for b in blocks]
-            logs = [b.log_figure(normalise) for b in kept if b.steps.size]
-            if len(logs) < 2:
+            kept = next(iter(_repeated([blocks], normalise)), None)
+            if kept is None:
                 return None
+            logs = [b.log_figure(normalise) for b in kept]
             means.append(float(np.mean(logs)))
             shares.append(float(np.var(logs, ddof=1)) / len(logs))
         if len(means) < 2:
@@ -366,7 +369,7 @@ def verdict(r: CrossRatio, threshold: float, host_differences: Sequence[str] = (
         if abs(d) <= min(threshold, MAX_WITHIN_NOISE / 2):
             return "within noise"
         return "faster" if lo > 0 else "slower"
-    band = max(2 * MIN_EFFECT, min(2 * threshold, MAX_WITHIN_NOISE))
+    band = _within_noise_band(threshold)
     if -band <= lo and hi <= band:
         return "within noise"
     return "inconclusive"
@@ -375,8 +378,8 @@ def verdict(r: CrossRatio, threshold: float, host_differences: Sequence[str] = (
 def rounds_to_settle(r: CrossRatio, threshold: float, rounds: int) -> int | None:
     """Rounds per block that would make an inconclusive interval decide (exclude 1, or fit
     inside twice the noise band), from the observed spread: the within-run half-width shrinks
-    as 1/sqrt(rounds), the run-to-run part does not. None when no number of rounds can (the
-    run-to-run part alone is too wide: more blocks)."""
+    as 1/sqrt(rounds), the launch-to-launch part and the runs' drift do not. None when no
+    number of rounds can (those parts alone are too wide)."""
     if not r.has_interval or rounds < 1:
         return None
     target = _deciding_half_width(r, threshold)
@@ -406,8 +409,13 @@ def _deciding_half_width(r: CrossRatio, threshold: float) -> float:
     """The half-width at which the interval around the current estimate would decide:
     exclude 1, or fit inside twice the noise band, whichever is nearer."""
     d = abs(math.log(r.value))
-    band = max(2 * MIN_EFFECT, min(2 * threshold, MAX_WITHIN_NOISE))
-    return max(d, band - d)
+    return max(d, _within_noise_band(threshold) - d)
+
+
+def _within_noise_band(threshold: float) -> float:
+    """The half-width an interval must fit inside to be "within noise": twice the noise
+    band, at least twice :data:`MIN_EFFECT`, at most :data:`MAX_WITHIN_NOISE`."""
+    return max(2 * MIN_EFFECT, min(2 * threshold, MAX_WITHIN_NOISE))
 
 
 def paired_rounds_to_settle(value: float, low: float, high: float, rounds: int) -> int | None:

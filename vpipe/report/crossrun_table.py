@@ -133,14 +133,14 @@ def cross_cells(
     that would settle it. ``configs``: how many configs the comparison holds, for
     :func:`vpipe.report.crossrun.family_confidence`."""
     use = normalise and normalisable(base) and normalisable(run)
-    launch = {
+    model = {
         "launch_sd": spread.sd,
         "launch_dof": spread.dof,
         "confidence": family_confidence(configs),
         "run_sd": RUN_SD,
     }
-    r = cross_ratio(base, run, normalise=use, **launch)
-    raw = r if not use else cross_ratio(base, run, normalise=False, **launch)
+    r = cross_ratio(base, run, normalise=use, **model)
+    raw = r if not use else cross_ratio(base, run, normalise=False, **model)
     threshold = noise_threshold(r.noise_sd)
     word = verdict(r, threshold, host_differences)
     return {
