@@ -34,4 +34,4 @@ gpu-check: $(STAMP)
 	$(PY) -m bench.gpu_check
 
 lint: $(STAMP)
-	$(PY) -m ruff check vpipe tests bench
+	$(PY) -m ruff check vpipe tests bench benchmarks

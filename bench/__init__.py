@@ -1,1 +1,2 @@
-"""asv benchmark suite for vpipe (see asv.conf.json at the repository root)."""
+"""Evaluation scripts (`python -m bench.NAME`): figures that a test cannot assert on a shared
+host (false-alarm rates, scheduler quality, the GPU check). The asv suite is in benchmarks/."""

@@ -76,7 +76,7 @@ def asv_config(repo: Path, work: Path) -> Path:
     conf = json.loads((repo / "asv.conf.json").read_text())
     conf.update(
         repo=str(repo),
-        benchmark_dir=str(repo / "bench"),
+        benchmark_dir=str(repo / "benchmarks"),
         results_dir=str(work / "results"),
         html_dir=str(work / "html"),
         env_dir=str(work / "env"),

@@ -24,7 +24,7 @@ pytestmark = pytest.mark.skipif(shutil.which("asv") is None, reason="asv not ins
 
 def _asv(tmp_path: Path, *args: str, env: dict[str, str] | None = None, timeout: float = 120):
     conf = json.loads((ROOT / "asv.conf.json").read_text())
-    assert conf["benchmark_dir"] == "bench" and conf["results_dir"] == "results/asv"
+    assert conf["benchmark_dir"] == "benchmarks" and conf["results_dir"] == "results/asv"
     path = asv_config(ROOT, tmp_path)
     full_env = {**os.environ, "HOME": str(tmp_path / "home"), **(env or {})}
     (tmp_path / "home").mkdir(exist_ok=True)
@@ -107,7 +107,7 @@ def test_asv_continuous_builds_both_commits_with_every_dependency(tmp_path):
 def test_a_sweep_on_a_busy_host_records_no_figure():
     """Under a busy core the normalised step over-corrects (0.89x for the same code), so the
     suite skips the pipeline benchmarks of such a sweep, saying why."""
-    from bench.benchmarks import busy_host
+    from benchmarks.benchmarks import busy_host
 
     quiet = [{"other_cores": 0.02}, {"other_cores": 0.1}, {"other_cores": 0.05}]
     busy = [{"other_cores": 0.9}, {"other_cores": 0.85}, {"other_cores": 0.1}]

@@ -81,9 +81,9 @@ def _sweep_results(spec: SweepSpec) -> list[dict]:
 
 
 def _load_suite():
-    """bench/benchmarks.py imported afresh, so its class is built from the registry now."""
+    """benchmarks/benchmarks.py imported afresh, so its class is built from the registry now."""
     spec = importlib.util.spec_from_file_location(
-        "vpipe_asv_suite", ROOT / "bench" / "benchmarks.py"
+        "vpipe_asv_suite", ROOT / "benchmarks" / "benchmarks.py"
     )
     module = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(module)

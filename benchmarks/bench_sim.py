@@ -7,7 +7,7 @@ alternately with it in the same process, the median of :data:`REPEATS` of each: 
 reference units that a host slower for the moment (another job sharing the core or its cache,
 a lower clock) leaves unchanged. CPU time alone was not enough: with one core kept busy,
 ``asv continuous`` reported the same code's ``lower`` 1.19x slower (204 vs 243 ms of CPU), and
-before that wall time made it report ``simulate`` 1.5x slower. ``python -m bench.bench_sim``
+before that wall time made it report ``simulate`` 1.5x slower. ``python -m benchmarks.bench_sim``
 prints the absolute wall and CPU seconds.
 """
 
