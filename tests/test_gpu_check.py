@@ -45,7 +45,7 @@ def test_device_clock_checks_judge_synthetic_cuda_traces(tmp_path):
     from vpipe.trace.synth import write_synthetic_run
 
     cuda = {**META, "device": "cuda"}
-    dev = convert(write_synthetic_run(tmp_path / "d", PROGRAMS, meta=cuda, gpu_annotations=True))
+    dev = convert(write_synthetic_run(tmp_path / "d", PROGRAMS, meta=cuda, gpu=True))
     got = timeline_findings(dev.events)
     assert got["ok"] and got["worst"] < 1e-9
     with pytest.warns(UserWarning, match="launch times"):

@@ -65,7 +65,7 @@ def test_gpu_annotation_copies_are_not_counted_twice(tmp_path):
     """On CUDA, Kineto repeats record_function spans on a GPU stream (``gpu_user_annotation``):
     they time the rows of the CPU-side spans and never make rows of their own (compute rows in
     device order, communication rows in host order: each in program order)."""
-    write_synthetic_run(tmp_path, PROGRAMS, steps=[3, 4], meta=META, gpu_annotations=True)
+    write_synthetic_run(tmp_path, PROGRAMS, steps=[3, 4], meta=META, gpu=True)
     doc = orjson.loads((tmp_path / "rank0.pt.trace.json").read_bytes())
     cats = {e["cat"] for e in doc["traceEvents"] if e["name"] in ("PP:0F0", "PP:STEP:3")}
     assert cats == {"user_annotation", "gpu_user_annotation"}

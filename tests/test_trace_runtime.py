@@ -69,6 +69,18 @@ def test_one_compute_row_per_executed_action(profiled, schedule):
             assert (ev["name"] == "STEP").sum() == 1
 
 
+def test_overlap_parts_are_spans_of_their_own(profiled):
+    """The runtime records each part of an overlap action as its own span inside the
+    compound's, so each part row has its own interval: none is the compound's, none overlap."""
+    _, res = profiled
+    events = res.events[Config("dualpipev", 4, "vpipe").run_id(BENCH_ID)]
+    compute = events[events["kind"].isin(["F", "B", "I", "W"])]
+    assert compute["name"].astype(str).str.contains("OVERLAP").sum() == 0
+    for _, g in compute.groupby(["rank", "step"], observed=True):
+        g = g.sort_values("start_ns")
+        assert (g["start_ns"].to_numpy()[1:] >= g["end_ns"].to_numpy()[:-1]).all()
+
+
 def test_store_and_metrics(profiled, tmp_path):
     _, res = profiled
     write_outputs(res, tmp_path)

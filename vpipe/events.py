@@ -17,7 +17,8 @@ import pandas as pd
 # pyarrow.dataset); version-1 files read through vpipe's Store, and `vpipe runs --upgrade`
 # rewrites them. 3: the clock columns (``clock``, ``launch_start_ns``, ``launch_end_ns``);
 # reading an older file fills them in (:func:`with_clock_columns`), ``--upgrade`` writes them.
-SCHEMA_VERSION = 3
+# 4: ``busy_ns`` (filled in likewise for older files).
+SCHEMA_VERSION = 4
 
 # Column -> pandas dtype. Strings are categoricals (dictionary-encoded in Parquet).
 # stage and microbatch are -1 where they do not apply (WAIT spans, "other").
@@ -41,6 +42,9 @@ EVENT_COLUMNS: dict[str, str] = {
     # host runs ahead of the device, so this is when the work was enqueued, not when it ran.
     "launch_start_ns": "int64",
     "launch_end_ns": "int64",
+    # Time the row's work occupied its clock: on the device, the union of the GPU ops the action
+    # launched (0: an action that launched none, an empty row marked so); else end - start.
+    "busy_ns": "int64",
 }
 CLOCKS = ("host", "device", "sim")
 
@@ -74,8 +78,8 @@ def _frame(
 
 def with_clock_columns(df: pd.DataFrame) -> pd.DataFrame:
     """``df`` with the clock columns filled in where it lacks them (tables of schema version 2
-    and producers that have one clock): ``clock`` "sim" for simulated rows, else "host", and
-    the launch span equal to the row's own."""
+    and 3, and producers that have one clock): ``clock`` "sim" for simulated rows, else "host",
+    the launch span equal to the row's own and ``busy_ns`` its length."""
     add: dict[str, Any] = {}
     if "clock" not in df.columns:
         simulated = df["source"].astype(str) == "simulated" if "source" in df.columns else False
@@ -84,6 +88,8 @@ def with_clock_columns(df: pd.DataFrame) -> pd.DataFrame:
         add["launch_start_ns"] = df["start_ns"]
     if "launch_end_ns" not in df.columns and "end_ns" in df.columns:
         add["launch_end_ns"] = df["end_ns"]
+    if "busy_ns" not in df.columns and {"start_ns", "end_ns"} <= set(df.columns):
+        add["busy_ns"] = df["end_ns"] - df["start_ns"]
     return df.assign(**add) if add else df
 
 

@@ -261,7 +261,7 @@ class Executor:
 
     def _compile_overlap(self, a: Action) -> Callable[[], None]:
         """OVERLAP_F_B: its parts handed to their runner (overlap.py)."""
-        parts = [Part(p, _PHASES[p.kind](self, p)) for p in a.parts]
+        parts = [Part(p, _PHASES[p.kind](self, p), lambda: self.profiling) for p in a.parts]
         return overlap_runner(parts, lambda s: self.stages[s].module)
 
     # -- compute phases (overlap.py) ---------------------------------------------------------

@@ -11,6 +11,10 @@ deliver bound. An overlap action gives its parts, as ``Part`` objects, to a runn
 - ``fused``: a forward-backward owned by the model (DualPipe's idea: interleave one
   microbatch's forward with another's backward, e.g. to hide communication).
 
+Under the profiler each part is a span ``PP:{part}`` inside the compound's (``in_order``: the
+part's fetch, compute and deliver; ``fused``: its compute), so a trace times each part by
+the work it launched, not the pair as one.
+
 The fused-hook protocol: when the compound is one F part and one B or I part and the F part's
 stage module has a method ``overlapped_forward_backward``, the executor calls
 ``module.overlapped_forward_backward(forward, backward)`` with the two ``Part`` objects instead
@@ -29,6 +33,7 @@ from functools import partial
 from typing import Any, NamedTuple
 
 from torch import nn
+from torch.profiler import record_function
 
 from vpipe.errors import PipelineError, one_line
 from vpipe.ir import Action, Kind
@@ -71,13 +76,19 @@ class Part:
     the input gradients), ``deliver()`` hands the result on. Each runs once, in that order.
     """
 
-    __slots__ = ("action", "_phases", "_value", "_next")
+    __slots__ = ("action", "_phases", "_value", "_next", "_profiling", "_label")
 
-    def __init__(self, action: Action, phases: Phases) -> None:
+    def __init__(
+        self, action: Action, phases: Phases, profiling: Callable[[], bool] = lambda: False
+    ) -> None:
         self.action = action
         self._phases = phases
         self._value: Any = None
         self._next = 0  # index in _STEPS of the next step; 3 once delivered
+        # under the profiler a part's compute is a span of its own (PP:{part}), inside the
+        # compound's: the trace then times each part by the GPU work it launched
+        self._profiling = profiling
+        self._label = f"PP:{action}"
 
     @property
     def done(self) -> bool:
@@ -124,6 +135,9 @@ class Part:
         try:
             if step == 0:
                 self._value = fetch() if fetch is not None else None
+            elif step == 1 and self._profiling():
+                with record_function(self._label):
+                    compute(self._fetched, self._keep)
             elif step == 1:
                 compute(self._fetched, self._keep)
             elif deliver is not None:
@@ -146,13 +160,20 @@ class Part:
 
 
 def in_order(parts: Sequence[Part]) -> Callable[[], None]:
-    """The default runner: each part in turn, waiting for its own input just before it runs."""
-    steps = [(p.action, p._phases.chained()) for p in parts]
+    """The default runner: each part in turn, waiting for its own input just before it runs
+    (under the profiler each part, its wait included, is a span ``PP:{part}`` of its own)."""
+    steps = [(p.action, p._label, p._phases.chained()) for p in parts]
+    profiling = parts[0]._profiling if parts else (lambda: False)
 
     def overlap() -> None:
-        for action, run in steps:
+        spans = profiling()
+        for action, label, run in steps:
             try:
-                run()
+                if spans:
+                    with record_function(label):
+                        run()
+                else:
+                    run()
             except Exception as e:
                 raise PartFailed(action, e) from e
 

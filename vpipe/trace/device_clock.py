@@ -1,114 +1,196 @@
-"""Put a CUDA trace's actions on the device's clock.
+"""Put a CUDA trace's actions on the device's clock, from the GPU work each one launched.
 
 On a GPU the host only enqueues work: a ``PP:{action}`` span on the CPU is the time to launch
 the action's kernels, and the host runs ahead of the device until the step's synchronise. What
-the device did is in Kineto's ``gpu_user_annotation`` copy of the span (same name, on a GPU
-stream: from the first kernel launched inside the range to the end of the last). This module
-matches those device spans to their CPU spans and rewrites the rows of one rank:
+the device did is in the trace's GPU ops (kernels, copies, memsets), each joined to the host
+call that launched it by its correlation id. Kineto's ``gpu_user_annotation`` copy of a span is
+not enough: it covers only kernels launched from the span's own thread, and autograd launches
+every backward kernel from its worker thread.
 
-- a compute row (F, B, I, W) takes its device interval (``clock="device"``); its CPU span is
-  kept as ``launch_start_ns``/``launch_end_ns``. One row per action stays one row.
-- a ``WAIT`` row becomes the time the device waited for that receive: from the later of the
-  device's previous compute end and the host asking for the data (the WAIT span's start) to
-  the consuming action's device start, zero when the device was not idle then. On NCCL
-  ``Work.wait()`` returns at once (the stream waits, not the host), so this gap is the only
-  place the wait shows.
+**Ownership.** A GPU op belongs to the innermost ``PP:`` span that holds its launch in time
+(the latest-starting span open at the launch, whatever thread launched it: the main thread is
+blocked inside the action while autograd's thread launches for it). Ops launched by a
+communication library's own threads (gloo's, NCCL's) belong to no action. So a ``WAIT`` nested
+in an action owns the copy that lands its received data, a ``SEND`` the copy that stages its
+message, a ``RECV`` its NCCL kernel, and the action keeps its computing only.
+
+**Rows** (one rank's rows are rewritten; ``clock`` says which clock a row is on):
+
+- a compute row (F, B, I, W, an overlap part with its own span) runs from its first op's start
+  to its last op's end (``clock="device"``), ``busy_ns`` the union of its ops; its CPU span is
+  kept as ``launch_start_ns``/``launch_end_ns``. An action that launched nothing is an
+  explicit empty device row (``busy_ns`` 0, start = end) where the device was when the host
+  finished it: after the device work launched before (its inputs' copies included), and not
+  before the host got there.
+- a ``WAIT`` row is the device's wait for the received data: from the later of the device's
+  previous work end and the host asking for the data (the WAIT span's start), to the end of the
+  data's own device op (the copy its WAIT launched, else the NCCL kernel its RECV launched),
+  never past the consumer's start; empty where the data was there before. What follows the data until the consumer starts is launch
+  lag, not waiting. A WAIT whose data op is unknown ends at the consumer's device start.
+- a ``REDUCE`` row (data parallel) is its all-reduce kernel on the device, not its enqueue.
 - every other row (the step span, SEND/RECV posts) stays on the host clock: the step span ends
   after the step's device synchronise, so it covers the device work, and posting is host work.
-
-Matching rule: a device span belongs to the latest CPU span of the same name that started at
-or before it (work cannot run before it is launched; the runtime synchronises at each step's
-end, so an action's device span never reaches the next launch of the same name). Several
-device spans of one CPU span (work on several streams) give their extent.
 """
 
 from __future__ import annotations
-
-from collections.abc import Mapping, Sequence
 
 import numpy as np
 import pandas as pd
 
 from vpipe.events import COMPUTE_KINDS
+from vpipe.trace.kineto_json import GpuActivity
 
-DEV_START, DEV_END = "dev_start_ns", "dev_end_ns"
+SPAN = "span_index"  # the column that ties a row to its raw span (its position in the trace)
+_COMM_THREADS = ("gloo", "nccl")  # a thread named so belongs to the communication library
 
 
-def device_intervals(
-    names: Sequence[str], starts_ns: np.ndarray, device: Mapping[str, list], base_ns: int
-) -> tuple[np.ndarray, np.ndarray]:
-    """Per CPU span (``names``, ``starts_ns``), the device interval of its GPU-stream copies
-    (``device``: name, ts, dur in microseconds after ``base_ns``); -1 where it has none."""
-    n = len(names)
-    out_s, out_e = np.full(n, -1, np.int64), np.full(n, -1, np.int64)
-    if not device["name"] or not n:
-        return out_s, out_e
-    ts = np.asarray(device["ts"], np.float64)
-    d_start = base_ns + np.rint(ts * 1000.0).astype(np.int64)
-    d_end = base_ns + np.rint((ts + np.asarray(device["dur"], np.float64)) * 1000.0).astype(
-        np.int64
+def gpu_ops(gpu: GpuActivity, base_ns: int) -> pd.DataFrame:
+    """The trace's GPU ops joined to their launches, in launch order: ``start_ns``, ``end_ns``,
+    ``launch_ns``, ``nccl``; ops launched by the communication library's threads (or by no
+    recorded call) are left out."""
+    ops = pd.DataFrame(
+        {
+            "correlation": np.asarray(gpu.op_correlation, np.int64),
+            "start_ns": _ns(gpu.op_ts, base_ns),
+            "nccl": np.asarray(gpu.op_is_nccl, bool),
+        }
     )
-    cpu = pd.DataFrame(
-        {"name": list(names), "t": np.asarray(starts_ns, np.int64), "i": np.arange(n)}
+    ops["end_ns"] = ops["start_ns"] + np.rint(np.asarray(gpu.op_dur) * 1000.0).astype(np.int64)
+    comm = {t for t, name in gpu.thread_names.items() if any(c in name.lower() for c in _COMM_THREADS)}
+    launches = pd.DataFrame(
+        {
+            "correlation": np.asarray(gpu.launch_correlation, np.int64),
+            "launch_ns": _ns(gpu.launch_ts, base_ns),
+            "tid": np.asarray(gpu.launch_tid, np.int64),
+        }
     )
-    dev = pd.DataFrame({"name": list(device["name"]), "t": d_start, "e": d_end})
-    matched = pd.merge_asof(
-        dev.sort_values("t"), cpu.sort_values("t"), on="t", by="name", direction="backward"
-    ).dropna(subset=["i"])
-    if matched.empty:
-        return out_s, out_e
-    g = matched.groupby("i").agg(s=("t", "min"), e=("e", "max"))
-    idx = g.index.to_numpy(np.int64)
-    out_s[idx], out_e[idx] = g["s"].to_numpy(), g["e"].to_numpy()
-    return out_s, out_e
+    launches = launches[~launches["tid"].isin(comm)].drop_duplicates("correlation")
+    joined = ops.merge(launches, on="correlation", how="inner")
+    cols = ["start_ns", "end_ns", "launch_ns", "nccl"]
+    return joined.sort_values("launch_ns", kind="stable")[cols].reset_index(drop=True)
 
 
-def has_device_intervals(df: pd.DataFrame) -> bool:
-    """Whether any compute row of ``df`` (with the device columns) has a device interval."""
-    return bool((df[DEV_START].to_numpy()[df["kind"].isin(COMPUTE_KINDS).to_numpy()] >= 0).any())
+def _ns(ts: list[float], base_ns: int) -> np.ndarray:
+    return base_ns + np.rint(np.asarray(ts, np.float64) * 1000.0).astype(np.int64)
 
 
-def to_device_clock(df: pd.DataFrame) -> pd.DataFrame:
-    """One rank's rows (raw CPU intervals and the device columns) on the device clock, as the
-    module docstring says; the device columns are dropped."""
+def owners(starts: np.ndarray, ends: np.ndarray, at: np.ndarray) -> np.ndarray:
+    """For each time in ``at``, the index of the latest-starting interval [start, end] that
+    holds it; -1 where none does."""
+    order = np.argsort(starts, kind="stable")
+    out = np.full(len(at), -1, np.int64)
+    open_: list[int] = []
+    k = 0
+    for j in np.argsort(at, kind="stable"):
+        t = at[j]
+        while k < len(order) and starts[order[k]] <= t:
+            open_.append(int(order[k]))
+            k += 1
+        open_ = [i for i in open_ if ends[i] >= t]
+        if open_:
+            out[j] = open_[-1]
+    return out
+
+
+def owned_intervals(ops: pd.DataFrame, owner: np.ndarray, n_spans: int) -> pd.DataFrame:
+    """Per span (index 0..n_spans-1): its ops' extent (``dev_start``, ``dev_end``; -1 without
+    ops), their union ``busy_ns`` and their count ``n_ops``."""
+    out = pd.DataFrame(
+        {"dev_start": -1, "dev_end": -1, "busy_ns": 0, "n_ops": 0}, index=range(n_spans)
+    )
+    mine = ops.assign(owner=owner)[owner >= 0].sort_values(["owner", "start_ns"])
+    if mine.empty:
+        return out
+    g = mine.groupby("owner", sort=False)
+    reach = g["end_ns"].cummax().groupby(mine["owner"], sort=False).shift(1)
+    from_ = np.maximum(mine["start_ns"].to_numpy(), reach.fillna(-(2**62)).to_numpy(np.int64))
+    mine = mine.assign(covered=np.maximum(0, mine["end_ns"].to_numpy() - from_))
+    agg = mine.groupby("owner").agg(
+        dev_start=("start_ns", "min"),
+        dev_end=("end_ns", "max"),
+        busy_ns=("covered", "sum"),
+        n_ops=("start_ns", "size"),
+    )
+    out.loc[agg.index, agg.columns] = agg.to_numpy()
+    return out
+
+
+def to_device_clock(df: pd.DataFrame, spans: pd.DataFrame, ops: pd.DataFrame) -> pd.DataFrame:
+    """One rank's rows on the device clock, as the module docstring says.
+
+    ``df`` holds the rows (host intervals, compute rows already trimmed of nested waits) with
+    their raw span's index in :data:`SPAN`; ``spans`` the raw spans (``name``, ``start_ns``,
+    ``end_ns``, in trace order); ``ops`` :func:`gpu_ops`'s table. Adds ``busy_ns``; drops
+    :data:`SPAN`."""
+    s0, s1 = spans["start_ns"].to_numpy(), spans["end_ns"].to_numpy()
+    dev = owned_intervals(ops, owners(s0, s1, ops["launch_ns"].to_numpy()), len(spans))
+    d0, d1, dbusy = (dev[c].to_numpy() for c in ("dev_start", "dev_end", "busy_ns"))
+    has = dev["n_ops"].to_numpy() > 0
+    # the device's reach before a launch at t: the latest end of the ops launched before t
+    launch = ops["launch_ns"].to_numpy()
+    reach = np.maximum.accumulate(np.where(ops["nccl"].to_numpy(), -1, ops["end_ns"].to_numpy()))
+
+    def reach_before(t: np.ndarray) -> np.ndarray:
+        i = np.searchsorted(launch, t, side="left") - 1
+        return np.where(i >= 0, reach[np.maximum(i, 0)] if len(reach) else -1, -1)
+
     df = df.copy()
-    df["launch_start_ns"], df["launch_end_ns"] = df["start_ns"], df["end_ns"]
-    on_dev = df["kind"].isin(COMPUTE_KINDS).to_numpy() & (df[DEV_START].to_numpy() >= 0)
-    df.loc[on_dev, "start_ns"] = df.loc[on_dev, DEV_START]
-    df.loc[on_dev, "end_ns"] = df.loc[on_dev, DEV_END]
-    clock = np.where(on_dev, "device", "host").astype(object)
-    waits = np.flatnonzero(df["kind"].to_numpy() == "WAIT")
-    if len(waits) and on_dev.any():
-        at, starts, ends = _device_waits(df, on_dev, waits)
-        df.iloc[at, df.columns.get_loc("start_ns")] = starts
-        df.iloc[at, df.columns.get_loc("end_ns")] = ends
-        clock[at] = "device"
-    df["clock"] = clock
-    return df.drop(columns=[DEV_START, DEV_END])
+    idx = df[SPAN].to_numpy()
+    df["launch_start_ns"], df["launch_end_ns"] = s0[idx], s1[idx]
+    start, end = df["start_ns"].to_numpy().copy(), df["end_ns"].to_numpy().copy()
+    busy = end - start
+    clock = np.full(len(df), "host", dtype=object)
+    kind = df["kind"].astype(str).to_numpy()
+
+    compute = np.isin(kind, COMPUTE_KINDS)
+    on_ops = (compute | (kind == "REDUCE")) & has[idx]
+    start[on_ops], end[on_ops], busy[on_ops] = d0[idx[on_ops]], d1[idx[on_ops]], dbusy[idx[on_ops]]
+    empty = compute & ~has[idx]  # launched nothing: an empty row where the device was then
+    start[empty] = end[empty] = np.maximum(reach_before(s1[idx[empty]]), s1[idx[empty]])
+    busy[empty] = 0
+    clock[on_ops | empty] = "device"
+
+    waits = np.flatnonzero(kind == "WAIT")
+    if len(waits):
+        w = idx[waits]
+        data_end = _data_end(w, spans, has, d1)
+        rows_c = np.flatnonzero(compute)
+        at = owners(s0[idx[rows_c]], s1[idx[rows_c]], s0[w]) if len(rows_c) else np.full(len(w), -1)
+        consumer_start = np.where(at >= 0, start[rows_c[np.maximum(at, 0)]] if len(rows_c) else -1, -1)
+        stop = np.where(data_end >= 0, data_end, consumer_start)
+        ok = stop >= 0  # else neither its data nor its consumer ran on the device: host clock
+        begin = np.maximum(reach_before(s0[w]), s0[w])
+        bounded = consumer_start >= 0
+        begin[bounded] = np.minimum(begin, consumer_start)[bounded]
+        stop[bounded] = np.minimum(stop, consumer_start)[bounded]
+        stop = np.maximum(stop, begin)  # data there before the host asked: no wait
+        start[waits[ok]], end[waits[ok]] = begin[ok], stop[ok]
+        busy[waits[ok]] = stop[ok] - begin[ok]
+        clock[waits[ok]] = "device"
+    df["start_ns"], df["end_ns"], df["busy_ns"], df["clock"] = start, end, busy, clock
+    return df.drop(columns=SPAN)
 
 
-def _device_waits(
-    df: pd.DataFrame, on_dev: np.ndarray, waits: np.ndarray
-) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
-    """(row positions, device start, device end) of the WAIT rows whose consumer ran on the
-    device: the consumer is the device compute row whose launch span holds the wait."""
-    ls, le = df["launch_start_ns"].to_numpy(), df["launch_end_ns"].to_numpy()
-    ds, de = df["start_ns"].to_numpy(), df["end_ns"].to_numpy()
-    dev = np.flatnonzero(on_dev)
-    by_launch = dev[np.argsort(ls[dev], kind="stable")]
-    by_start = dev[np.argsort(ds[dev], kind="stable")]
-    sorted_starts = ds[by_start]
-    end_so_far = np.maximum.accumulate(de[by_start])
-    at, starts, ends = [], [], []
-    for w in waits:
-        k = np.searchsorted(ls[by_launch], ls[w], side="right") - 1
-        if k < 0 or le[by_launch[k]] < le[w]:
-            continue  # not inside a device action's launch span: left on the host clock
-        consumer_start = ds[by_launch[k]]
-        j = np.searchsorted(sorted_starts, consumer_start, side="left") - 1
-        prev_end = end_so_far[j] if j >= 0 else ls[w]
-        start = min(max(prev_end, ls[w]), consumer_start)
-        at.append(w)
-        starts.append(start)
-        ends.append(consumer_start)
-    return np.asarray(at, np.int64), np.asarray(starts, np.int64), np.asarray(ends, np.int64)
+def _data_end(
+    waits: np.ndarray, spans: pd.DataFrame, has: np.ndarray, dev_end: np.ndarray
+) -> np.ndarray:
+    """Per WAIT span: the end of its received data on the device (-1 where unknown): its own
+    ops (a copy into the device), else those of the latest span it waits for (``WAIT:X`` ->
+    ``X``) started before it."""
+    names = spans["name"].astype(str).to_numpy()
+    starts = spans["start_ns"].to_numpy()
+    by_name: dict[str, np.ndarray] = {}
+    out = np.full(len(waits), -1, np.int64)
+    for k, i in enumerate(waits):
+        if has[i]:
+            out[k] = dev_end[i]
+            continue
+        target = "PP:" + names[i].removeprefix("PP:WAIT:")
+        if target not in by_name:
+            found = np.flatnonzero(names == target)
+            by_name[target] = found[np.argsort(starts[found], kind="stable")]
+        cand = by_name[target]
+        j = int(np.searchsorted(starts[cand], starts[i], side="right")) - 1 if len(cand) else -1
+        if j >= 0 and has[cand[j]]:
+            out[k] = dev_end[cand[j]]
+    return out

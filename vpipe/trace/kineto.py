@@ -64,13 +64,7 @@ from vpipe.events import (
 )
 from vpipe.ir import Kind, parse_action
 from vpipe.ir.reduction import parse_reduce
-from vpipe.trace.device_clock import (
-    DEV_END,
-    DEV_START,
-    device_intervals,
-    has_device_intervals,
-    to_device_clock,
-)
+from vpipe.trace.device_clock import SPAN, gpu_ops, to_device_clock
 from vpipe.trace.kineto_json import RawTrace, read_trace
 
 _RANK_IN_NAME = re.compile(r"rank[_-]?(\d+)", re.IGNORECASE)
@@ -181,9 +175,8 @@ def _convert_file(raw: RawTrace, rank: int) -> tuple[pd.DataFrame, pd.DataFrame,
         }
     )
     df["end_ns"] = df["start_ns"] + np.rint(np.asarray(spans["dur"]) * 1000.0).astype(np.int64)
-    df[DEV_START], df[DEV_END] = device_intervals(
-        spans["name"], df["start_ns"].to_numpy(), raw.device_spans, base
-    )
+    df[SPAN] = np.arange(len(df))
+    raw_spans = df[["name", "start_ns", "end_ns"]].assign(name=list(spans["name"]))
     parts_of = {t[3]: t[4] for t in table if t[0] == "overlap"}
 
     # Step spans: vpipe's own if present, else the profiler's.
@@ -194,16 +187,23 @@ def _convert_file(raw: RawTrace, rank: int) -> tuple[pd.DataFrame, pd.DataFrame,
     df = pd.concat([marks.assign(part=False), _expand_overlaps(rest, parts_of)], ignore_index=True)
     steps, inside = _assign_steps(df["start_ns"].to_numpy(), marks)
     df["step"] = steps
-    df = df[inside]
-    df = _drop_shadowed_parts(df)
-    if has_device_intervals(df):
-        df, clock = to_device_clock(df), "device"
+    df = _trim_nested_waits(_drop_shadowed_parts(df[inside]))
+    ops = gpu_ops(raw.gpu, base) if len(raw.gpu) else None
+    if ops is not None and len(ops):
+        df, clock = to_device_clock(df, raw_spans, ops), "device"
     else:
-        df, clock = _trim_nested_waits(df.drop(columns=[DEV_START, DEV_END])), "host"
-        df = df.assign(clock="host", launch_start_ns=df["start_ns"], launch_end_ns=df["end_ns"])
+        df, clock = df.drop(columns=SPAN), "host"
+        df = df.assign(
+            clock="host",
+            launch_start_ns=df["start_ns"],
+            launch_end_ns=df["end_ns"],
+            busy_ns=df["end_ns"] - df["start_ns"],
+        )
     df["rank"] = rank
 
-    mdf = _memory_rows(raw.memory, raw.header.get("vpipe_samples") or [], base)
+    mdf = _memory_rows(
+        raw.memory, raw.header.get("vpipe_samples") or [], base, _device_index(raw.header)
+    )
     mdf["step"] = _last_started(mdf["t_ns"].to_numpy(), marks)
     mdf["rank"] = rank
     return df, mdf, bool(is_vstep.any()), clock
@@ -317,12 +317,34 @@ def _parts_of(name: str) -> list[tuple[str, int, int]]:
     return [(p.kind.value, p.stage, p.microbatch) for p in parse_action(name).parts]
 
 
+def _device_index(header: Mapping[str, Any]) -> int | None:
+    """The run's own CUDA device index, from vpipe's metadata (``device_index``, else a
+    ``cuda:N`` device); None when it names none."""
+    meta = header.get("vpipe")
+    if not isinstance(meta, dict):
+        return None
+    if meta.get("device_index") is not None:
+        return int(meta["device_index"])
+    device = str(meta.get("device") or "")
+    return int(device[5:]) if device.startswith("cuda:") and device[5:].isdigit() else None
+
+
 def _memory_rows(
-    mem: Mapping[str, np.ndarray], samples: list[dict[str, Any]], base: int
+    mem: Mapping[str, np.ndarray],
+    samples: list[dict[str, Any]],
+    base: int,
+    device_index: int | None = None,
 ) -> pd.DataFrame:
+    """The memory table's rows of one file: the profiler's allocator events (device ones only
+    of ``device_index`` where it is known: a process can touch several devices) and vpipe's
+    per-step samples."""
     t = _to_ns(mem["ts"], base)
     dev = np.asarray(mem["device"], np.int64)
     cuda = dev != 0
+    if device_index is not None:
+        other = cuda & (np.asarray(mem["device_id"], np.int64) != device_index)
+        t, dev, cuda = t[~other], dev[~other], cuda[~other]
+        mem = {k: np.asarray(v)[~other] for k, v in mem.items()}
     parts = [
         pd.DataFrame(
             {
@@ -381,7 +403,7 @@ def convert(
         clocks.add(clock)
         if clock == "host" and _is_cuda_trace(raw.header):
             warnings.warn(
-                f"{path}: a CUDA trace without device spans (profiled without CUDA activity): "
+                f"{path}: a CUDA trace without GPU activity (profiled without CUDA activity): "
                 "its action times are launch times on the host clock, not device times",
                 stacklevel=2,
             )

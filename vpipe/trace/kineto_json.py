@@ -1,8 +1,13 @@
 """Read a Kineto JSON trace file, keeping only what vpipe converts, fast.
 
-A 30 MB trace holds ~100k events of which vpipe needs the ``PP:`` spans, ``ProfilerStep#``
-spans and ``[memory]`` instant events. Parsing every event into Python dicts dominates the
-conversion time, so :func:`read_trace` first tries a *fast path*: it finds the wanted spans by
+A 30 MB CPU trace holds ~100k events of which vpipe needs the ``PP:`` spans, ``ProfilerStep#``
+spans and ``[memory]`` instant events. A CUDA trace adds the GPU's activity: every kernel, copy
+and memset (stream, correlation id) and the host calls that launched them (thread, correlation
+id), which :mod:`vpipe.trace.device_clock` joins to put each action on the device's clock.
+CUDA traces are read by the *full parse* (below): their GPU ops have arbitrary names (C++
+templates with braces), which the fast path's slicing does not handle. Parsing every event into
+Python dicts dominates the conversion time of a CPU trace, so :func:`read_trace` first tries a
+*fast path* on those: it finds the wanted spans by
 their ``"name"`` with a regular expression over the raw bytes, slices each one out (objects
 nested at most one level, as Kineto writes them) and parses only those slices. ``[memory]``
 events, when there are any, come from arrow's JSON reader, which parses the whole file but
@@ -33,7 +38,12 @@ import pyarrow.json as pj
 
 from vpipe.errors import TraceError
 
-_MEMORY_ARGS = {"alloc": "Total Allocated", "reserved": "Total Reserved", "device": "Device Type"}
+_MEMORY_ARGS = {
+    "alloc": "Total Allocated",
+    "reserved": "Total Reserved",
+    "device": "Device Type",
+    "device_id": "Device Id",
+}
 # The fields vpipe reads from each event; arrow skips the rest (and checks the whole file parses).
 _MEMORY_EVENTS = pa.schema(
     [
@@ -48,10 +58,13 @@ _MEMORY_EVENTS = pa.schema(
         )
     ]
 )
-# Kineto's device-side copy of a record_function range (on CUDA): the same name on a GPU stream,
-# from the first kernel launched inside the range to the end of the last. Read apart from the
-# CPU-side spans (``user_annotation``): it gives an action its device interval, never a row.
+# Kineto's device-side copy of a record_function range (on CUDA): the same name on a GPU stream.
+# Never a row: vpipe times actions by the GPU ops they launched (kernels launched from another
+# thread, such as autograd's, get no such copy).
 _GPU_COPY = "gpu_user_annotation"
+_GPU_OPS = ("kernel", "gpu_memcpy", "gpu_memset")  # work the device ran, with its launch's id
+_LAUNCHES = ("cuda_runtime", "cuda_driver")  # host calls; those that launched an op share its id
+_CUDA_ACTIVITY = re.compile(rb'"cat"\s*:\s*"(?:kernel|gpu_memcpy|gpu_memset)"')
 _SPAN_NAME = re.compile(rb'"name"\s*:\s*"(PP:|ProfilerStep#)')
 _OBJECT_TAIL = re.compile(rb"[^{}]*(?:\{[^{}]*\}[^{}]*)*\}")
 
@@ -65,9 +78,26 @@ class RawTrace:
     # ProfilerStep# spans (not their GPU-stream copies)
     memory: dict[str, np.ndarray]  # ts, alloc, reserved, device of [memory] events
     n_events: int  # events in the file (for speed figures)
-    device_spans: dict[str, list] = field(default_factory=lambda: _no_spans())  # the same
-    # fields of the GPU-stream copies (gpu_user_annotation), on the host's clock as Kineto
-    # writes them
+    gpu: GpuActivity = field(default_factory=lambda: GpuActivity())  # empty on CPU traces
+
+
+@dataclass
+class GpuActivity:
+    """A CUDA trace's device work and the host calls that launched it, as Kineto writes them
+    (microseconds on the trace's clock). Ops and launches pair up by ``correlation``."""
+
+    op_ts: list[float] = field(default_factory=list)
+    op_dur: list[float] = field(default_factory=list)
+    op_correlation: list[int] = field(default_factory=list)
+    op_stream: list[int] = field(default_factory=list)
+    op_is_nccl: list[bool] = field(default_factory=list)  # a collective's or p2p's own kernel
+    launch_ts: list[float] = field(default_factory=list)
+    launch_tid: list[int] = field(default_factory=list)
+    launch_correlation: list[int] = field(default_factory=list)
+    thread_names: dict[int, str] = field(default_factory=dict)  # tid -> name, where written
+
+    def __len__(self) -> int:
+        return len(self.op_ts)
 
 
 def _no_spans() -> dict[str, list]:
@@ -86,7 +116,8 @@ def read_trace(path: str | Path) -> RawTrace:
     gc_was_on = gc.isenabled()
     gc.disable()  # many fresh containers and no cycles: collection passes are pure waste
     try:
-        return _fast(raw, path) or _full(raw, path)
+        cuda = _CUDA_ACTIVITY.search(raw) is not None
+        return (None if cuda else _fast(raw, path)) or _full(raw, path)
     finally:
         if gc_was_on:
             gc.enable()
@@ -105,17 +136,41 @@ def _full(raw: bytes, path: Path) -> RawTrace:
     if not isinstance(doc, dict) or not isinstance(doc.get("traceEvents"), list):
         raise TraceError(f"{path}: not a Kineto/Chrome trace: no 'traceEvents' list")
     events = doc.pop("traceEvents")
-    wanted = []
+    wanted, gpu = [], GpuActivity()
     for i, e in enumerate(events):
-        name = e.get("name") if isinstance(e, dict) else None
-        if isinstance(name, str) and name.startswith(("PP:", "ProfilerStep#", "[memory]")):
+        if not isinstance(e, dict):
+            continue
+        name, cat = e.get("name"), e.get("cat")
+        if cat in _GPU_OPS or cat in _LAUNCHES or (e.get("ph") == "M" and name == "thread_name"):
+            _add_gpu_event(gpu, i, e, path)
+        elif isinstance(name, str) and name.startswith(("PP:", "ProfilerStep#", "[memory]")):
             wanted.append((i, e))
-    spans, memory, device = _pick(wanted, path)
-    return RawTrace(doc, spans, memory, len(events), device)
+    spans, memory = _pick(wanted, path)
+    return RawTrace(doc, spans, memory, len(events), gpu)
 
 
-def _pick(events: list[tuple[int, dict]], path: Path) -> tuple[dict[str, list], dict, dict]:
-    spans, device = _no_spans(), _no_spans()
+def _add_gpu_event(gpu: GpuActivity, i: int, e: dict, path: Path) -> None:
+    """Add one GPU op, launch call or thread name to ``gpu``; TraceError on a malformed one."""
+    try:
+        cat, args = e.get("cat"), e.get("args") or {}
+        if e.get("ph") == "M":
+            gpu.thread_names[int(e["tid"])] = str(args.get("name", ""))
+        elif cat in _GPU_OPS:
+            gpu.op_ts.append(float(e["ts"]))
+            gpu.op_dur.append(float(e["dur"]))
+            gpu.op_correlation.append(int(args["correlation"]))
+            gpu.op_stream.append(int(args.get("stream", -1)))
+            gpu.op_is_nccl.append(str(e.get("name", "")).lower().startswith("nccl"))
+        elif "correlation" in args:  # a launch call (others, e.g. a synchronise, have id 0)
+            gpu.launch_ts.append(float(e["ts"]))
+            gpu.launch_tid.append(int(e["tid"]))
+            gpu.launch_correlation.append(int(args["correlation"]))
+    except (AttributeError, KeyError, TypeError, ValueError) as err:
+        raise TraceError(f"{path}: malformed trace event #{i} ({e.get('name')!r}): {err!r}") from None
+
+
+def _pick(events: list[tuple[int, dict]], path: Path) -> tuple[dict[str, list], dict]:
+    spans = _no_spans()
     mem: dict[str, list] = {"ts": [], **{k: [] for k in _MEMORY_ARGS}}
     for i, e in events:
         try:
@@ -126,11 +181,11 @@ def _pick(events: list[tuple[int, dict]], path: Path) -> tuple[dict[str, list], 
                 mem["alloc"].append(int(a.get("Total Allocated", 0)))
                 mem["reserved"].append(int(a.get("Total Reserved", 0)))
                 mem["device"].append(int(a.get("Device Type", 0)))
-            elif e.get("ph") == "X":
-                into = device if e.get("cat") == _GPU_COPY else spans
-                into["name"].append(name)
-                into["ts"].append(float(e["ts"]))
-                into["dur"].append(float(e["dur"]))
+                mem["device_id"].append(int(a.get("Device Id", -1)))
+            elif e.get("ph") == "X" and e.get("cat") != _GPU_COPY:
+                spans["name"].append(name)
+                spans["ts"].append(float(e["ts"]))
+                spans["dur"].append(float(e["dur"]))
         except (AttributeError, KeyError, TypeError, ValueError) as err:
             raise TraceError(
                 f"{path}: malformed trace event #{i} ({e.get('name')!r}): {err!r}"
@@ -141,7 +196,6 @@ def _pick(events: list[tuple[int, dict]], path: Path) -> tuple[dict[str, list], 
             "ts": np.asarray(mem["ts"], np.float64),
             **{k: np.asarray(mem[k], np.int64) for k in _MEMORY_ARGS},
         },
-        device,
     )
 
 
@@ -183,8 +237,8 @@ def _fast(raw: bytes, path: Path) -> RawTrace | None:
         events = orjson.loads(b"[" + b",".join(span_slices) + b"]")
     except orjson.JSONDecodeError:
         return None
-    spans, _, device = _pick(list(enumerate(events)), path)
-    return RawTrace(header, spans, memory, n_events, device)
+    spans, _ = _pick(list(enumerate(events)), path)
+    return RawTrace(header, spans, memory, n_events)
 
 
 def _memory(raw: bytes) -> tuple[dict[str, np.ndarray], int] | None:

@@ -139,6 +139,8 @@ class StepProfiler:
 
         self.out_dir.mkdir(parents=True, exist_ok=True)
         self._cuda = cuda_device(self._device)
+        if self._cuda is not None:  # the converter keeps this device's memory events only
+            self._meta["device_index"] = self._cuda.index
         activities = [ProfilerActivity.CPU] + (
             [ProfilerActivity.CUDA] if self._cuda is not None else []
         )
