@@ -9,7 +9,7 @@ metric with an asv :class:`~vpipe.metrics.catalogue.Track`, reading that metric 
 table, with its unit. asv takes lower as better, so a higher-is-better metric is tracked
 through its reciprocal (samples/s as ``track_seconds_per_sample``). ``VPIPE_ASV_SCHEDULES`` /
 ``VPIPE_ASV_MICROBATCHES`` (comma-separated) narrow the parameter grid, e.g. for a quick smoke
-run.
+run; ``VPIPE_ASV_DTYPE`` sets the precision (``vpipe bench --dtype``).
 
 Across commits the host changes, so the step is tracked as ``track_normalised_step``: each
 config's median step time over the median time of the host-speed reference timed before
@@ -42,6 +42,7 @@ SCHEDULES = parse_list(os.environ.get("VPIPE_ASV_SCHEDULES", ",".join(DEFAULT_SC
 MICROBATCHES = [int(m) for m in parse_list(os.environ.get("VPIPE_ASV_MICROBATCHES", "4,8"))]
 BLOCKS = int(os.environ.get("VPIPE_ASV_BLOCKS", "3"))
 INJECT_DELAY_MS = float(os.environ.get("VPIPE_ASV_INJECT_DELAY_MS", "0"))
+DTYPE = os.environ.get("VPIPE_ASV_DTYPE") or None  # bf16, fp16, fp32 (default: fp32 on CPU)
 ALLOW_BUSY = os.environ.get("VPIPE_ASV_ALLOW_BUSY", "") not in ("", "0")
 BUSY = "host busy"
 
@@ -116,6 +117,7 @@ class PipelineCPU:
             progress=False,
             blocks=BLOCKS,
             inject_delay_ms=INJECT_DELAY_MS,
+            dtype=DTYPE,
         )
         import tempfile
 

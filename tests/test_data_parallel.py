@@ -121,3 +121,46 @@ def test_spec_check_refuses_a_batch_that_does_not_shard():
     spec = RankSpec(make_schedule("1f1b", P, M), sizes=SIZES, batch=M * 3, dp=DP)
     with pytest.raises(Exception, match="does not split into 2 replicas x 4 equal microbatches"):
         spec.check(build=False)
+
+
+class _FakeEvent:
+    """A stand-in for torch.cuda.Event: its record() notes the host's clock."""
+
+    def record(self) -> None:
+        import time
+
+        self.t = time.perf_counter_ns()
+
+    def elapsed_time(self, other: _FakeEvent) -> float:
+        return (other.t - self.t) / 1e6  # milliseconds, as CUDA's
+
+    def synchronize(self) -> None:
+        pass
+
+
+def test_reductions_on_a_gpu_are_timed_by_events_not_by_their_enqueue():
+    """With CUDA events (a stand-in here) the records are on the device clock and the step's
+    wait is the events' (NCCL's future completes at enqueue, so host times would read 0)."""
+    import torch
+    import torch.distributed as dist
+    from torch import nn
+
+    from vpipe.runtime.data_parallel import GradientReducer
+
+    own = not dist.is_initialized()
+    if own:
+        dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
+    try:
+        mods = {0: nn.Linear(4, 4), 1: nn.Linear(4, 2)}
+        for m in mods.values():
+            m(torch.ones(1, 4)).sum().backward()
+        r = GradientReducer(mods, dist.group.WORLD, bucket_bytes=64, event=_FakeEvent)
+        r.start(0)
+        r.start(1)
+        records = r.finish()
+    finally:
+        if own:
+            dist.destroy_process_group()
+    assert len(records) >= 2 and {x["clock"] for x in records} == {"device"}
+    assert all(x["end_ns"] >= x["start_ns"] for x in records)
+    assert r.device_wait_s is not None and r.device_wait_s >= 0

@@ -146,8 +146,7 @@ def test_cuda_ranks_share_a_gpu_only_with_gloo(monkeypatch):
     """NCCL needs one GPU per local rank; with gloo, rank r runs on cuda:(r mod GPUs)."""
     import torch
 
-    from vpipe.commands.run import check_gpus
-    from vpipe.runtime.launch import local_device
+    from vpipe.runtime.launch import check_gpus, local_device
 
     picked = []
     monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
@@ -164,6 +163,49 @@ def test_cuda_ranks_share_a_gpu_only_with_gloo(monkeypatch):
         check_gpus(1, "gloo")
 
 
+@pytest.mark.parametrize("command", ["run", "bench"])
+def test_torch_baseline_on_cuda_over_gloo_is_refused_before_any_rank(
+    command, monkeypatch, capsys, tmp_path
+):
+    """torch.distributed.pipelining hands CUDA tensors to gloo, which aborts the rank: --impl
+    torch there is one line, before the GPU check (a stand-in that fails if reached) and
+    before any rank starts."""
+    from vpipe.cli import main
+    from vpipe.runtime import launch
+
+    def reached(*_):
+        raise AssertionError("the GPU check ran before the refusal")
+
+    monkeypatch.setattr(launch, "check_gpus", reached)
+    monkeypatch.setattr(launch, "spawn", reached)
+    args = [command, "1f1b", "--impl", "torch", "--device", "cuda", "--backend", "gloo"]
+    if command == "bench":
+        args = ["bench", "--schedules", "1f1b", "--impl", "torch", "--device", "cuda",
+                "--backend", "gloo", "--out", str(tmp_path / "out")]  # fmt: skip
+    assert main(args) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and "--backend nccl" in err[0] and "gloo" in err[0]
+
+
+def test_bench_on_cuda_over_gloo_leaves_the_torch_baseline_out(monkeypatch, capsys, tmp_path):
+    """A sweep of both implementations keeps vpipe's configs and says in one line why the
+    torch baseline is left out (the GPU check and the sweep are stand-ins)."""
+    from vpipe.cli import main
+    from vpipe.runtime import launch
+    from vpipe.sweep import blocks
+
+    swept = []
+    monkeypatch.setattr(launch, "check_gpus", lambda *_: None)
+    monkeypatch.setattr(blocks, "run_blocks", lambda spec, _: swept.append(spec) or [])
+    args = ["bench", "--quick", "--schedules", "1f1b,zbv", "--device", "cuda", "--backend",
+            "gloo", "--out", str(tmp_path / "out")]  # fmt: skip
+    assert main(args) == 0
+    (spec,) = swept
+    assert spec.impls == ("vpipe",)
+    out = capsys.readouterr().out.splitlines()
+    assert sum(line.startswith("torch baseline left out:") for line in out) == 1
+
+
 def test_torchrun_rank_without_its_own_gpu_is_refused_for_nccl(monkeypatch):
     """Under torchrun a local rank past the GPU count gets a one-line error naming the rank
     and the fix for NCCL, before any process group is made (gloo shares the GPUs instead)."""
@@ -178,3 +220,26 @@ def test_torchrun_rank_without_its_own_gpu_is_refused_for_nccl(monkeypatch):
     monkeypatch.setattr(torch.cuda, "device_count", lambda: 1)
     with pytest.raises(PipelineError, match=r"rank 1: local rank 1 .* 1 CUDA device.*gloo"):
         init_from_env("cuda")
+
+
+def test_bf16_run_checks_against_the_float32_reference(tmp_path):
+    """--dtype bf16: stages, messages and gradients in bf16 on two gloo ranks, judged against
+    the float32 reference with bf16's tolerance; the trace says which precision ran."""
+    prof = tmp_path / "prof"
+    argv = ["run", "zbv", "-p", "2", "-m", "4", "--batch", "8", "--steps", "2", "--sizes", TINY,
+            "--dtype", "bf16", "--check", "--profile", str(prof)]  # fmt: skip
+    assert main(argv) == 0
+    meta = json.loads((prof / "rank0.pt.trace.json").read_text())["vpipe"]
+    assert meta["dtype"] == "bf16"
+
+
+def test_the_precision_defaults_by_device_and_names_a_bad_one():
+    from vpipe.ir.lowering import lower
+    from vpipe.schedules import make_schedule
+    from vpipe.sweep.harness import CHECK_TOL, RankSpec
+
+    s = lower(make_schedule("1f1b", 2, 2))
+    assert RankSpec(s).precision == "fp32" and RankSpec(s, device="cuda").precision == "bf16"
+    assert CHECK_TOL["fp32"] < CHECK_TOL["fp16"] and CHECK_TOL["fp32"] < CHECK_TOL["bf16"]
+    with pytest.raises(VpipeError, match="unknown dtype 'fp8'"):
+        RankSpec(s, dtype="fp8").check(build=False)

@@ -7,9 +7,16 @@ import argparse
 
 
 def add_runtime_flags(p: argparse.ArgumentParser) -> None:
-    """``--recv-lookahead``, ``--no-bundle``, ``--no-post-thread`` (see
+    """``--dtype``, ``--recv-lookahead``, ``--no-bundle``, ``--no-post-thread`` (see
     :class:`vpipe.runtime.Pipeline`) and data parallel's ``--dp``, ``--dp-bucket-mb``,
     ``--fsdp`` (:mod:`vpipe.runtime.data_parallel`)."""
+    p.add_argument(
+        "--dtype",
+        choices=("bf16", "fp16", "fp32"),
+        default=None,
+        help="precision of the stages' parameters, activations, messages and gradients "
+        "(losses in fp32; default bf16 on cuda, fp32 on cpu); --check's tolerance follows it",
+    )
     p.add_argument(
         "--dp",
         type=int,

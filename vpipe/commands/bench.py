@@ -36,17 +36,20 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     )
     p.add_argument(
         "--model",
-        default="mlp",
-        help="mlp, gpt, tuple, or your own package.module:function (default mlp; see "
-        "examples/custom_model.py)",
+        default=None,
+        help="mlp, gpt, tuple, or your own package.module:function (default mlp; on cuda gpt "
+        "at GPU sizes; see examples/custom_model.py)",
     )
     p.add_argument(
         "--sizes",
         default="",
-        help="model sizes, e.g. d_model=512,d_hidden=2048,n_blocks=4 (default: the model's; "
-        "n_blocks/n_layers grow to the largest stage count)",
+        help="model sizes, e.g. d_model=512,d_hidden=2048,n_blocks=4 (default: the model's; on "
+        "cuda vocab=32768,d_model=2048,n_heads=16,seq_len=1024; n_blocks/n_layers grow to the "
+        "largest stage count)",
     )
-    p.add_argument("--batch", type=int, help="samples per step (default 512; --quick: 16)")
+    p.add_argument(
+        "--batch", type=int, help="samples per step (default 512, --quick 16; on cuda 32, 16)"
+    )
     p.add_argument(
         "--schedules",
         help=f"comma-separated schedule names (default {','.join(DEFAULT_SCHEDULES)}; "
@@ -163,6 +166,10 @@ def _sweep_and_write(args: argparse.Namespace) -> int:
         DEFAULT_MICROBATCHES,
         DEFAULT_PROFILE_STEPS,
         DEFAULT_SCHEDULES,
+        GPU_BATCH,
+        GPU_MODEL,
+        GPU_QUICK_BATCH,
+        GPU_SIZES,
         QUICK_SCHEDULES,
         SweepSpec,
         new_run_id,
@@ -171,16 +178,20 @@ def _sweep_and_write(args: argparse.Namespace) -> int:
     )
 
     sizes = parse_sizes(args.sizes)
+    on_gpu = args.device == "cuda"
+    model = args.model or (GPU_MODEL if on_gpu else "mlp")
+    if on_gpu and model == GPU_MODEL and not sizes:
+        sizes = dict(GPU_SIZES)
     dp = dp_fields(args)  # --dp N: N replicas of the pipeline (vpipe.sweep.dp_bench)
     if args.ranks is None:  # torchrun sets WORLD_SIZE; validate before importing torch
         args.ranks = max(1, int(os.environ.get("WORLD_SIZE", 2 * args.dp)) // args.dp)
     if args.quick:
-        defaults = dict(batch=16, schedules=QUICK_SCHEDULES, microbatches="4", warmup=1, steps=2,
-                        rounds=2, profile_steps=1)  # fmt: skip
-        if not sizes and args.model == "mlp":
+        defaults = dict(batch=GPU_QUICK_BATCH if on_gpu else 16, schedules=QUICK_SCHEDULES,
+                        microbatches="4", warmup=1, steps=2, rounds=2, profile_steps=1)  # fmt: skip
+        if not sizes and model == "mlp":
             sizes = {"d_model": 128, "d_hidden": 512}
     else:
-        defaults = dict(batch=DEFAULT_BATCH, schedules=DEFAULT_SCHEDULES,
+        defaults = dict(batch=GPU_BATCH if on_gpu else DEFAULT_BATCH, schedules=DEFAULT_SCHEDULES,
                         microbatches=",".join(map(str, DEFAULT_MICROBATCHES)), warmup=2, steps=3,
                         rounds=3, profile_steps=DEFAULT_PROFILE_STEPS)  # fmt: skip
     given = {k: getattr(args, k) for k in defaults if getattr(args, k) is not None}
@@ -189,7 +200,8 @@ def _sweep_and_write(args: argparse.Namespace) -> int:
         ranks=args.ranks,
         device=args.device,
         backend=args.backend,
-        model=args.model,
+        dtype=args.dtype,
+        model=model,
         sizes=sizes,
         batch=opts["batch"],
         schedules=tuple(parse_list(opts["schedules"])),
@@ -208,8 +220,12 @@ def _sweep_and_write(args: argparse.Namespace) -> int:
         inject_delay_rank=args.inject_delay_rank,
         **dp,
     )
+    left_out = spec.leave_out_unrunnable()
+    if left_out:
+        print(left_out, flush=True)
     spec.validate()
     from vpipe.outputs import check_output_dir, staged_dir
+    from vpipe.runtime import launch
     from vpipe.sweep.results import collect
     from vpipe.sweep.write import write_outputs
 
@@ -218,6 +234,8 @@ def _sweep_and_write(args: argparse.Namespace) -> int:
     spec.trace_dir = args.traces
     spec.verbose = args.verbose
     spec.profile_ops = args.profile_ops
+    if spec.device == "cuda" and not launch.in_torchrun():
+        launch.check_gpus(spec.world_size, spec.backend)
     bench_id = new_run_id()
     t0 = time.perf_counter()
     results = run_blocks(spec, bench_id)

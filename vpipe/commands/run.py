@@ -65,7 +65,12 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     )
     p.add_argument("--impl", choices=("vpipe", "torch"), default="vpipe")
     p.add_argument("--check", action="store_true", help="compare with the unpipelined reference")
-    p.add_argument("--tol", type=float, default=1e-5, help="--check relative tolerance")
+    p.add_argument(
+        "--tol",
+        type=float,
+        default=None,
+        help="--check relative tolerance (default by --dtype: fp32 1e-5, bf16 0.1, fp16 0.2)",
+    )
     p.add_argument(
         "--profile", metavar="DIR", help="write per-rank Kineto traces to DIR/rank<N>.pt.trace.json"
     )
@@ -91,7 +96,7 @@ class RunConfig:
     rank: RankSpec
     steps: int
     check: bool
-    tol: float
+    tol: float | None  # None: the precision's default
     profile: str | None
     meta: dict[str, Any] = field(default_factory=dict)
     verbose: bool = False  # the profiler's trace-point lines on stderr
@@ -126,26 +131,11 @@ def run_command(args: argparse.Namespace) -> int:
             launch.leave_job()
         return 0 if result["ok"] else 1
     if cfg.rank.device == "cuda":
-        check_gpus(n_ranks, cfg.rank.process_backend)
+        launch.check_gpus(n_ranks, cfg.rank.process_backend)
     results = launch.spawn(
         run_rank, n_ranks, cfg, backend=cfg.rank.process_backend, timeout_s=args.timeout
     )
     return 0 if all(r["ok"] for r in results) else 1
-
-
-def check_gpus(n_ranks: int, backend: str) -> None:
-    """Raise unless this machine can place ``n_ranks`` local CUDA ranks: one GPU each for NCCL
-    (it refuses two ranks on one device); with gloo, ranks share GPUs (see launch.local_device)."""
-    import torch
-
-    have = torch.cuda.device_count() if torch.cuda.is_available() else 0
-    if have == 0:
-        raise VpipeError("--device cuda but this machine has no CUDA device")
-    if have < n_ranks and backend != "gloo":
-        raise VpipeError(
-            f"--device cuda with {backend} needs one CUDA device per local rank: {n_ranks} "
-            f"ranks, {have} devices (with --backend gloo ranks may share a device)"
-        )
 
 
 def build_config(args: argparse.Namespace) -> RunConfig:
@@ -176,6 +166,7 @@ def build_config(args: argparse.Namespace) -> RunConfig:
         seed=args.seed,
         device=args.device,
         backend=args.backend,
+        dtype=args.dtype,
         torch_program=args.impl == "torch" and is_csv_source(args.schedule),
         bundle_messages=args.bundle_messages,
         recv_lookahead=args.recv_lookahead,  # what lowered the schedule (resolve_schedule)
@@ -193,6 +184,7 @@ def build_config(args: argparse.Namespace) -> RunConfig:
         "sizes": sizes,
         "batch": args.batch,
         "device": args.device,
+        "dtype": spec.precision,
         "seed": args.seed,
         "recv_lookahead": args.recv_lookahead,
         "bundle_messages": args.bundle_messages,

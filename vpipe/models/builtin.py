@@ -143,7 +143,7 @@ def _build_mlp(n_stages: int, seed: int, sizes: dict[str, int]) -> BenchModel:
         torch.manual_seed(seed)
         blocks = [MLPBlock(d, h) for _ in range(n)]
     stages = split_pieces(blocks, n_stages, "MLP blocks")
-    return BenchModel("mlp", stages, F.mse_loss, sizes, seed, _random_pair(d))
+    return BenchModel("mlp", stages, mse_loss, sizes, seed, _random_pair(d))
 
 
 # ---------------------------------------------------------------------------------------------
@@ -202,8 +202,14 @@ class LMHead(nn.Module):
 
 
 def lm_loss(logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
-    """Token-mean cross-entropy of (batch, seq, vocab) logits against (batch, seq) ids."""
-    return F.cross_entropy(logits.reshape(-1, logits.shape[-1]), targets.reshape(-1))
+    """Token-mean cross-entropy of (batch, seq, vocab) logits against (batch, seq) ids, in
+    float32 whatever the logits' precision (as mixed-precision training computes it)."""
+    return F.cross_entropy(logits.reshape(-1, logits.shape[-1]).float(), targets.reshape(-1))
+
+
+def mse_loss(out: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
+    """Mean squared error, in float32 whatever the inputs' precision."""
+    return F.mse_loss(out.float(), target.float())
 
 
 def _build_gpt(n_stages: int, seed: int, sizes: dict[str, int]) -> BenchModel:
@@ -274,7 +280,7 @@ def _build_tuple(n_stages: int, seed: int, sizes: dict[str, int]) -> BenchModel:
         torch.manual_seed(seed)
         blocks = [TupleBlock(d, h, k, i == 0, i == n - 1) for i in range(n)]
     stages = split_pieces(blocks, n_stages, "tuple blocks")
-    return BenchModel("tuple", stages, F.mse_loss, sizes, seed, _random_pair(d))
+    return BenchModel("tuple", stages, mse_loss, sizes, seed, _random_pair(d))
 
 
 _BUILDERS: dict[str, Callable[[int, int, dict[str, int]], BenchModel]] = {

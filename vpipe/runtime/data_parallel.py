@@ -138,15 +138,17 @@ def buckets_of(params: Sequence[nn.Parameter], bucket_bytes: int) -> list[list[n
 
 
 class _Flight:
-    """One started reduction: its bucket, its flat buffer, its completion future and times."""
+    """One started reduction: its bucket, its flat buffer, its completion future and times
+    (and on a GPU the CUDA events around it on the step's stream)."""
 
-    __slots__ = ("stage", "bucket", "params", "flat", "done", "start_ns", "end_ns")
+    __slots__ = ("stage", "bucket", "params", "flat", "done", "start_ns", "end_ns", "events")
 
     def __init__(self, stage: int, bucket: int, params: list, flat: torch.Tensor) -> None:
         self.stage, self.bucket, self.params, self.flat = stage, bucket, params, flat
         self.done: Any = None
         self.start_ns = time.time_ns()
         self.end_ns = 0
+        self.events: list[Any] = []  # [started, usable] on the step's stream (CUDA only)
 
 
 class GradientReducer:
@@ -158,11 +160,16 @@ class GradientReducer:
         modules: Mapping[int, nn.Module],
         group: dist.ProcessGroup,
         bucket_bytes: int = DEFAULT_BUCKET_BYTES,
+        event: Callable[[], Any] | None = None,
     ) -> None:
         if bucket_bytes < 1:
             raise DataParallelError(f"bucket size must be >= 1 byte, got {bucket_bytes}")
         self.group = group
         self.size = dist.get_world_size(group)
+        # On a GPU the host only enqueues a reduction (NCCL's future completes at enqueue):
+        # CUDA events on the step's stream time it instead (see finish)
+        self._event = event
+        self.device_wait_s: float | None = None
         self.buckets = {
             s: buckets_of(list(m.parameters()), bucket_bytes) for s, m in modules.items()
         }
@@ -196,6 +203,9 @@ class GradientReducer:
                 p.grad.reshape(-1) if p.grad is not None else p.new_zeros(p.numel()) for p in params
             ]
             flight = _Flight(stage, b, params, torch.cat(grads))
+            if self._event is not None:
+                flight.events.append(self._event())
+                flight.events[0].record()  # the stream reaches the reduction: it may start
             span = None
             if self.profiling:
                 span = torch.ops.profiler._record_function_enter_new(
@@ -210,6 +220,9 @@ class GradientReducer:
         record per reduction (stage, bucket, bytes, start_ns, end_ns: wall clock)."""
         flights, self._flights = self._flights, []
         out = []
+        ready = self._event() if self._event is not None and flights else None
+        if ready is not None:
+            ready.record()  # the step's own work is all enqueued before this
         for f in flights:
             try:
                 if self.profiling:
@@ -221,6 +234,9 @@ class GradientReducer:
                 raise PipelineError(
                     f"reducing stage {f.stage} bucket {f.bucket} across the dp group failed: {e}"
                 ) from e
+            if ready is not None:
+                f.events.append(self._event())
+                f.events[1].record()  # the step's stream can use the result from here
             f.flat.div_(self.size)
             for p, chunk in zip(f.params, f.flat.split([p.numel() for p in f.params]), strict=True):
                 if p.grad is None:
@@ -236,7 +252,23 @@ class GradientReducer:
                     "end_ns": f.end_ns,
                 }
             )
+        if ready is not None:
+            self._on_device(ready, flights, out)
         return out
+
+    def _on_device(self, ready: Any, flights: list[_Flight], records: list[dict]) -> None:
+        """Replace the records' host times by the device's (``start_ns``/``end_ns`` on a clock
+        anchored at the first reduction's host start) and set ``device_wait_s``: how long the
+        step's stream waited past its own work for the results. A reduction ends where the
+        stream could use its result, so one that finished under later compute reads as
+        ending when the stream got there."""
+        flights[-1].events[1].synchronize()
+        first, anchor = flights[0].events[0], flights[0].start_ns
+        for f, r in zip(flights, records, strict=True):
+            r["start_ns"] = anchor + round(first.elapsed_time(f.events[0]) * 1e6)
+            r["end_ns"] = anchor + round(first.elapsed_time(f.events[1]) * 1e6)
+            r["clock"] = "device"
+        self.device_wait_s = max(0.0, ready.elapsed_time(flights[-1].events[1]) / 1e3)
 
     def discard(self) -> None:
         """Forget started reductions (after a failed step; the job ends anyway)."""

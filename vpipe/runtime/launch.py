@@ -44,6 +44,21 @@ def local_device(kind: str, rank: int) -> Any:
     return torch.device("cpu")
 
 
+def check_gpus(n_ranks: int, backend: str) -> None:
+    """Raise unless this machine can place ``n_ranks`` local CUDA ranks: one GPU each for NCCL
+    (it refuses two ranks on one device); with gloo, ranks share GPUs (:func:`local_device`)."""
+    import torch
+
+    have = torch.cuda.device_count() if torch.cuda.is_available() else 0
+    if have == 0:
+        raise PipelineError("--device cuda but this machine has no CUDA device")
+    if have < n_ranks and backend != "gloo":
+        raise PipelineError(
+            f"--device cuda with {backend} needs one CUDA device per local rank: {n_ranks} "
+            f"ranks, {have} devices (with --backend gloo ranks may share a device)"
+        )
+
+
 def init_from_env(
     device: str = "cpu", backend: str | None = None, timeout_s: float = 300.0
 ) -> tuple[int, int, Any]:

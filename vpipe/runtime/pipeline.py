@@ -135,8 +135,12 @@ class Pipeline:
         if dp_group is not None:
             from vpipe.runtime.data_parallel import DEFAULT_BUCKET_BYTES, GradientReducer
 
+            cuda = self.device.type == "cuda"
             self.reducer = GradientReducer(
-                modules, dp_group, dp_bucket_bytes or DEFAULT_BUCKET_BYTES
+                modules,
+                dp_group,
+                dp_bucket_bytes or DEFAULT_BUCKET_BYTES,
+                event=(lambda: torch.cuda.Event(enable_timing=True)) if cuda else None,
             )
             self._executor._program = self.reducer.wrap(self._executor._program)
         if self.comm is not None and self.comm.channels:
@@ -220,7 +224,9 @@ class Pipeline:
         }
         if reductions is not None:
             self.stats["reductions"] = reductions
-            self.stats["dp_wait_s"] = t_wait  # the step's end waiting for its reductions
+            # the step's end waiting for its reductions: on a GPU the device's wait (events)
+            device_wait = self.reducer.device_wait_s
+            self.stats["dp_wait_s"] = t_wait if device_wait is None else device_wait
         if self._step == 1 and self.comm is not None and self.comm.connect_s is not None:
             self.stats["comm_setup_s"] = self.comm.connect_s  # reported once
         if ex.clock is not None:  # after the synchronise: reading the events does not stall

@@ -42,6 +42,15 @@ QUICK_SCHEDULES = catalogue.names(lambda f: f.quick_sweep)
 # hardware; about a minute on 2 cores.
 DEFAULT_BATCH = 512
 DEFAULT_MICROBATCHES = (8,)
+# On GPUs (--device cuda) the default model is a GPT-style decoder sized so that one action's
+# compute dwarfs one message on an H100/H200-class GPU over NCCL: d_model 2048 and sequences of
+# 1024 tokens, 4 sequences per microbatch at M=8 (a layer's forward is ~0.45 TFLOP, about a
+# millisecond in bf16, against ~16 MB of activations per message). n_layers grows to the
+# largest stage count. Over gloo on one GPU every message goes through host copies, and the
+# report's regime section says the sweep is overhead-bound.
+GPU_MODEL = "gpt"
+GPU_SIZES = {"vocab": 32768, "d_model": 2048, "n_heads": 16, "seq_len": 1024}
+GPU_BATCH, GPU_QUICK_BATCH = 32, 16
 DEFAULT_PROFILE_STEPS = 3  # calibration takes per-action medians over these
 
 
@@ -73,6 +82,7 @@ class SweepSpec:
     ranks: int = 2
     device: str = "cpu"
     backend: str | None = None
+    dtype: str | None = None  # None: bf16 on cuda, fp32 on cpu (vpipe.sweep.harness.DTYPES)
     model: str = "mlp"
     sizes: dict[str, int] = field(default_factory=dict)
     batch: int = DEFAULT_BATCH
@@ -124,6 +134,19 @@ class SweepSpec:
             for i in self.impls
             if not (i == "torch" and s in vpipe_only)
         ]
+
+    def leave_out_unrunnable(self) -> str | None:
+        """Drop the torch baseline where it cannot run (CUDA over gloo) and say why in one line;
+        BenchError when it was all the sweep asked for."""
+        from vpipe.sweep.harness import torch_baseline_refusal
+
+        why = torch_baseline_refusal(self.device, self.backend or "")
+        if why is None or "torch" not in self.impls:
+            return None
+        if set(self.impls) == {"torch"}:
+            raise BenchError(why)
+        self.impls = tuple(i for i in self.impls if i != "torch")
+        return f"torch baseline left out: {why}"
 
     def validate(self) -> None:
         """Reject a sweep that cannot run, before any process starts."""
@@ -208,6 +231,7 @@ class SweepSpec:
                 seed=self.seed,
                 device=self.device,
                 backend=self.backend,
+                dtype=self.dtype,
                 bundle_messages=self.bundle_messages,
                 recv_lookahead=self.recv_lookahead,
                 post_thread=self.post_thread,
@@ -387,6 +411,7 @@ def _trace_meta(spec: SweepSpec, cfg: Config, h: Any, bench_id: str) -> dict[str
         "sizes": dict(h.spec.sizes),
         "batch": spec.batch,
         "tokens_per_sample": h.tokens_per_sample,
+        "dtype": h.spec.precision,
         "recv_lookahead": spec.recv_lookahead,
         "bundle_messages": spec.bundle_messages,
         "post_thread": cfg.impl == "vpipe" and h.spec.posts_from_thread,

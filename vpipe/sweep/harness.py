@@ -28,11 +28,40 @@ from vpipe.runtime.launch import local_device
 
 IMPLS = ("vpipe", "torch")
 DEVICES = ("cpu", "cuda")
+# Precisions a run's stages compute and communicate in (parameters, activations and gradients
+# cast alike; losses in float32), by name -> torch dtype name.
+DTYPES = {"fp32": "float32", "bf16": "bfloat16", "fp16": "float16"}
+# The reference check's default relative tolerance per precision (the reference runs in
+# float32 on the CPU from the same weights, rounded to the precision). Worst errors measured
+# on zbv at P=1, M=4, batch 32: fp32 1.5e-7 (gpt) and 1.7e-7 (mlp); bf16 3.8e-2 (gpt) and
+# 9.8e-3 (mlp); fp16 0.14 (gpt: a LayerNorm weight's gradient, which underflows without loss
+# scaling, which vpipe does not do) and 1.3e-3 (mlp).
+CHECK_TOL = {"fp32": 1e-5, "bf16": 1e-1, "fp16": 2e-1}
+
+
+def default_dtype(device: str) -> str:
+    """The precision people train in on ``device``: bf16 on GPUs, fp32 on CPUs."""
+    return "bf16" if device == "cuda" else "fp32"
 
 
 def default_backend(device: str) -> str:
     """The process-group backend for a device kind: NCCL on GPUs, gloo on CPUs."""
     return "nccl" if device == "cuda" else "gloo"
+
+
+def torch_baseline_refusal(device: str, backend: str) -> str | None:
+    """Why torch's baseline cannot run on ``device`` over ``backend`` (None: it can).
+
+    torch.distributed.pipelining hands its stages' device tensors to the process group as they
+    are; gloo then writes from a device pointer and the rank aborts. vpipe's runtime stages
+    such messages through the host, so it runs there."""
+    if device == "cuda" and backend == "gloo":
+        return (
+            "the torch baseline cannot run CUDA tensors over gloo (torch.distributed.pipelining "
+            "hands device tensors to gloo, which aborts the rank): use --backend nccl with one "
+            "GPU per rank, or --impl vpipe (vpipe stages its messages through the host)"
+        )
+    return None
 
 
 @dataclass(frozen=True)
@@ -53,6 +82,7 @@ class RankSpec:
     seed: int = 0
     device: str = "cpu"
     backend: str | None = None
+    dtype: str | None = None  # a DTYPES name; None: default_dtype(device)
     torch_program: bool = False  # torch runs ``schedule`` itself (its CSV runtime), not a class
     # vpipe's runtime knobs (see vpipe.runtime.Pipeline)
     bundle_messages: bool = True
@@ -78,6 +108,11 @@ class RankSpec:
         return self.backend or default_backend(self.device)
 
     @property
+    def precision(self) -> str:
+        """The run's precision (a :data:`DTYPES` name)."""
+        return self.dtype or default_dtype(self.device)
+
+    @property
     def posts_from_thread(self) -> bool:
         """Whether vpipe's runtime posts communication from its poster thread."""
         from vpipe.runtime.comm import uses_post_thread
@@ -95,6 +130,11 @@ class RankSpec:
             )
         if self.device not in DEVICES:
             raise VpipeError(f"unknown device {self.device!r}: choose cpu or cuda")
+        if self.precision not in DTYPES:
+            raise VpipeError(f"unknown dtype {self.precision!r}: choose from {', '.join(DTYPES)}")
+        why = torch_baseline_refusal(self.device, self.process_backend)
+        if self.impl == "torch" and why:
+            raise VpipeError(why)
         if self.batch < 1 or self.batch % (s.n_microbatches * self.dp):
             per = f"{self.dp} replicas x " if self.dp > 1 else ""
             raise VpipeError(
@@ -127,6 +167,8 @@ class RankHarness:
     """This rank's stages, batch and pipeline for one :class:`RankSpec` (see :func:`build`)."""
 
     def __init__(self, spec: RankSpec, rank: int) -> None:
+        import torch
+
         from vpipe.models import build_model
 
         self.spec, self.rank = spec, rank
@@ -140,14 +182,18 @@ class RankHarness:
             self.mesh = make_mesh(s.n_ranks, spec.dp, self.device.type)
         self.pp_rank, self.replica = rank % s.n_ranks, rank // s.n_ranks
         self.stages = s.stages_of(self.pp_rank)
-        modules = {i: self.model.stages[i].to(self.device) for i in self.stages}
+        self.dtype = getattr(torch, DTYPES[spec.precision])
+        modules = {
+            i: self.model.stages[i].to(device=self.device, dtype=self.dtype) for i in self.stages
+        }
         self.params = [p for m in modules.values() for p in m.parameters()]
         self.inputs_full, self.targets_full = self.model.make_batch(spec.batch, spec.seed)
         mine = slice(
             self.replica * spec.batch // spec.dp, (self.replica + 1) * spec.batch // spec.dp
         )
-        self.inputs = self.inputs_full[mine].to(self.device) if 0 in modules else None
-        self.targets = self.targets_full[mine].to(self.device) if s.loss_stage in modules else None
+        here = {"device": self.device, "dtype": self.dtype}
+        self.inputs = _cast(self.inputs_full[mine], **here) if 0 in modules else None
+        self.targets = _cast(self.targets_full[mine], **here) if s.loss_stage in modules else None
         self.pipe = _make_pipeline(spec, modules, self.model.loss_fn, self.device, self.mesh)
         self.cuda = self.device.type == "cuda"
         self.losses: list[Any] | None = None  # the last step's, on the loss rank
@@ -244,10 +290,14 @@ class RankHarness:
             out["runtime_peak_bytes"] = self.stats["peak_live_activation_bytes"]
         return out
 
-    def check(self, losses: Any, tol: float) -> list[dict[str, Any]]:
+    def check(self, losses: Any, tol: float | None = None) -> list[dict[str, Any]]:
         """This rank's losses and gradients (of the last step) against the unpipelined
-        reference on the same batch; one finding per comparison."""
-        reference = self.model.reference_model().to("cpu")
+        reference on the same batch, in float32; one finding per comparison (``tol`` None:
+        the precision's :data:`CHECK_TOL`)."""
+        import torch
+
+        tol = CHECK_TOL[self.spec.precision] if tol is None else tol
+        reference = self.model.reference_model().to("cpu", torch.float32)
         return check_against_reference(
             reference,
             self.model,
@@ -260,6 +310,14 @@ class RankHarness:
             replicas=self.spec.dp,
             replica=self.replica,
         )
+
+
+def _cast(x: Any, device: Any, dtype: Any) -> Any:
+    """``x`` (a tensor or a tuple of them) on ``device``, its floating tensors in ``dtype``
+    (token and bucket ids stay integers)."""
+    if isinstance(x, tuple):
+        return tuple(_cast(t, device, dtype) for t in x)
+    return x.to(device=device, dtype=dtype if x.is_floating_point() else x.dtype)
 
 
 def build(spec: RankSpec, rank: int) -> RankHarness:

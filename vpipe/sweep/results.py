@@ -27,6 +27,7 @@ from vpipe.report.document import (
     summary_table,
 )
 from vpipe.sweep.driver import Config, SweepSpec, spec_dict
+from vpipe.sweep.harness import default_dtype
 
 
 @dataclass
@@ -145,6 +146,7 @@ def collect(
         "torch": r0["torch"],
         "device": spec.device,
         "backend": spec.backend,
+        "dtype": spec.dtype or default_dtype(spec.device),
         "ranks": spec.ranks,
         "model": spec.model,
         "sizes": json.dumps(r0["sizes"], sort_keys=True),  # resolved: vpipe analyze re-splits it
