@@ -1,55 +1,67 @@
-"""``make gpu-check``: does vpipe run, time, meter and trace correctly on one GPU?
+"""``make gpu-check``: does vpipe run, time, meter and trace correctly on a GPU, and what does
+one GPU's quick sweep say? One script for a few minutes of a GPU (about four on one H200).
 
-About two minutes on one GPU (check_v_one_rank, check_two_ranks_one_gpu, then the device-clock
-checks of :mod:`bench.gpu_device_checks`: CUDA events against the profiler's device spans,
-busy + bubble = step on the device clock, a host-bound action reading as device idle, and NCCL
-on two GPUs, skipped with one line where there is one):
+Checks (one ``PASS``/``FAIL``/``SKIP`` line each):
 
+- ``device-reference``: a fixed bf16 matrix product timed by CUDA events, and the GPU's clocks,
+  temperature, power and throttle reasons (NVML): how still a device reference holds here.
 - ``v-one-rank``: the V placement on one rank (zbv, P=1: stages 0 and 1 both on rank 0, handed
-  over locally), GPT model, a few steps in this process through :mod:`vpipe.sweep.harness`; losses
-  and every gradient against the unpipelined CPU reference; step time from CUDA events and the
-  CUDA allocator's peak.
-- ``two-ranks-one-gpu``: ``vpipe run zbv -p 2 --device cuda --backend gloo --check --profile DIR``
-  (two processes sharing cuda:0, gloo through host copies); its Kineto traces converted, each
-  rank's compute rows per profiled step against its program's compute actions (a CUDA trace
-  repeats every span on the GPU stream: no action may count twice), the bubble ratio, and no
-  profiler ``USDT`` lines in the output.
+  over locally), small GPT model in the default precision (bf16 on CUDA), a few steps in this
+  process through :mod:`vpipe.sweep.harness`; losses and every gradient against the
+  unpipelined float32 CPU reference with the precision's tolerance; step time from CUDA events
+  and the CUDA allocator's peak.
+- the device-clock checks of :mod:`bench.gpu_device_checks` (``events-vs-profiler``,
+  ``device-timeline``, ``host-bound``; ``nccl-two-gpus`` where there are two GPUs).
+- ``two-ranks-one-gpu``: ``vpipe run zbv -p 2 --device cuda --backend gloo --check --profile``
+  (two processes sharing the GPU, gloo through host copies): each rank's compute rows per
+  profiled step against its program, every one on the device clock, no profiler ``USDT`` lines.
+- the session figures of :mod:`bench.gpu_sweeps`: a quick compute-bound sweep on the GPU with
+  each config's own-config prediction error (goal: within 10%) and the profiler's overhead, an
+  A/A of two launches compared by ``vpipe report``, and two ranks over gloo on the one GPU (the
+  regime the report states).
 
-One ``PASS``/``FAIL`` line per check at the end; the exit status is 1 if any failed. Without a
-CUDA device it says so in one line and exits with status 2 at once. The check functions take a
-``device`` so that the tests run them on the CPU.
+Everything lands in ``--out`` (default results/gpu-check): ``gpu-check.txt`` (every line
+printed), ``figures.json`` (every figure), ``traces.tar.gz`` (the checks' Kineto traces) and
+``sweeps.tar.gz`` (the sweeps' stores and reports): at most eight files, so that whoever has a
+GPU for a few minutes brings back every figure at once. The exit status is 1 if any check
+failed; without a CUDA device it says so in one line and exits 2 at once. The check functions
+take a ``device`` so that the tests run them on the CPU.
 
-Run: ``python -m bench.gpu_check`` (or ``make gpu-check``).
+Run: ``python -m bench.gpu_check [--out DIR]`` (or ``make gpu-check``).
 """
 
 from __future__ import annotations
 
 import argparse
+import json
 import statistics
 import subprocess
 import sys
+import tarfile
 import tempfile
-from collections.abc import Mapping, Sequence
-from dataclasses import dataclass
+import time
+from collections.abc import Callable, Mapping, Sequence
+from dataclasses import asdict, dataclass
 from pathlib import Path
 
 SCHEDULE = "zbv"
 MICROBATCHES = 4
 BATCH = 32
 GPT_SIZES = {"vocab": 1024, "d_model": 256, "n_heads": 4, "n_layers": 4, "seq_len": 128}
-TOL = 1e-4  # relative to the reference tensor's largest magnitude; GPU vs CPU in float32
 
 
 @dataclass
 class Outcome:
-    """One check's verdict and what it measured, in words."""
+    """One check's verdict (None: skipped) and what it measured, in words and figures."""
 
     name: str
-    ok: bool
+    ok: bool | None
     detail: str
+    figures: dict | None = None
 
     def line(self) -> str:
-        return f"{'PASS' if self.ok else 'FAIL'} {self.name}: {self.detail}"
+        word = "SKIP" if self.ok is None else "PASS" if self.ok else "FAIL"
+        return f"{word} {self.name}: {self.detail}"
 
 
 def check_v_one_rank(
@@ -57,18 +69,18 @@ def check_v_one_rank(
     sizes: Mapping[str, int] = GPT_SIZES,
     batch: int = BATCH,
     steps: int = 5,
-    tol: float = TOL,
 ) -> Outcome:
     """zbv at P=1 (both stages on rank 0) in this process: reference check, step time, peak."""
     import torch.distributed as dist
 
     from vpipe.ir.lowering import lower
     from vpipe.schedules import make_schedule
-    from vpipe.sweep.harness import RankSpec, build
+    from vpipe.sweep.harness import CHECK_TOL, RankSpec, build
 
     schedule = lower(make_schedule(SCHEDULE, 1, MICROBATCHES))
     spec = RankSpec(schedule, model="gpt", sizes=dict(sizes), batch=batch, device=device)
     spec.check()
+    tol = CHECK_TOL[spec.precision]
     own_group = not dist.is_initialized()  # timed steps start at a barrier: a group of one
     if own_group:
         dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
@@ -88,14 +100,16 @@ def check_v_one_rank(
     clock = "CUDA events" if h.cuda else "host clock"
     detail = (
         f"{SCHEDULE} P=1 stages {schedule.stages_of(0)} on one rank, gpt batch {batch} "
-        f"M={MICROBATCHES}: median step {median_ms:.2f} ms ({clock}, {len(timed)} steps); "
-        f"{len(findings)} reference comparisons, max relative error {worst:.1e} (tol {tol:g})"
+        f"M={MICROBATCHES} {spec.precision}: median step {median_ms:.2f} ms ({clock}, "
+        f"{len(timed)} steps); {len(findings)} reference comparisons, max relative error "
+        f"{worst:.1e} (tol {tol:g})"
         + (f"; CUDA allocator peak {peak / 2**20:.1f} MiB" if peak is not None else "")
     )
     ok = not bad and all(t > 0 for t in times) and (not h.cuda or (peak or 0) > 0)
     if bad:
         detail += "; mismatches: " + ", ".join(bad[:3])
-    return Outcome("v-one-rank", ok, detail)
+    figures = {"median_step_ms": median_ms, "max_rel_error": worst, "tol": tol, "peak": peak}
+    return Outcome("v-one-rank", ok, detail, figures)
 
 
 def check_two_ranks_one_gpu(
@@ -103,7 +117,6 @@ def check_two_ranks_one_gpu(
     device: str = "cuda",
     sizes: Mapping[str, int] = GPT_SIZES,
     batch: int = BATCH,
-    tol: float = TOL,
     timeout_s: float = 300.0,
 ) -> Outcome:
     """``vpipe run`` with two gloo ranks on one device, profiled; the traces converted and
@@ -118,8 +131,7 @@ def check_two_ranks_one_gpu(
     argv = [sys.executable, "-m", "vpipe", "run", SCHEDULE, "-p", str(ranks)]
     argv += ["-m", str(MICROBATCHES), "--batch", str(batch), "--steps", "3", "--model", "gpt"]
     argv += ["--sizes", ",".join(f"{k}={v}" for k, v in sizes.items())]
-    argv += ["--device", device, "--backend", "gloo", "--check", "--tol", f"{tol:g}"]
-    argv += ["--profile", str(out)]
+    argv += ["--device", device, "--backend", "gloo", "--check", "--profile", str(out)]
     try:
         r = subprocess.run(argv, capture_output=True, text=True, timeout=timeout_s)
     except subprocess.TimeoutExpired:
@@ -132,7 +144,8 @@ def check_two_ranks_one_gpu(
         if line.startswith(("check:", "summary:")):
             print(f"  {line}", flush=True)
     files = sorted(p.name for p in out.iterdir())
-    events = convert([out]).events
+    trace = convert([out])
+    events = trace.events
     program = make_schedule(SCHEDULE, ranks, MICROBATCHES)
     want = {
         rank: sum(len(a.compute_parts()) for a in program.actions[rank] if a.is_compute)
@@ -141,27 +154,84 @@ def check_two_ranks_one_gpu(
     compute = events[events["kind"].astype(str).isin(COMPUTE_KINDS)]
     got = compute.groupby(["rank", "step"], observed=True).size()
     rows = {rank: sorted(set(got[rank].tolist())) if rank in got else [] for rank in want}
+    on_device = int((compute["clock"].astype(str) == "device").sum())
+    clock_ok = device == "cpu" or on_device == len(compute)
     bubble = summarize(events)["bubble_ratio"]
     usdt = sum("USDT" in line for line in printed.splitlines())
     ok = (
         files == [f"rank{k}.pt.trace.json" for k in range(ranks)]
         and all(rows[k] == [want[k]] for k in want)
         and usdt == 0
+        and clock_ok
     )
     counts = ", ".join(
         f"rank {k} {'/'.join(map(str, rows[k])) or 'none'} (program {want[k]})" for k in want
     )
     detail = (
         f"{SCHEDULE} P={ranks} on one {device} device over gloo: compute rows per profiled "
-        f"step {counts}; bubble ratio {bubble:.3f}; traces {', '.join(files)}; "
-        f"{usdt} USDT lines printed"
+        f"step {counts}, {on_device} of {len(compute)} on the device clock; bubble ratio "
+        f"{bubble:.3f}; traces {', '.join(files)}; {usdt} USDT lines printed"
     )
-    return Outcome(name, ok, detail)
+    return Outcome(name, ok, detail, {"bubble_ratio": bubble, "on_device": on_device})
+
+
+def probe_device_reference(repeats: int = 20) -> Outcome:
+    """A fixed bf16 matrix product timed by CUDA events, one at a time, and the GPU's clocks,
+    temperature, power and throttle reasons (NVML, where nvidia-ml-py is installed): how still
+    a device reference holds on this GPU, for comparisons across launches."""
+    import torch
+
+    a = torch.randn(8192, 8192, device="cuda", dtype=torch.bfloat16)
+    b = torch.randn(8192, 8192, device="cuda", dtype=torch.bfloat16)
+    for _ in range(3):
+        a @ b
+    ms = []
+    for _ in range(repeats):
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        a @ b
+        end.record()
+        end.synchronize()
+        ms.append(start.elapsed_time(end))
+    ms.sort()
+    med = statistics.median(ms)
+    figures: dict = {"matmul_ms": ms, "tflops": 2 * 8192**3 / (med / 1e3) / 1e12}
+    try:
+        import pynvml as nv
+
+        nv.nvmlInit()
+        h = nv.nvmlDeviceGetHandleByIndex(torch.cuda.current_device())
+        figures.update(
+            sm_clock_mhz=nv.nvmlDeviceGetClockInfo(h, nv.NVML_CLOCK_SM),
+            mem_clock_mhz=nv.nvmlDeviceGetClockInfo(h, nv.NVML_CLOCK_MEM),
+            temperature_c=nv.nvmlDeviceGetTemperature(h, nv.NVML_TEMPERATURE_GPU),
+            power_w=nv.nvmlDeviceGetPowerUsage(h) / 1e3,
+            throttle_reasons=nv.nvmlDeviceGetCurrentClocksThrottleReasons(h),
+        )
+    except Exception as e:  # noqa: BLE001 (NVML is optional: say why it is missing)
+        figures["nvml"] = f"unavailable: {type(e).__name__}: {e}"
+    nvml = {k: v for k, v in figures.items() if k not in ("matmul_ms", "tflops")}
+    detail = (
+        f"8192^3 bf16 matmul x{repeats}: median {med:.3f} ms ({figures['tflops']:.0f} TFLOP/s), "
+        f"spread {ms[0]:.3f}-{ms[-1]:.3f} ms ({(ms[-1] - ms[0]) / med:.1%}); NVML {nvml}"
+    )
+    return Outcome("device-reference", True, detail, figures)
+
+
+def _pack(out: Path, name: str, folders: Sequence[Path]) -> None:
+    """``out/name``: a gzipped tar of ``folders`` (what exists of them), by folder name."""
+    with tarfile.open(out / name, "w:gz") as tar:
+        for f in folders:
+            if f.exists():
+                tar.add(f, arcname=f.name)
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-    """Run every check on cuda:0; 0 if all pass, 1 if any fails, 2 without a CUDA device."""
-    argparse.ArgumentParser(description=__doc__.splitlines()[0]).parse_args(argv)
+    """Every check and the session figures on cuda:0; 0 if all pass, 1 if any fails, 2
+    without a CUDA device."""
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--out", default="results/gpu-check", help="where the eight files go")
+    args = parser.parse_args(argv)
     import torch
 
     if not torch.cuda.is_available():
@@ -170,20 +240,51 @@ def main(argv: Sequence[str] | None = None) -> int:
             f"CUDA build {torch.version.cuda or 'none'}): nothing checked; run it on a GPU machine"
         )
         return 2
-    print(f"gpu-check on {torch.cuda.get_device_name(0)} (torch {torch.__version__})", flush=True)
     from bench.gpu_device_checks import device_checks, nccl_check
+    from bench.gpu_sweeps import session_outcomes
 
-    outcomes = [check_v_one_rank()]
-    outcomes += [Outcome(*o) for o in device_checks(GPT_SIZES, BATCH)]
-    with tempfile.TemporaryDirectory(prefix="vpipe-gpu-check-") as tmp:
-        outcomes.append(check_two_ranks_one_gpu(Path(tmp) / "gloo"))
-        name, ok, detail = nccl_check(Path(tmp) / "nccl", GPT_SIZES, BATCH)
-    skipped = [f"SKIP {name}: {detail}"] if ok is None else []
-    outcomes += [] if ok is None else [Outcome(name, ok, detail)]
-    for line in [o.line() for o in outcomes] + skipped:
+    out = Path(args.out)
+    out.mkdir(parents=True, exist_ok=True)
+    log = open(out / "gpu-check.txt", "w", encoding="utf-8")  # noqa: SIM115 (written as we go)
+
+    def say(line: str) -> None:
         print(line, flush=True)
-    failed = sum(not o.ok for o in outcomes)
-    print(f"gpu-check: {len(outcomes) - failed} of {len(outcomes)} checks passed")
+        log.write(line + "\n")
+        log.flush()
+
+    t0 = time.perf_counter()
+    gpu = torch.cuda.get_device_name(0)
+    say(f"gpu-check on {gpu} (torch {torch.__version__}, CUDA {torch.version.cuda})")
+    outcomes: list[Outcome] = []
+
+    def done(o: Outcome) -> None:
+        outcomes.append(o)
+        say(f"[{time.perf_counter() - t0:5.0f} s] {o.line()}")
+
+    def guarded(name: str, run: Callable[[], list[Outcome]]) -> None:
+        """Run one part; a crash is that part's FAIL line, and the session goes on."""
+        try:
+            for o in run():
+                done(o)
+        except Exception as e:  # noqa: BLE001 (reported, and the other checks still run)
+            done(Outcome(name, False, f"crashed: {type(e).__name__}: {e}"))
+
+    with tempfile.TemporaryDirectory(prefix="vpipe-gpu-check-") as tmp:
+        traces, sweeps = Path(tmp) / "traces", Path(tmp) / "sweeps"
+        guarded("device-reference", lambda: [probe_device_reference()])
+        guarded("v-one-rank", lambda: [check_v_one_rank()])
+        guarded("device-checks", lambda: [Outcome(*o) for o in device_checks(traces)])
+        guarded("two-ranks-one-gpu", lambda: [check_two_ranks_one_gpu(traces / "two-ranks")])
+        guarded("nccl-two-gpus", lambda: [Outcome(*nccl_check(traces / "nccl", GPT_SIZES, BATCH))])
+        guarded("sweeps", lambda: [Outcome(*o) for o in session_outcomes(sweeps, say, t0)])
+        _pack(out, "traces.tar.gz", sorted(traces.iterdir()) if traces.exists() else [])
+        _pack(out, "sweeps.tar.gz", sorted(sweeps.iterdir()) if sweeps.exists() else [])
+    failed = sum(o.ok is False for o in outcomes)
+    ran = sum(o.ok is not None for o in outcomes)
+    say(f"gpu-check: {ran - failed} of {ran} checks passed in {time.perf_counter() - t0:.0f} s")
+    figures = {"gpu": gpu, "torch": torch.__version__, "checks": [asdict(o) for o in outcomes]}
+    (out / "figures.json").write_text(json.dumps(figures, indent=1, default=str))
+    log.close()
     return 1 if failed else 0
 
 

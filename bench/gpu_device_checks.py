@@ -1,11 +1,18 @@
-"""The device-clock checks of ``make gpu-check`` (bench/gpu_check.py), CUDA only.
+"""The device-clock checks of ``make gpu-check`` (bench/gpu_check.py), on one CUDA device.
 
-- ``events-vs-profiler``: one profiled step of zbv at P=1 (GPT) with per-action CUDA events on:
-  each compute action's event time against its device span in the converted trace; PASS when
-  the total and the median action agree within 5%.
-- ``device-timeline``: in that trace, every compute row is on the device clock, inside its
-  step, one per action and never overlapping another; device busy time plus the gaps between
-  rows (the bubble) equals the step window within 1%.
+All on zbv at P=1 (both stages on one rank, nothing communicated) with a GPT model sized so that
+every action is compute (milliseconds of kernels):
+
+- ``events-vs-profiler``: one profiled step with per-action CUDA events, the device kept busy
+  by a sleep kernel before the step so that the host has enqueued the whole step before the
+  device starts it. A CUDA event then completes when the stream reaches it, not when the host
+  records it, so an action's event pair spans its own GPU work plus the device's own gap between
+  two queued kernels: it must agree with the profiler's row (first op to last op) within 5%,
+  total and median per action. (On an idle stream an event completes when the host records it:
+  the pair would add the host's launch lead-in, a different quantity.)
+- ``device-timeline``: in a plain profiled step every compute row is on the device clock,
+  inside its step, one per action, never overlapping another; busy + gaps = the step window
+  within 1%; and, with nothing to wait for, the bubble ratio under 0.05.
 - ``host-bound``: stage 0 sleeps before launching its forward kernels; its F rows must show
   the device's time (well under the sleep) while their launch spans hold the sleep: the sleep
   is device idle, not compute.
@@ -22,24 +29,27 @@ from __future__ import annotations
 import statistics
 import subprocess
 import sys
-import tempfile
 import time
 from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
-AGREE = 0.05  # events against the profiler's device spans
+AGREE = 0.05  # events against the profiler's device rows
 TIMELINE = 0.01  # busy + gaps against the step window
+BUBBLE_P1 = 0.05  # the bubble ratio at P=1, where nothing waits
 SLEEP_S = 0.02  # the host-bound stage's stall before each forward
+# every action milliseconds of compute in bf16 on an H200-class GPU
+SIZES = {"vocab": 32768, "d_model": 2048, "n_heads": 16, "n_layers": 4, "seq_len": 1024}
+BATCH = 8
 
 
 def agreement(events_ns: Mapping[str, int], spans_ns: Mapping[str, int]) -> dict[str, float]:
     """Relative differences of per-action durations from CUDA events and from the profiler's
-    device spans, over the actions both have: ``total`` and ``median`` (per action)."""
-    common = sorted(set(events_ns) & set(spans_ns))
+    device rows, over the actions both have with a nonzero row: ``total`` and ``median``."""
+    common = sorted(a for a in set(events_ns) & set(spans_ns) if spans_ns[a] > 0)
     if not common:
         return {"actions": 0, "total": float("inf"), "median": float("inf")}
-    rel = [abs(events_ns[a] - spans_ns[a]) / max(spans_ns[a], 1) for a in common]
+    rel = [abs(events_ns[a] - spans_ns[a]) / spans_ns[a] for a in common]
     ev, sp = sum(events_ns[a] for a in common), sum(spans_ns[a] for a in common)
     return {
         "actions": len(common),
@@ -81,9 +91,37 @@ def _one_rank_harness(sizes: Mapping[str, int], batch: int) -> Any:
     return build(spec, 0)
 
 
-def _profile(h: Any, out: Path) -> Any:
+def _sleep_cycles(seconds: float) -> int:
+    """GPU clock cycles that ``torch.cuda._sleep`` spins for about ``seconds`` (measured)."""
+    import torch
+
+    probe = 10**7
+    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    start.record()
+    torch.cuda._sleep(probe)
+    end.record()
+    end.synchronize()
+    return int(probe * seconds / (start.elapsed_time(end) / 1e3))
+
+
+def _profile(h: Any, out: Path, ahead_cycles: int = 0) -> Any:
+    """One profiled step (after one traced warm-up), each step behind a sleep kernel of
+    ``ahead_cycles`` when nonzero; the converted events."""
+    import torch
+    import torch.distributed as dist
+
+    from vpipe.trace.kineto import convert
+    from vpipe.trace.record import StepProfiler
+
     meta = {"run_id": out.name, "impl": "vpipe", "schedule": "zbv", "device": "cuda"}
-    return h.profiled_step(out, meta)
+    with StepProfiler(out, 0, metadata=meta, device=h.device, wait=0, warmup=1, active=1) as p:
+        for _ in range(2):
+            dist.barrier()
+            if ahead_cycles:
+                torch.cuda._sleep(ahead_cycles)  # the host enqueues the step meanwhile
+            h.step()
+            p.step()
+    return convert([p.path]).events
 
 
 def _durations(events: Any) -> dict[str, int]:
@@ -95,8 +133,10 @@ def _durations(events: Any) -> dict[str, int]:
     )
 
 
-def device_checks(sizes: Mapping[str, int], batch: int) -> list[tuple[str, bool, str]]:
-    """The three one-GPU checks, in this process (a process group of one)."""
+def device_checks(out: Path, sizes: Mapping[str, int] = SIZES, batch: int = BATCH
+                  ) -> list[tuple[str, bool, str]]:  # fmt: skip
+    """The three one-GPU checks, in this process (a process group of one); traces under
+    ``out`` (plain/, ahead/, host-bound/)."""
     import torch.distributed as dist
 
     from vpipe.metrics.per_run import rank_metrics
@@ -104,44 +144,61 @@ def device_checks(sizes: Mapping[str, int], batch: int) -> list[tuple[str, bool,
     own = not dist.is_initialized()
     if own:
         dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
-    out: list[tuple[str, bool, str]] = []
+    results: list[tuple[str, bool, str]] = []
     try:
         h = _one_rank_harness(sizes, batch)
+        times = []
         for _ in range(3):
-            h.step()  # shapes, allocator, kernels warmed up
-        with tempfile.TemporaryDirectory(prefix="vpipe-gpu-dev-") as tmp:
-            events = _profile(h, Path(tmp) / "plain")
-            times = {t.action: t.end_ns - t.start_ns for t in h.stats["action_times"]}
-            spans = _durations(events)
-            a = agreement(times, spans)
-            ok = a["total"] <= AGREE and a["median"] <= AGREE
-            out.append(("events-vs-profiler", ok,
-                        f"{a['actions']} actions: total {sum(spans.values()) / 1e6:.3f} ms by "
-                        f"device spans, {sum(times.get(k, 0) for k in spans) / 1e6:.3f} ms by "
-                        f"CUDA events; differ by {a['total']:.1%} in total, {a['median']:.1%} "
-                        f"per action (median; tolerance {AGREE:.0%})"))  # fmt: skip
-            t = timeline_findings(events)
-            r = rank_metrics(events).iloc[0]
-            out.append(("device-timeline", t["ok"],
-                        f"busy {r['busy_s'] * 1e3:.3f} ms + bubble {r['idle_s'] * 1e3:.3f} ms = "
-                        f"step {r['window_s'] * 1e3:.3f} ms (bubble ratio {r['bubble_ratio']:.3f});"
-                        f" busy + gaps off the window by {t['worst']:.2%} (tolerance "
-                        f"{TIMELINE:.0%}); "
-            + ("rows on the device clock, inside the step, no overlap" if t["ok"]
-               else "rows NOT all on the device clock, inside the step and apart")
-                        + (f"; {t['why']}" if t["why"] else "")))  # fmt: skip
-            mod = h.pipe.stages[0].module
-            launch = mod.forward
-            mod.forward = lambda *a, **k: (time.sleep(SLEEP_S), launch(*a, **k))[1]
-            try:
-                slow = _profile(h, Path(tmp) / "host-bound")
-            finally:
-                del mod.forward
-        out.append(_host_bound(slow, rank_metrics(slow).iloc[0], r))
+            t0 = time.perf_counter()
+            h.step()  # shapes, allocator, kernels warmed up (each step ends synchronised)
+            times.append(time.perf_counter() - t0)
+        # a sleep longer than the host takes to enqueue a step (the first step is shape
+        # inference and warm-up, left out)
+        ahead = _sleep_cycles(2 * statistics.median(times[1:]))
+        busy = _profile(h, out / "ahead", ahead)
+        results.append(_events_vs_profiler(h, busy))
+        plain = _profile(h, out / "plain")
+        r = rank_metrics(plain).iloc[0]
+        results.append(_timeline(plain, r))
+        mod = h.pipe.stages[0].module
+        launch = mod.forward
+        mod.forward = lambda *a, **k: (time.sleep(SLEEP_S), launch(*a, **k))[1]
+        try:
+            slow = _profile(h, out / "host-bound")
+        finally:
+            del mod.forward
+        results.append(_host_bound(slow, rank_metrics(slow).iloc[0], r))
     finally:
         if own:
             dist.destroy_process_group()
-    return out
+    return results
+
+
+def _events_vs_profiler(h: Any, events: Any) -> tuple[str, bool, str]:
+    times = {t.action: t.end_ns - t.start_ns for t in h.stats["action_times"]}
+    rows = _durations(events)
+    a = agreement(times, rows)
+    ok = a["total"] <= AGREE and a["median"] <= AGREE
+    empty = sum(v == 0 for v in rows.values())
+    return ("events-vs-profiler", ok,
+            f"{a['actions']} actions with GPU work ({empty} with none), device kept busy so the "
+            f"host ran ahead: {sum(rows.values()) / 1e6:.3f} ms by the profiler's device rows, "
+            f"{sum(times.get(k, 0) for k in rows) / 1e6:.3f} ms by CUDA events; they differ by "
+            f"{a['total']:.2%} in total, {a['median']:.2%} per action (median; tolerance "
+            f"{AGREE:.0%})")  # fmt: skip
+
+
+def _timeline(events: Any, r: Any) -> tuple[str, bool, str]:
+    t = timeline_findings(events)
+    ok = t["ok"] and r["bubble_ratio"] < BUBBLE_P1
+    return ("device-timeline", ok,
+            f"busy {r['busy_s'] * 1e3:.3f} ms + bubble {r['idle_s'] * 1e3:.3f} ms = step "
+            f"{r['window_s'] * 1e3:.3f} ms (bubble ratio {r['bubble_ratio']:.3f}, under "
+            f"{BUBBLE_P1} at P=1: {'yes' if r['bubble_ratio'] < BUBBLE_P1 else 'NO'}); busy + "
+            f"gaps off the window by {t['worst']:.2%} (tolerance {TIMELINE:.0%}); "
+            + ("rows on the device clock, inside the step, no overlap" if t["ok"]
+               else "rows NOT all on the device clock, inside the step and apart")
+            + (f"; {t['why']}" if t["why"] else ""))  # fmt: skip
 
 
 def _host_bound(events: Any, slow: Any, plain: Any) -> tuple[str, bool, str]:

@@ -103,3 +103,17 @@ def test_bench_report_states_the_regime_first(compute_ns, bound):
     assert verdict.title == "Verdict" and first.title == "Regime"
     assert first.markdown.startswith(bound)
     assert (WARNING in first.markdown) == (bound == "Overhead-bound")
+
+
+def test_the_regime_section_states_the_profilers_overhead():
+    from vpipe.report.document import profiler_overhead
+
+    runs = pd.DataFrame(
+        {"schedule": ["zbv", "1f1b", "x"], "microbatches": [8, 8, 8], "impl": ["vpipe"] * 3,
+         "regime": [20.0, 30.0, None], "step_time_s": [0.10, 0.20, 0.30],
+         "profiled_step_time_s": [0.12, 0.21, None], "device": ["cuda"] * 3}
+    )  # fmt: skip
+    line = profiler_overhead(runs)
+    assert "1.12x the timed median" in line and "1.05-1.20" in line and "device intervals" in line
+    assert line in regime_section(runs).markdown
+    assert profiler_overhead(runs.drop(columns="profiled_step_time_s")) == ""

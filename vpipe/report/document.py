@@ -322,17 +322,35 @@ def regime_warning(runs: pd.DataFrame) -> str:
 
 
 def regime_section(runs: pd.DataFrame) -> Section | None:
-    """The sweep's regime in words: the overhead-bound warning, or that it is compute-bound;
-    None when no config has a regime figure."""
+    """The sweep's regime in words: the overhead-bound warning, or that it is compute-bound,
+    and the profiler's own overhead; None when there is neither (a sweep without messages
+    has no regime figure)."""
     figures = _regime_figures(runs)
-    if figures.empty:
-        return None
-    text = regime_warning(runs) or (
+    text = "" if figures.empty else regime_warning(runs) or (
         f"Compute-bound: every profiled config has compute per action at least "
         f"{REGIME_THRESHOLD:g}x the cost of sending one message (regime figure "
         f"{figures.min():.1f}-{figures.max():.1f})."
     )
-    return text_section("Regime", [text])
+    paragraphs = [p for p in (text, profiler_overhead(runs)) if p]
+    return text_section("Regime", paragraphs) if paragraphs else None
+
+
+def profiler_overhead(runs: pd.DataFrame) -> str:
+    """The profiler's own cost in words: each config's profiled step over its timed median
+    (calibration reads the profiled steps; predictions are judged against the timed ones);
+    empty when the runs have no profiled steps."""
+    if not {"profiled_step_time_s", "step_time_s"} <= set(runs.columns):
+        return ""
+    ratio = (runs["profiled_step_time_s"] / runs["step_time_s"]).dropna().astype(float)
+    if ratio.empty:
+        return ""
+    clock = "device" if "cuda" in set(runs.get("device", pd.Series(dtype=str)).astype(str)) else "host"
+    return (
+        f"Profiler overhead: a profiled step took {ratio.median():.2f}x the timed median "
+        f"(median over {len(ratio)} configs, {ratio.min():.2f}-{ratio.max():.2f}); calibration "
+        f"reads the profiled steps' {clock} intervals, and predictions are judged against the "
+        "timed steps."
+    )
 
 
 def _regime_figures(runs: pd.DataFrame) -> pd.Series:
