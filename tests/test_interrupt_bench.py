@@ -96,6 +96,11 @@ def test_ctrl_c_at_any_moment_leaves_a_complete_output(tmp_path):
         if proc.returncode == 0:
             assert now != previous, "a finished sweep must have replaced the output"
             outcomes.append("finished")
+        elif proc.returncode == -signal.SIGINT:
+            # Ctrl-C's default action: the interpreter had not installed its handler yet (a
+            # start delayed on a loaded host), so nothing of vpipe ran: the output is as it was
+            assert now == previous and not err.strip(), err
+            outcomes.append("kept")
         else:
             assert proc.returncode == 130, err
             assert "Traceback" not in err, err
