@@ -243,3 +243,22 @@ def test_measured_and_simulated_tables_share_one_schema(tmp_path):
     key = ["rank", "stage", "microbatch", "kind"]
     comp = lambda df: sorted(map(tuple, df[df["kind"].isin(["F", "B"])][key].astype(str).values))  # noqa: E731
     assert comp(measured) == comp(simulated)
+
+
+def test_cuda_memory_rows_are_the_runs_own_devices(tmp_path):
+    """A process can touch several devices: only the run's own device's allocator events (its
+    index in the metadata) become memory rows; CPU ones stay."""
+    doc = synthetic_trace(PROGRAMS, 0, steps=[0], meta={**META, "device_index": 1})
+    t0 = next(e["ts"] for e in doc["traceEvents"] if e["name"] == "PP:STEP:0") + 1
+    for i, device in enumerate((0, 1, 1)):
+        doc["traceEvents"].append(
+            {"ph": "i", "cat": "cpu_instant_event", "s": "t", "name": "[memory]", "pid": 1000,
+             "tid": 1000, "ts": t0 + i, "args": {"Total Reserved": 8 << 20, "Bytes": 1,
+             "Total Allocated": (device + 1) << 20, "Device Id": device, "Device Type": 1,
+             "Addr": i}}
+        )  # fmt: skip
+    (tmp_path / "rank0.json").write_bytes(orjson.dumps(doc))
+    mem = convert([tmp_path / "rank0.json"]).memory
+    cuda = mem[mem["what"] == "cuda_allocated"]
+    assert len(cuda) == 2 and set(cuda["bytes"]) == {2 << 20}
+    assert (mem["what"] == "cpu_allocated").sum() > 0

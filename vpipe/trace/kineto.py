@@ -21,14 +21,16 @@ What becomes a row of the event table (:mod:`vpipe.events` schema, ``source="mea
   ``PP:WAIT:{stage}REDUCE{bucket}``: a WAIT row, the step's end waiting for it.
 - Other ``PP:`` spans (e.g. torch's ``PP:0UNSHARD``): ``kind="other"``, stage/microbatch -1.
 
-Rows come from the CPU-side spans, one per span. On CUDA, Kineto also writes a
-``gpu_user_annotation`` copy of each span on a GPU stream (same name): those give the compute
-rows their device intervals and the WAIT rows the device's idle time before the consumer
-(:mod:`vpipe.trace.device_clock`; ``clock="device"``, the CPU span kept as the row's launch
-span), and never make rows of their own. Without them every row is on the host clock
-(``clock="host"``, launch span = the row's span); a CUDA trace (the run's ``device`` metadata,
-else the trace's GPU ``deviceProperties``) without them converts with a warning that its
-times are launch times. The run's ``meta["clock"]`` says which (``mixed`` if ranks differ).
+Rows come from the CPU-side spans, one per span. On CUDA the trace also holds the GPU's
+work (kernels, copies, memsets, each with the host call that launched it): each compute row
+takes the interval of the GPU work its span launched, from any thread, WAIT rows the device's
+wait for their data and REDUCE rows their all-reduce kernel (:mod:`vpipe.trace.device_clock`;
+``clock="device"``, the CPU span kept as the row's launch span). Kineto's
+``gpu_user_annotation`` copies of the spans never make rows. Without GPU activity every row is
+on the host clock (``clock="host"``, launch span = the row's span); a CUDA trace (the run's
+``device`` metadata, else the trace's GPU ``deviceProperties``) without it converts with a
+warning that its times are launch times. The run's ``meta["clock"]`` says which (``mixed`` if
+ranks differ).
 
 Times are wall-clock nanoseconds (Kineto's ``baseTimeNanoseconds`` + ``ts``), comparable across
 the ranks of one host. The rank comes from vpipe's embedded metadata, else the trace's
@@ -338,13 +340,12 @@ def _memory_rows(
     """The memory table's rows of one file: the profiler's allocator events (device ones only
     of ``device_index`` where it is known: a process can touch several devices) and vpipe's
     per-step samples."""
-    t = _to_ns(mem["ts"], base)
-    dev = np.asarray(mem["device"], np.int64)
-    cuda = dev != 0
+    cuda = np.asarray(mem["device"], np.int64) != 0
     if device_index is not None:
         other = cuda & (np.asarray(mem["device_id"], np.int64) != device_index)
-        t, dev, cuda = t[~other], dev[~other], cuda[~other]
         mem = {k: np.asarray(v)[~other] for k, v in mem.items()}
+        cuda = cuda[~other]
+    t = _to_ns(mem["ts"], base)
     parts = [
         pd.DataFrame(
             {
