@@ -18,6 +18,7 @@ from vpipe.predict.plan import (
     SpecCosts,
     best_lookahead,
     candidate_label,
+    candidates,
     plan,
     recommend,
 )
@@ -228,3 +229,33 @@ def test_plan_says_which_candidates_tie_and_why(capsys):
     assert rows and len(rows) <= len(out["tied"])
     assert main([*argv, "--tie", "1.5"]) == 2
     assert "--tie must be a fraction in [0, 1), got 1.5" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize(("sizes", "v_weighed"), [("default", True), ({"n_blocks": 4}, False)])
+def test_the_default_sweeps_model_splits_for_every_schedule_plan_weighs(sizes, v_weighed):
+    """Costs calibrated on a run of the default sweep's model (here: simulated events of its
+    zbv config) can be split for V-schedules at 4 ranks and 4 stages per rank at 2 ranks; the
+    model's own default of 4 blocks cannot (the reason V-schedules were left out)."""
+    from vpipe.predict.plan import calibrated_costs
+    from vpipe.schedules import make_schedule
+    from vpipe.sweep.driver import DEFAULT_BATCH, DEFAULT_MLP_SIZES, SweepSpec
+
+    sizes = DEFAULT_MLP_SIZES if sizes == "default" else sizes
+    spec = SweepSpec(sizes=dict(sizes))  # the default sweep's schedules, M and batch
+    resolved = next(iter(spec.rank_specs().values())).sizes  # what every config splits
+    zbv = make_schedule("zbv", spec.ranks, spec.microbatches[0])
+    events = simulate(zbv, CostModel(f=100, b=90, w=70, comm_latency=5)).to_events("r", zbv)
+    meta = {"model": "mlp", "sizes": resolved, "batch": DEFAULT_BATCH}
+    costs = calibrated_costs(events, {0: 6e6, 1: 6e6}, zbv, meta)
+    v_families = set(catalogue.names(lambda f: f.placement == "v")) - {"auto"}
+    left_out: dict[str, str] = {}
+    at4 = candidates(costs, 4, DEFAULT_BATCH, microbatches=[8], left_out=left_out)
+    weighed = {c.schedule for c in at4}
+    if v_weighed:
+        assert resolved["n_blocks"] == 8
+        assert v_families <= weighed and not v_families & set(left_out)
+        at2 = candidates(costs, 2, DEFAULT_BATCH, microbatches=[8])
+        assert {c.stages_per_rank for c in at2} == {1, 2, 4}
+    else:
+        assert not v_families & weighed
+        assert "8 stages need at least as many model pieces" in left_out["zbv"]

@@ -39,7 +39,7 @@ def test_schedules_within_two_percent_are_a_tie_broken_by_less_memory():
     memory = {("zbv", 4, "vpipe"): 8 * 2**20, ("1f1b", 4, "vpipe"): 6 * 2**20}
     (line,) = verdict_lines(steps, memory)
     assert line.startswith("M=4 vpipe: run 1f1b: a tie of ")  # less memory, though not faster
-    assert "each within 2% of it" in line and "broken by less peak memory per rank" in line
+    assert "each within 2% of it" in line and "picked by the tie rule: less memory (" in line
     assert "1f1b 6.00 MiB" in line
     # with equal memory the simpler schedule runs: 1f1b (one stage per rank) before zbv (two)
     same = {k: 6 * 2**20 for k in memory}
@@ -53,9 +53,9 @@ def test_an_undecided_order_is_open_and_the_verdict_says_why():
     assert st.open == [st.contenders[1]]
     # more rounds go to the open contender and the leader it is paired with, nothing else
     assert open_configs(steps) == {("1f1b", 4, "vpipe"), ("zbv", 4, "vpipe")}
-    (line,) = verdict_lines(steps, {}, "after 3 rounds, when the time budget ran out")
-    assert " a tie of " in line and "still hold 1, after 3 rounds, when the time budget ran out" in line
-    assert "rounds would settle" in line
+    (line,) = verdict_lines(steps, {}, "in 3 rounds, when the time budget ran out")
+    assert " a tie of " in line and "not told apart from 1f1b in 3 rounds, when the time budget ran out" in line
+    assert "rounds in all would settle zbv" in line
     assert verdict_lines(_steps({"zbv": 0.1}, noise=0.0)) == [
         "one schedule per group: nothing to rank"
     ]

@@ -31,7 +31,7 @@ import pandas as pd
 
 from vpipe.report.crossrun import MIN_EFFECT, paired_rounds_to_settle
 from vpipe.report.document import config_times, paired_configs
-from vpipe.schedules.ties import TIE_RULE, Tied, break_tie
+from vpipe.schedules.ties import Tied, break_tie
 from vpipe.stats import Ratio
 
 __all__ = ["TIE_BAND", "Standing", "open_configs", "standings", "verdict_lines"]
@@ -126,9 +126,9 @@ def verdict_lines(
         parts = [f"{s} {st.ratios[s].value:.2f}x ({_interval(st.ratios[s])})"
                  for s in contenders[1:]]  # fmt: skip
         lines.append(
-            f"{st.where}: run {pick}: a tie of {', '.join(contenders)} (step vs "
-            f"{st.leader}'s, the lowest median: {', '.join(parts)}); {_why(st, why_open)}; "
-            f"broken by {TIE_RULE}{_memories(tied)}"
+            f"{st.where}: run {pick}: a tie of {', '.join(contenders)}, step time against "
+            f"{st.leader}'s (the lowest median): {', '.join(parts)}; {_why(st, why_open)}; "
+            f"picked by the tie rule: less memory{_memories(tied)}, then the simpler schedule"
         )
     return lines or ["one schedule per group: nothing to rank"]
 
@@ -142,9 +142,9 @@ def _why(st: Standing, why_open: str) -> str:
         return f"each within {math.exp(TIE_BAND) - 1:.0%} of it"
     worst = max(st.open, key=lambda s: _settle(st, s) or math.inf)
     n = _settle(st, worst)
-    more = f"; about {n} rounds would settle {worst}" if n else ""
-    told = f", {why_open}" if why_open else ""
-    return f"the intervals of {', '.join(st.open)} still hold 1{told}{more}"
+    more = f"; about {n} rounds in all would settle {worst}" if n else ""
+    told = f" {why_open}" if why_open else ""
+    return f"{' and '.join(st.open)} not told apart from {st.leader}{told}{more}"
 
 
 def _settle(st: Standing, s: str) -> int | None:
@@ -156,4 +156,4 @@ def _memories(tied: list[Tied]) -> str:
     known = [t for t in tied if t.memory is not None and t.memory == t.memory]
     if not known:
         return ""
-    return " (peak " + ", ".join(f"{t.schedule} {t.memory / 2**20:.2f} MiB" for t in known) + ")"
+    return " (" + ", ".join(f"{t.schedule} {t.memory / 2**20:.2f} MiB" for t in known) + ")"

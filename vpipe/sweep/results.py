@@ -78,10 +78,10 @@ def rounds_note(meta: dict[str, Any]) -> str:
     """Why a sweep's rounds ended, in words, for the verdict."""
     n, stop = meta.get("rounds_run"), meta.get("rounds_stop", "fixed")
     if stop == "budget":
-        return f"after {n} rounds, when the time budget (--max-minutes {meta['max_minutes']:g}) ran out"
+        return f"in {n} rounds, when the time budget (--max-minutes {meta['max_minutes']:g}) ran out"
     if stop == "decided":
-        return f"after {n} rounds"
-    return f"after {n} rounds, fixed (--rounds; --max-minutes 0 adds none)"
+        return f"in {n} rounds"
+    return f"in {n} fixed rounds (--max-minutes 0 adds none)"
 
 
 def git_commit(cwd: str | Path | None = None) -> str | None:
