@@ -57,7 +57,7 @@ def family_table(ranks: int, microbatches: int):
         row: dict[str, object] = {"schedule": family.name, "v": v}
         for model in PAPER_COSTS:
             res = simulate(s, costs_for(model, v))
-            row["peak (1F1B stages)"] = max(res.peak_activations) / v
+            row["peak (1F1B stages)"] = max(res.peak_stage_activations) / v
             row[f"{model} ms"] = round(res.makespan, 1)
             row[f"{model} bubble"] = round(res.bubble_ratio, 3)
         rows.append(row)
@@ -83,7 +83,7 @@ def auto_table(ranks: int, microbatches: int):
                 {
                     "model": model,
                     "limit (1F1B stages)": limit,
-                    "peak (1F1B stages)": max(res.peak_activations) / 2,
+                    "peak (1F1B stages)": max(res.peak_stage_activations) / 2,
                     "ms": round(res.makespan, 1),
                     "bubble": round(res.bubble_ratio, 3),
                     "picked": source

@@ -77,13 +77,13 @@ def paper_rows(microbatches: Sequence[int], solver_time: float | None) -> list[s
             s = auto_schedule(p, m, costs, limit, "loop", objective="span")
             wall = time.perf_counter() - t0
             res = simulate(s, costs)
-            assert max(res.peak_activations) <= limit
+            assert max(res.peak_stage_activations) <= limit
             row = f"{limit:>5} {m:>4} {_bubble(work, res.span):>7.4f} {wall:>7.2f}"
             ref = SAIL_SG.get((limit, m))
             row += f" {ref:>8.4f}" if ref is not None else f" {'-':>8}"
             for name in LOOP_FAMILIES:
                 other = simulate(make_schedule(name, p, m), costs)
-                fits = max(other.peak_activations) <= limit
+                fits = max(other.peak_stage_activations) <= limit
                 row += f" {_bubble(work, other.span):>7.4f}" if fits else f" {'over':>7}"
             if solver_time:
                 ex = _exact(p, m, costs, limit, solver_time)
@@ -160,7 +160,7 @@ def v_rows() -> list[str]:
         block = simulate(make_schedule(family, p, m), costs)
         lines.append(
             f"{p:>2} {m:>3} {model:>5} {family:>7} {_bubble(work, res.span):>8.4f} "
-            f"{max(res.peak_activations) / 2:>5g} {_bubble(work, block.span):>7.4f} "
+            f"{max(res.peak_stage_activations) / 2:>5g} {_bubble(work, block.span):>7.4f} "
             f"{ref:>8.4f} {wall:>5.1f}"
         )
     return lines

@@ -11,7 +11,9 @@ through its reciprocal (samples/s as ``track_seconds_per_sample``). ``VPIPE_ASV_
 ``VPIPE_ASV_MICROBATCHES`` (comma-separated) narrow the parameter grid, e.g. for a quick smoke
 run; ``VPIPE_ASV_DTYPE`` sets the precision (``vpipe bench --dtype``).
 
-Across commits the host changes, so the step is tracked as ``track_normalised_step``: each
+Across commits the host changes, so the step is tracked as
+``track_normalised_step_in_ref_units`` (asv prints units only for seconds and bytes, so the
+name carries it): each
 config's median step time over the median time of the host-speed reference timed before
 every step (:mod:`vpipe.sweep.reference`), the median over ``VPIPE_ASV_BLOCKS`` independent
 launches (default 3), in units of the reference (a dimensionless figure that a uniformly

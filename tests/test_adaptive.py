@@ -46,11 +46,11 @@ def test_auto_is_at_or_below_every_fixed_family_that_fits(c):
     s = auto_schedule(p, m, costs, limit, placement, objective=objective, search_budget=BUDGET)
     validate(lower(s))
     mine = simulate(s, costs)
-    assert max(mine.peak_activations) / spr <= limit
+    assert max(mine.peak_stage_activations) / spr <= limit
     assert mine.objective(objective) == pytest.approx(s.meta["objective_value"])
     for name in FIXED[placement]:
         other = simulate(make_schedule(name, p, m), costs)
-        if max(other.peak_activations) / spr <= limit:
+        if max(other.peak_stage_activations) / spr <= limit:
             assert mine.objective(objective) <= other.objective(objective) + 1e-9, name
 
 
@@ -71,7 +71,7 @@ def test_the_papers_rows_reach_sail_sgs_heuristic(limit, m):
     costs = CostModel(f=18.522, b=18.086, w=9.337, comm_latency=0.601)
     s = auto_schedule(8, m, costs, limit, "loop", objective="span")
     res = simulate(s, costs)
-    assert max(res.peak_activations) <= limit
+    assert max(res.peak_stage_activations) <= limit
     assert res.span <= SAIL_SG_SPANS[limit, m] + 1e-6
 
 
@@ -123,9 +123,9 @@ def test_interleaved_placement_with_any_stages_per_rank():
         s = auto_schedule(4, 8, costs, 4, "interleaved", stages_per_rank=v, objective="span")
         assert s.n_stages == 4 * v and s.placement == loop_placement(4, 4 * v)
         validate(lower(s))
-        assert max(simulate(s, costs).peak_activations) / v <= 4
+        assert max(simulate(s, costs).peak_stage_activations) / v <= 4
         other = simulate(make_schedule("interleaved-1f1b", 4, 8, v), costs)
-        if max(other.peak_activations) / v <= 4:
+        if max(other.peak_stage_activations) / v <= 4:
             assert s.meta["objective_value"] <= other.span + 1e-9
 
 
@@ -154,5 +154,5 @@ def test_v_half_and_v_min_adapted_reach_sail_sgs(p, m, model, family):
     s = adapted(family, p, m, costs, search_budget=BUDGET)
     res = simulate(s, costs)
     limit = (p + 2) / 2 if family == "v-half" else (p + 4) // 3
-    assert max(res.peak_activations) / 2 <= limit
+    assert max(res.peak_stage_activations) / 2 <= limit
     assert res.span <= SAIL_SG_V[p, m, model, family] + 1e-6

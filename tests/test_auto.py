@@ -27,7 +27,7 @@ BUDGET = 20_000  # a small list-scheduler search: these properties hold for any 
 
 def _memory(res, spr: int) -> float:
     """A run's peak in 1F1B stages."""
-    return max(res.peak_activations) / spr
+    return max(res.peak_stage_activations) / spr
 
 
 @st.composite
@@ -54,7 +54,7 @@ def test_auto_never_exceeds_its_limit(c):
     res = simulate(s, costs)
     assert _memory(res, spr) <= limit
     if s.meta["cap"] is not None:  # a filled block, not a fixed family
-        assert max(res.peak_activations) <= s.meta["cap"]
+        assert max(res.peak_stage_activations) <= s.meta["cap"]
 
 
 @settings(max_examples=30, deadline=None)
@@ -123,7 +123,7 @@ def test_a_limit_of_one_stage_keeps_one_microbatch_in_flight():
     costs = CostModel()
     for placement, spr in (("v", 2), ("loop", 1)):
         s = auto_schedule(4, 6, costs, 1, placement)
-        assert max(simulate(s, costs).peak_activations) == spr
+        assert max(simulate(s, costs).peak_stage_activations) == spr
 
 
 @pytest.mark.parametrize(

@@ -35,7 +35,7 @@ def test_show_auto_writes_the_schedule_auto_chose(tmp_path, capsys):
     validate(lower(s))
     costs = CostModel(f=18.522, b=18.086, w=9.337, comm_latency=0.601)
     res = simulate(s, costs)
-    assert max(res.peak_activations) <= 8
+    assert max(res.peak_stage_activations) <= 8
     value = float(out.split("by span ")[1].split()[0])
     assert res.span == pytest.approx(value, rel=1e-5)
 
@@ -49,7 +49,7 @@ def test_simulate_reports_the_objective(capsys):
     assert rc == 0
     got = json.loads(out)
     assert got["objective"] == "span" and got["objective_value"] == got["span"]
-    assert max(got["peak_activations"]) <= 4
+    assert max(got["peak_activation_units"]) <= 4
     # costs per stage (the unit=stage reading): one slot per F, I, W of a stage
     rc, out, _ = run(
         ["simulate", "zbv", "-p", "2", "-m", "4", "--cost", "f=1,b=1,w=1,comm=0,unit=stage"], capsys

@@ -201,7 +201,7 @@ def test_simulate_json_matches_the_simulator(capsys):
     # closed form for 1F1B with f = b = w = 1 and free comm: (P-1)/(M+P-1)
     assert data["bubble_ratio"] == pytest.approx(3 / 11)
     assert data["bubble_ratio_per_rank"] == pytest.approx(list(ref.bubble_ratio_per_rank))
-    assert data["peak_activations"] == [4, 3, 2, 1]
+    assert data["peak_stage_activations"] == [4, 3, 2, 1]
     assert data["comm_ops"] == list(ref.comm_ops) and len(data["comm_ops"]) == 4
 
 
@@ -253,7 +253,7 @@ def test_compare_json_has_a_row_per_schedule(capsys):
         ref = simulate(s, CostModel(f=1 / v, b=1 / v, w=1 / v))
         assert row["makespan"] == pytest.approx(ref.makespan)
         assert row["bubble_ratio"] == pytest.approx(ref.bubble_ratio)
-        assert row["peak_act_max"] == pytest.approx(max(ref.peak_activations) / v)
+        assert row["peak_activation_units_max"] == pytest.approx(max(ref.peak_stage_activations) / v)
         assert row["comm_ops_total"] == sum(ref.comm_ops)
 
 

@@ -76,9 +76,9 @@ def test_closed_forms_at_unit_costs(name):
         for m in MICRO:
             res = _sim(make_schedule(name, p, m))
             assert res.makespan == makespan(p, m), (name, p, m)
-            assert max(res.peak_activations) == peak(p, m), (name, p, m)
+            assert max(res.peak_stage_activations) == peak(p, m), (name, p, m)
             if name == "zb-h2" or (name == "v-half" and m > p):
-                assert res.peak_activations == [peak(p, m)] * p, (name, p, m)
+                assert res.peak_stage_activations == [peak(p, m)] * p, (name, p, m)
 
 
 @pytest.mark.parametrize("name", sorted(CLOSED))
@@ -89,7 +89,7 @@ def test_closed_forms_scale_with_the_costs(name):
         for m in (1, p, 3 * p):
             res = _sim(make_schedule(name, p, m), 2)
             assert res.makespan == 2 * makespan(p, m), (name, p, m)
-            assert max(res.peak_activations) == peak(p, m), (name, p, m)
+            assert max(res.peak_stage_activations) == peak(p, m), (name, p, m)
 
 
 def test_memory_shrinks_and_bubble_grows_from_zbv_to_v_half_to_v_min():
@@ -98,7 +98,7 @@ def test_memory_shrinks_and_bubble_grows_from_zbv_to_v_half_to_v_min():
     for p in range(4, 9):
         m = 2 * p
         runs = [_sim(make_schedule(n, p, m)) for n in ("v-min", "v-half", "zbv")]
-        peaks = [max(r.peak_activations) for r in runs]
+        peaks = [max(r.peak_stage_activations) for r in runs]
         idle = [r.makespan - 6 * m for r in runs]
         assert peaks == [2 * ((p + 4) // 3), p + 2, 2 * p], p
         assert idle == [4 * p - 5, 3 * p - 5, p - 1], p
@@ -109,10 +109,10 @@ def test_v_min_is_about_a_third_and_v_half_half_of_1f1b_memory():
     """In 1F1B stages (half the V figure): V-Min floor((P+4)/3), V-Half (P+2)/2, 1F1B P."""
     for p in RANKS:
         m = 4 * p
-        one_f_one_b = max(_sim(make_schedule("1f1b", p, m)).peak_activations)
+        one_f_one_b = max(_sim(make_schedule("1f1b", p, m)).peak_stage_activations)
         assert one_f_one_b == p
-        assert max(_sim(make_schedule("v-min", p, m)).peak_activations) / 2 == (p + 4) // 3
-        assert max(_sim(make_schedule("v-half", p, m)).peak_activations) / 2 == (p + 2) / 2
+        assert max(_sim(make_schedule("v-min", p, m)).peak_stage_activations) / 2 == (p + 4) // 3
+        assert max(_sim(make_schedule("v-half", p, m)).peak_stage_activations) / 2 == (p + 2) / 2
 
 
 def test_zb_h2_zero_bubble_from_2p_minus_1_microbatches():
@@ -180,7 +180,7 @@ def test_fill_matches_the_simulator_and_respects_its_cap():
         validate(s)
         per_stage = {st: {"f": f[st], "b": b[st], "w": w[st]} for st in range(2 * p)}
         res = simulate(s, CostModel(per_stage=per_stage))
-        assert res.makespan == got.makespan and res.peak_activations == got.peaks
+        assert res.makespan == got.makespan and res.peak_stage_activations == got.peaks
         assert max(got.peaks) <= cap
         hop = [1.0, 3.0] * p
         slow = fill(place, orders, cap, f, b, w, hop[: 2 * p - 1])
@@ -198,11 +198,11 @@ def test_fill_times_a_complete_program_as_it_is():
     got = fill(s.placement, s.actions, 0, unit, unit, unit)
     assert got.actions == s.actions
     res = _sim(s)
-    assert (got.makespan, got.peaks) == (res.makespan, res.peak_activations)
+    assert (got.makespan, got.peaks) == (res.makespan, res.peak_stage_activations)
     s = make_schedule("1f1b", 3, 5)  # full backwards B
     got = fill(s.placement, s.actions, 0, unit[:3], unit[:3], unit[:3])
     res = _sim(s)
-    assert (got.makespan, got.peaks) == (res.makespan, res.peak_activations)
+    assert (got.makespan, got.peaks) == (res.makespan, res.peak_stage_activations)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -234,7 +234,7 @@ def test_families_are_valid_and_keep_their_memory_under_any_costs(case):
     p, m = s.n_ranks, s.n_microbatches
     validate(lower(s))
     res = simulate(s, costs)
-    assert max(res.peak_activations) == CLOSED[name][1](p, m)
+    assert max(res.peak_stage_activations) == CLOSED[name][1](p, m)
     if costs.comm_latency == 0:
         times = [t for over in costs.per_stage.values() for t in over.values()]
         unit = CLOSED[name][0](p, m)

@@ -32,7 +32,7 @@ def test_same_cost_string_same_makespan_and_peak_everywhere(name, capsys):
     api_text = simulate(schedule, COST)
     assert sim["makespan"] == cmp_["makespan"] == api.makespan == api_text.makespan
     peak = max(api.peak_activation_bytes)
-    assert max(sim["peak_activation_bytes"]) == cmp_["peak_act_max"] == peak
+    assert max(sim["peak_activation_bytes"]) == cmp_["peak_activation_units_max"] == peak
     # per stage, written out: the same numbers
     v = schedule.stages_per_rank
     per_stage = CostModel(f=2 / v, b=2 / v, w=1 / v, comm_latency=0.5, activation_bytes=1 / v)

@@ -47,7 +47,7 @@ def test_auto_exact_mode_lowers_and_simulates_to_its_objective():
     validate(lower(s))
     res = simulate(s, costs)
     assert res.span == pytest.approx(s.meta["objective_value"])
-    assert max(res.peak_activations) <= 4
+    assert max(res.peak_stage_activations) <= 4
 
 
 def test_a_time_out_returns_the_best_found_with_its_gap():

@@ -301,6 +301,32 @@ def test_report_cli_on_a_bare_runs_file_says_it_has_no_steps(tmp_path, capsys):
     assert "bbbb@h1: Overhead-bound: every profiled config" in md.split("## Runs")[0]
 
 
+def test_runs_with_profiled_steps_only_compare_profiled_with_profiled(tmp_path, capsys):
+    """Runs converted from traces have no timed step: their profiled medians are set against
+    each other, never against another run's timed median, and say so by their column."""
+    def traced(scale: float, commit: str) -> pd.DataFrame:
+        r = _runs(scale, commit, "h1")
+        return r.assign(profiled_step_time_s=r["step_time_s"] * 1.1, step_time_s=float("nan"),
+                        step_time_q1_s=float("nan"), step_time_q3_s=float("nan"),
+                        samples_per_s=float("nan"))  # fmt: skip
+
+    traced(1.0, "aaaa").to_parquet(tmp_path / "a.parquet")
+    traced(0.8, "bbbb").to_parquet(tmp_path / "b.parquet")
+    _runs(0.8, "cccc", "h1").to_parquet(tmp_path / "c.parquet")  # timed
+    out = tmp_path / "cmp.html"
+    argv = ["report", str(tmp_path / "a.parquet"), str(tmp_path / "b.parquet"),
+            str(tmp_path / "c.parquet"), "-o", str(out)]  # fmt: skip
+    assert main(argv) == 0
+    md = out.with_suffix(".md").read_text()
+    rows = [ln for ln in md.splitlines() if ln.startswith("| zbv | 4 | vpipe |")]
+    assert len(rows) == 2 and "| 1.25 |" in rows[0]  # profiled against profiled
+    assert "nan" not in md.lower()
+    no_step = traced(1.0, "dddd").assign(profiled_step_time_s=float("nan"))
+    no_step.to_parquet(tmp_path / "d.parquet")
+    assert main(["report", str(tmp_path / "d.parquet"), "-o", str(out)]) == 2
+    assert "no values for ['step_time_s or profiled_step_time_s']" in capsys.readouterr().err
+
+
 def test_report_cli_bad_input_is_one_line_error(tmp_path, capsys):
     (tmp_path / "junk.parquet").write_bytes(b"not parquet")
     assert main(["report", str(tmp_path / "junk.parquet"), "-o", str(tmp_path / "x.html")]) == 2

@@ -222,11 +222,11 @@ def test_1f1b_gpipe_and_looped_bfs_peak_activations():
     BFS with v stages per rank: vM."""
     for p in RANKS:
         for m in _micro(p):
-            assert _sim(make_schedule("looped-bfs", p, m, 3)).peak_activations == [3 * m] * p
-            assert _sim(make_schedule("1f1b", p, m)).peak_activations == [
+            assert _sim(make_schedule("looped-bfs", p, m, 3)).peak_stage_activations == [3 * m] * p
+            assert _sim(make_schedule("1f1b", p, m)).peak_stage_activations == [
                 min(p - r, m) for r in range(p)
             ]
-            assert _sim(make_schedule("gpipe", p, m)).peak_activations == [m] * p
+            assert _sim(make_schedule("gpipe", p, m)).peak_stage_activations == [m] * p
 
 
 @pytest.mark.parametrize("cost", [(1, 1, 1), (1, 2, 0.5), (2, 1, 1)])
@@ -262,7 +262,7 @@ def test_zb_h1_keeps_p_microbatches_in_flight():
     """Every rank holds at most P live activations (F run, W not yet): 1F1B's rank-0 peak."""
     for p in RANKS:
         for m in (p, 2 * p + 1):
-            assert _sim(make_schedule("zb-h1", p, m)).peak_activations == [p] * p
+            assert _sim(make_schedule("zb-h1", p, m)).peak_stage_activations == [p] * p
 
 
 @pytest.mark.parametrize("c", [1, 2])
@@ -277,7 +277,7 @@ def test_zbv_zero_bubble(c):
             assert res.bubble_ratio_per_rank_excl_skew == [0.0] * p, (p, m)
             assert res.makespan == 6 * m * c + (p - 1) * c, (p, m)
             assert _idle(res) == pytest.approx([(p - 1) * c] * p, abs=1e-9), (p, m)
-            assert res.peak_activations == [2 * p] * p, (p, m)
+            assert res.peak_stage_activations == [2 * p] * p, (p, m)
 
 
 def test_zbv_bubble_below_2p_minus_1_microbatches_is_larger():
@@ -306,4 +306,4 @@ def test_dualpipev_peak_activations_balanced():
     overlap's forward allocates before its backward frees, hence ZB-V's 2P plus one)."""
     for p in RANKS:
         for m in (2 * p, 2 * p + 1, 3 * p):
-            assert _sim(make_schedule("dualpipev", p, m)).peak_activations == [2 * p + 1] * p
+            assert _sim(make_schedule("dualpipev", p, m)).peak_stage_activations == [2 * p + 1] * p

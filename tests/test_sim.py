@@ -35,9 +35,9 @@ def test_gpipe_1f1b_closed_form(make, P, M):
 
 def test_peak_activations_1f1b_and_gpipe():
     P, M = 4, 8
-    assert simulate(one_f_one_b(P, M)).peak_activations == [P - r for r in range(P)]
+    assert simulate(one_f_one_b(P, M)).peak_stage_activations == [P - r for r in range(P)]
     r = simulate(gpipe(P, M), CostModel(activation_bytes=[10, 20, 30, 40]))
-    assert r.peak_activations == [M] * P
+    assert r.peak_stage_activations == [M] * P
     assert r.peak_activation_bytes == [M * 10, M * 20, M * 30, M * 40]
     assert simulate(gpipe(P, M)).peak_activation_bytes is None
 
@@ -45,10 +45,10 @@ def test_peak_activations_1f1b_and_gpipe():
 def test_split_backward_keeps_activation_live_until_w():
     rows = [["0F0", "0I0", "0F1", "0I1", "0W0", "0W1"]]
     s = Schedule(1, 1, 2, {0: 0}, actions_from_strings(rows))
-    assert simulate(s).peak_activations == [2]
+    assert simulate(s).peak_stage_activations == [2]
     rows = [["0F0", "0I0", "0W0", "0F1", "0I1", "0W1"]]
     s = Schedule(1, 1, 2, {0: 0}, actions_from_strings(rows))
-    assert simulate(s).peak_activations == [1]
+    assert simulate(s).peak_stage_activations == [1]
 
 
 def test_hand_computed_timeline_with_latency():
@@ -259,7 +259,8 @@ def test_to_dict_events_and_chrome_trace(tmp_path):
         "bubble_ratio",
         "bubble_ratio_per_rank",
         "bubble_ratio_excl_skew",
-        "peak_activations",
+        "peak_stage_activations",
+        "peak_activation_units",
         "peak_activation_bytes",
         "comm_ops",
     ):

@@ -1,16 +1,17 @@
-"""The one-line verdicts: a single sweep's winner (within-run, paired), and merging blocks."""
+"""A sweep's verdict (within-run, paired): the schedule to run, or a tie broken by the tie rule
+and why; which configs more rounds could still order; and merging blocks."""
 
 from __future__ import annotations
 
 import numpy as np
 import pandas as pd
 
-from vpipe.report.winner import winner_line
+from vpipe.report.winner import open_configs, standings, verdict_lines
 from vpipe.sweep.blocks import merge_blocks
 
 
-def _steps(times: dict[str, float], noise: float, rounds: int = 3, steps: int = 3):
-    rng = np.random.default_rng(0)
+def _steps(times: dict[str, float], noise: float, rounds: int = 3, steps: int = 3, seed: int = 0):
+    rng = np.random.default_rng(seed)
     rows = []
     for r in range(rounds):
         for k in range(steps):
@@ -22,28 +23,101 @@ def _steps(times: dict[str, float], noise: float, rounds: int = 3, steps: int = 
     return pd.DataFrame(rows)
 
 
-def test_winner_line_names_the_winner_with_its_interval():
-    line = winner_line(_steps({"1f1b": 0.10, "zbv": 0.08}, noise=0.01), rounds=3)
-    assert line.startswith("winner (M=4 vpipe): zbv, 1.2")
-    assert "faster than 1f1b (95% CI 1." in line
+def test_a_clear_winner_is_named_with_its_interval():
+    steps = _steps({"1f1b": 0.10, "zbv": 0.08, "zb-h1": 0.09}, noise=0.01)
+    (line,) = verdict_lines(steps)
+    assert line.startswith("M=4 vpipe: run zbv: 1.1")  # zb-h1 is the next fastest
+    assert "faster than zb-h1, the next fastest (95% CI 1." in line
+    assert "every other schedule is slower" in line
+    assert open_configs(steps) == set()  # decided: no round would change it
 
 
-def test_winner_line_says_no_winner_and_the_rounds_to_settle():
-    line = winner_line(_steps({"1f1b": 0.100, "zbv": 0.099}, noise=0.08), rounds=3)
-    assert line.startswith("no winner at this noise (M=4 vpipe):")
-    assert "rounds would settle it (--rounds" in line
-    assert winner_line(_steps({"zbv": 0.1}, noise=0.0), 3) == (
+def test_schedules_within_two_percent_are_a_tie_broken_by_less_memory():
+    steps = _steps({"zbv": 0.100, "1f1b": 0.1002}, noise=0.002, rounds=6)
+    (st,) = standings(steps)
+    assert st.status == {st.contenders[1]: "tied"}
+    memory = {("zbv", 4, "vpipe"): 8 * 2**20, ("1f1b", 4, "vpipe"): 6 * 2**20}
+    (line,) = verdict_lines(steps, memory)
+    assert line.startswith("M=4 vpipe: run 1f1b: a tie of ")  # less memory, though not faster
+    assert "each within 2% of it" in line and "picked by the tie rule: less memory (" in line
+    assert "1f1b 6.00 MiB" in line
+    # with equal memory the simpler schedule runs: 1f1b (one stage per rank) before zbv (two)
+    same = {k: 6 * 2**20 for k in memory}
+    assert verdict_lines(steps, same)[0].startswith("M=4 vpipe: run 1f1b: ")
+    assert open_configs(steps) == set()
+
+
+def test_an_undecided_order_is_open_and_the_verdict_says_why():
+    steps = _steps({"1f1b": 0.100, "zbv": 0.099}, noise=0.08)
+    (st,) = standings(steps)
+    assert st.open == [st.contenders[1]]
+    # more rounds go to the open contender and the leader it is paired with, nothing else
+    assert open_configs(steps) == {("1f1b", 4, "vpipe"), ("zbv", 4, "vpipe")}
+    (line,) = verdict_lines(steps, {}, "in 3 rounds, when the time budget ran out")
+    assert " a tie of " in line and "not told apart from 1f1b in 3 rounds, when the time budget ran out" in line
+    assert "rounds in all would settle zbv" in line
+    assert verdict_lines(_steps({"zbv": 0.1}, noise=0.0)) == [
         "one schedule per group: nothing to rank"
-    )
+    ]
 
 
-def test_merge_blocks_appends_every_blocks_steps_and_marks_host_rounds():
+def test_a_slower_schedule_leaves_the_open_set_while_the_rest_stay():
+    # zb-h1 is clearly slower; 1f1b and zbv cannot be told apart at this noise
+    steps = _steps({"1f1b": 0.100, "zbv": 0.0995, "zb-h1": 0.2}, noise=0.05)
+    (st,) = standings(steps)
+    assert st.status["zb-h1"] == "slower" and "zb-h1" not in st.contenders
+    assert ("zb-h1", 4, "vpipe") not in open_configs(steps)
+
+
+def test_merge_blocks_appends_every_blocks_steps_and_numbers_rounds_on():
     def rank(r, t):
         return {"rank": r, "times": [[t, t], [2 * t, 2 * t]], "refs": [[1, 1], [1, 1]],
-                "host_rounds": [{"load1": t}], "memory": {}}  # fmt: skip
+                "rounds": [[0, 1], [0, 1]],
+                "host_rounds": [{"load1": t, "round": 0}, {"load1": t, "round": 1}],
+                "memory": {}}  # fmt: skip
 
     merged = merge_blocks([[rank(1, 0.1), rank(0, 0.1)], [rank(0, 0.3), rank(1, 0.3)]])
     assert [m["rank"] for m in merged] == [0, 1]
     assert merged[0]["times"] == [[0.1, 0.1, 0.3, 0.3], [0.2, 0.2, 0.6, 0.6]]
     assert merged[0]["refs"] == [[1, 1, 1, 1], [1, 1, 1, 1]]
-    assert merged[0]["host_rounds"] == [{"load1": 0.1, "block": 0}, {"load1": 0.3, "block": 1}]
+    assert merged[0]["rounds"] == [[0, 1, 2, 3], [0, 1, 2, 3]]
+    assert merged[0]["blocks"] == [[0, 0, 1, 1], [0, 0, 1, 1]]
+    assert [(h["block"], h["round"], h["load1"]) for h in merged[0]["host_rounds"]] == [
+        (0, 0, 0.1), (0, 1, 0.1), (1, 2, 0.3), (1, 3, 0.3)
+    ]  # fmt: skip
+
+
+def _rounds(times: dict[str, float], noise: float, deadline: float | None):
+    """A rank's Rounds after 3 base rounds of synthetic step times (no launch)."""
+    from types import SimpleNamespace
+
+    from vpipe.sweep.driver import Config
+    from vpipe.sweep.rounds import Rounds
+
+    steps = _steps(times, noise)
+    configs = [Config(s, 4, "vpipe") for s in times]
+    spec = SimpleNamespace(steps=3, deadline=deadline)
+    rounds = Rounds(spec, configs, [None] * len(configs), None, 0, lambda what: None)
+    for i, c in enumerate(configs):
+        mine = steps[steps["schedule"] == c.schedule]
+        rounds.times[i], rounds.rounds[i] = list(mine["step_time_s"]), list(mine["round"])
+        rounds.seconds[i] = [0.5, 0.5, 0.5]  # wall seconds of each of its rounds
+    return rounds
+
+
+def test_rounds_go_to_open_configs_while_they_fit_before_the_deadline():
+    import time
+
+    from vpipe.sweep.rounds import OUTPUT_RESERVE_S
+
+    close = {"1f1b": 0.100, "zbv": 0.099, "zb-h1": 0.3}  # zb-h1: clearly slower
+    later = time.time() + 3600
+    r = _rounds(close, noise=0.08, deadline=later)
+    assert r._choose() == [0, 1] and r.stop == "fixed"  # the open pair and its leader only
+    # the next round (2 x 0.5 s), the memory steps and the outputs no longer fit: stop
+    r = _rounds(close, noise=0.08, deadline=time.time() + OUTPUT_RESERVE_S + 0.5)
+    assert r._choose() == [] and r.stop == "budget"
+    r = _rounds({"1f1b": 0.10, "zbv": 0.08}, noise=0.01, deadline=later)
+    assert r._choose() == [] and r.stop == "decided"
+    r = _rounds(close, noise=0.08, deadline=None)  # no budget: the rounds are fixed
+    assert r._choose() == [] and r.stop == "fixed"

@@ -11,7 +11,7 @@ from vpipe.commands._runtime_flags import add_runtime_flags, dp_fields
 
 
 def register(subparsers: argparse._SubParsersAction) -> None:
-    from vpipe.sweep.driver import DEFAULT_SCHEDULES, QUICK_SCHEDULES
+    from vpipe.sweep.driver import DEFAULT_MAX_MINUTES, DEFAULT_SCHEDULES, QUICK_SCHEDULES
 
     p = subparsers.add_parser(
         "bench",
@@ -43,9 +43,10 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     p.add_argument(
         "--sizes",
         default="",
-        help="model sizes, e.g. d_model=512,d_hidden=2048,n_blocks=4 (default: the model's; on "
-        "cuda vocab=32768,d_model=2048,n_heads=16,seq_len=1024; n_blocks/n_layers grow to the "
-        "largest stage count)",
+        help="model sizes, e.g. d_model=512,d_hidden=2048,n_blocks=4 (default: the model's, "
+        "n_blocks/n_layers grown to the largest stage count; the default mlp sweep: "
+        "d_model=512,d_hidden=1024,n_blocks=8, which vpipe plan can split for every schedule "
+        "up to 8 stages; on cuda gpt at vocab=32768,d_model=2048,n_heads=16,seq_len=1024)",
     )
     p.add_argument(
         "--batch", type=int, help="samples per step (default 512, --quick 16; on cuda 32, 16)"
@@ -65,6 +66,13 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     )
     p.add_argument(
         "--rounds", type=int, help="interleaved rounds over all configs (default 3; --quick: 2)"
+    )
+    p.add_argument(
+        "--max-minutes",
+        type=float,
+        help="time budget of the whole command: after --rounds, keep adding rounds to the "
+        "configs whose order is still open until none is or the budget would run out (default "
+        f"{DEFAULT_MAX_MINUTES:g}; --quick and --blocks: 0, the rounds fixed)",
     )
     p.add_argument(
         "--profile-steps",
@@ -160,10 +168,13 @@ def run_bench(args: argparse.Namespace) -> int:
 
 
 def _sweep_and_write(args: argparse.Namespace) -> int:
+    started = time.time()
     from vpipe.sweep.blocks import run_blocks
     from vpipe.sweep.driver import (
         DEFAULT_BATCH,
+        DEFAULT_MAX_MINUTES,
         DEFAULT_MICROBATCHES,
+        DEFAULT_MLP_SIZES,
         DEFAULT_PROFILE_STEPS,
         DEFAULT_SCHEDULES,
         GPU_BATCH,
@@ -187,13 +198,17 @@ def _sweep_and_write(args: argparse.Namespace) -> int:
         args.ranks = max(1, int(os.environ.get("WORLD_SIZE", 2 * args.dp)) // args.dp)
     if args.quick:
         defaults = dict(batch=GPU_QUICK_BATCH if on_gpu else 16, schedules=QUICK_SCHEDULES,
-                        microbatches="4", warmup=1, steps=2, rounds=2, profile_steps=1)  # fmt: skip
+                        microbatches="4", warmup=1, steps=2, rounds=2, profile_steps=1,
+                        max_minutes=0.0)  # fmt: skip
         if not sizes and model == "mlp":
             sizes = {"d_model": 128, "d_hidden": 512}
     else:
         defaults = dict(batch=GPU_BATCH if on_gpu else DEFAULT_BATCH, schedules=DEFAULT_SCHEDULES,
                         microbatches=",".join(map(str, DEFAULT_MICROBATCHES)), warmup=2, steps=3,
-                        rounds=3, profile_steps=DEFAULT_PROFILE_STEPS)  # fmt: skip
+                        rounds=3, profile_steps=DEFAULT_PROFILE_STEPS,
+                        max_minutes=0.0 if args.blocks > 1 else DEFAULT_MAX_MINUTES)  # fmt: skip
+        if not sizes and model == "mlp":
+            sizes = dict(DEFAULT_MLP_SIZES)
     given = {k: getattr(args, k) for k in defaults if getattr(args, k) is not None}
     opts = {**defaults, **given}
     spec = SweepSpec(
@@ -216,6 +231,7 @@ def _sweep_and_write(args: argparse.Namespace) -> int:
         bundle_messages=args.bundle_messages,
         post_thread=args.post_thread,
         blocks=args.blocks,
+        max_minutes=opts["max_minutes"],
         inject_delay_ms=args.inject_delay_ms,
         inject_delay_rank=args.inject_delay_rank,
         **dp,
@@ -232,6 +248,7 @@ def _sweep_and_write(args: argparse.Namespace) -> int:
     out = check_output_dir(args.out, append=args.append, force=args.force)
     check_output_dir(out.resolve().parent, append=True, flag="--out's parent")  # staging there
     spec.trace_dir = args.traces
+    spec.deadline = started + 60 * spec.max_minutes if spec.max_minutes else None
     spec.verbose = args.verbose
     spec.profile_ops = args.profile_ops
     if spec.device == "cuda" and not launch.in_torchrun():
@@ -247,17 +264,18 @@ def _sweep_and_write(args: argparse.Namespace) -> int:
     with staged_dir(out, keep=args.append) as staging:
         res = collect(spec, results, bench_id, sweep_s)
         write_outputs(res, staging)
-    paths = {"html": out / "report.html"}
-    total_s = time.perf_counter() - t0
-    from vpipe.report.winner import winner_line
-
-    print(winner_line(res.steps, spec.rounds))
+    for line in res.verdict():
+        print(line)
     print(res.summary_text())
     if spec.dp > 1:
-        from vpipe.sweep.dp_section import dp_share_table
+        from vpipe.report.dp_section import dp_share_table
 
-        print(dp_share_table(res).to_string(index=False))
-    print(f"sweep {sweep_s:.1f} s, total {total_s:.1f} s; report: {paths['html']}")
+        print(dp_share_table(res.runs).to_string(index=False))
+    budget = f" of a {spec.max_minutes:g}-minute budget" if spec.max_minutes else ""
+    print(
+        f"{res.meta['rounds_run']} rounds; sweep {sweep_s:.1f} s, total "
+        f"{time.time() - started:.1f} s{budget}; report: {out / 'report.html'}"
+    )
     return 0
 
 

@@ -53,6 +53,11 @@ def register(subparsers: argparse._SubParsersAction) -> None:
         help="rank by the step's makespan (ranks start together; default) or the longest rank "
         "span (iterations overlapping, the papers' measure)",
     )  # fmt: skip
+    p.add_argument(
+        "--tie", type=float, default=None, metavar="FRACTION",
+        help="candidates predicted within this fraction of the fastest are a tie, broken by less "
+        "memory, then the simpler schedule (default 0.05: the prediction's error)",
+    )  # fmt: skip
     p.add_argument("--top", type=int, default=15, help="rows of the table to print (default 15)")
     p.add_argument("--plot", metavar="PNG", help="throughput vs peak memory, Pareto front")
     p.add_argument("--json", action="store_true", help='print {"recommended", "candidates"}')
@@ -62,7 +67,7 @@ def register(subparsers: argparse._SubParsersAction) -> None:
 def plan_command(args: argparse.Namespace) -> int:
     from vpipe.outputs import atomic_write, check_output_file
     from vpipe.predict.dp_costs import DPCosts
-    from vpipe.predict.plan import Budget, PlanError, SpecCosts, from_run, plan
+    from vpipe.predict.plan import PREDICTION_ERROR, Budget, PlanError, SpecCosts, from_run, plan
     from vpipe.sweep.driver import parse_list
 
     if args.ranks < 1 or args.batch < 1:
@@ -86,7 +91,7 @@ def plan_command(args: argparse.Namespace) -> int:
     dp = DPCosts.parse(args.dp_cost, args.dp) if args.dp > 1 or args.dp_cost else None
     result = plan(
         costs, args.ranks, args.batch, budget, microbatches=mbs, schedules=schedules, dp=dp,
-        objective=args.objective,
+        objective=args.objective, tie=PREDICTION_ERROR if args.tie is None else args.tie,
     )  # fmt: skip
     if args.plot:
         from vpipe.predict.plan import pareto_frame
@@ -106,20 +111,22 @@ def plan_command(args: argparse.Namespace) -> int:
 def render(result: dict, budget: object, top: int, dp: bool = False) -> str:
     """The ranked table and the recommendation as text (with ``dp``: the reductions' exposed
     and hidden ms and the exposed share of the step)."""
-    from vpipe.predict.plan import plural
+    from vpipe.predict.plan import candidate_label, plural, tie_note
 
     rec = result["recommended"]
     dp_head = f"{'dp exp ms':>10}{'hidden ms':>10}{'dp share':>9}" if dp else ""
+    tied = {candidate_label(c) for c in result.get("tied", [])}
     lines = [
         f"{'schedule':<18}{'v':>3}{'M':>5}{_step_header(result):>10}{'samples/s':>11}{'bubble':>8}"
-        f"{'peak/rank':>12}{'fits':>6}{dp_head}"
+        f"{'peak/rank':>12}{'fits':>6}{'tie':>5}{dp_head}"
     ]
     for c in result["candidates"][:top]:
         lines.append(
             f"{c['schedule']:<18}{c['stages_per_rank']:>3}{c['microbatches']:>5}"
             f"{c['predicted_step_s'] * 1e3:>10.2f}{c['samples_per_s']:>11.1f}"
             f"{c['bubble_ratio']:>8.3f}{budget.describe(_peak(budget, c)):>12}"
-            f"{'yes' if c['fits'] else 'no':>6}" + (_dp_cells(c) if dp else "")
+            f"{'yes' if c['fits'] else 'no':>6}{'yes' if candidate_label(c) in tied else '':>5}"
+            + (_dp_cells(c) if dp else "")
         )
     shown = min(top, len(result["candidates"]))
     lines.append(f"({shown} of {plural(len(result['candidates']), 'candidate')} shown)")
@@ -133,6 +140,8 @@ def render(result: dict, budget: object, top: int, dp: bool = False) -> str:
         f"peak {budget.describe(_peak(budget, rec))} per rank (budget "
         f"{budget.describe(budget.value)})"
     )
+    if len(tied) > 1:
+        lines.append(tie_note(result))
     la = result["recv_lookahead"]
     steps = ", ".join(f"{k}: {s * 1e3:.2f}" for k, s in la["predicted_step_s"].items())
     lines.append(

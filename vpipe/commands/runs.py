@@ -4,7 +4,8 @@ from __future__ import annotations
 
 import argparse
 
-COLUMNS = ("run_id", "source", "impl", "schedule", "ranks", "microbatches", "model", "step_time_s")
+COLUMNS = ("run_id", "source", "impl", "schedule", "ranks", "microbatches", "model", "step_time_s",
+           "profiled_step_time_s")  # fmt: skip
 
 
 def register(subparsers: argparse._SubParsersAction) -> None:
@@ -12,7 +13,8 @@ def register(subparsers: argparse._SubParsersAction) -> None:
         "runs",
         help="list the runs in a results store (ids to pass to vpipe analyze --run)",
         description="One line per run of the store's runs table: id, source, impl, schedule, "
-        "ranks, microbatches, model and median step time.",
+        "ranks, microbatches, model, median step time of the timed steps (a simulated run's: "
+        "its simulated step) and of the profiled steps, in seconds; blank where a run has none.",
     )
     p.add_argument("store", metavar="STORE", help="a results store or vpipe bench output")
     p.add_argument("--json", action="store_true", help="the rows as JSON")
@@ -40,6 +42,6 @@ def runs_command(args: argparse.Namespace) -> int:
     if args.json:
         print(table.to_json(orient="records"))
     else:
-        print(table.to_string(index=False))
+        print(table.astype("object").where(table.notna(), "").to_string(index=False))
         print(f"{len(table)} runs in {args.store}")
     return 0

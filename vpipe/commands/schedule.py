@@ -250,13 +250,16 @@ def _needs_comm(schedule: Schedule) -> bool:
 
 
 def simulation_summary(result: Any) -> dict[str, Any]:
-    """The JSON-ready result: the simulator's own dict plus the keys the CLI promises."""
+    """The JSON-ready result: the simulator's own dict (peak activations per rank in stage
+    activations and in activation units, each under its own name) plus the keys the CLI
+    promises."""
     out = dict(result.to_dict())
     out.update(
         makespan=float(result.makespan),
         bubble_ratio=float(result.bubble_ratio),
         bubble_ratio_per_rank=[float(x) for x in result.bubble_ratio_per_rank],
-        peak_activations=[int(x) for x in result.peak_activations],
+        peak_stage_activations=[int(x) for x in result.peak_stage_activations],
+        peak_activation_units=[float(x) for x in result.peak_activation_units],
         comm_ops=[int(x) for x in result.comm_ops],
     )
     return out
@@ -291,17 +294,24 @@ def _cmd_simulate(args: argparse.Namespace) -> int:
         f"bubble ratio   {result.bubble_ratio:.3f} whole step, "
         f"{result.bubble_ratio_excl_skew:.3f} excluding start-up skew"
     )
-    # Peak saved activations in the cost string's unit: stages, or rank shares (as compare).
-    v = 1 if costs.unit == "stage" else schedule.stages_per_rank
+    # Peak saved activations in the cost string's unit: stage activations, or activation units
+    # (a rank's share, as compare); --json gives both, named by their unit.
+    per_stage = costs.unit == "stage"
+    peaks = result.peak_stage_activations if per_stage else result.peak_activation_units
     header = f"{'rank':>4}  {'bubble':>6}  {'excl. skew':>10}  {'peak act':>8}  {'comm ops':>8}"
     print(header)
     for r in range(schedule.n_ranks):
         print(
             f"{r:>4}  {result.bubble_ratio_per_rank[r]:>6.3f}  "
             f"{result.bubble_ratio_per_rank_excl_skew[r]:>10.3f}  "
-            f"{result.peak_activations[r] / v:>8g}  {result.comm_ops[r]:>8}"
+            f"{peaks[r]:>8g}  {result.comm_ops[r]:>8}"
         )
-    unit = "stage activations" if v == 1 else f"rank shares (stage activations / {v})"
+    unit = (
+        "stage activations (JSON: peak_stage_activations)"
+        if per_stage
+        else "activation units, a rank's share of the model: stage activations / "
+        f"{schedule.stages_per_rank} (JSON: peak_activation_units)"
+    )
     print(f"(peak act: activations saved for backward, in {unit})")
     if args.trace:
         print(f"trace written to {args.trace}")
@@ -324,8 +334,8 @@ COMPARE_COLUMNS = (
     ("makespan", "makespan", "{:g}"),
     ("bubble", "bubble_ratio", "{:.3f}"),
     ("bubble excl. skew", "bubble_ratio_excl_skew", "{:.3f}"),
-    ("peak act max", "peak_act_max", "{:g}"),
-    ("peak act min", "peak_act_min", "{:g}"),
+    ("peak act max", "peak_activation_units_max", "{:g}"),
+    ("peak act min", "peak_activation_units_min", "{:g}"),
     ("comm ops", "comm_ops_total", "{}"),
     (f"vs {REFERENCE_SCHEDULE}", "relative_step_time", "{:.3f}"),
 )

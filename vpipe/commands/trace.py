@@ -202,10 +202,11 @@ def analyze(
     found: dict[str, Any] = {
         "run_id": str(meta.get("run_id") or (events["run_id"].iloc[0] if len(events) else "?")),
         "run": {k: meta[k] for k in RUN_FIELDS if k in meta},
-        "metrics": summarize(events, memory, batch=batch, tokens_per_sample=tps, missing=None),
+        "metrics": _with_timed(
+            summarize(events, memory, batch=batch, tokens_per_sample=tps, missing=None), meta
+        ),
         "peak_bytes": dict(peak_memory(memory).max()) if memory is not None else {},
         "spans": kind_durations(events),
-        "timed_step_s": _timed_s(meta),  # a sweep's run: the median of its timed steps
     }
     if predict:
         found.update(_fidelity(source, events, meta, predict, w_share, stat))
@@ -213,6 +214,21 @@ def analyze(
 
 
 RUN_FIELDS = ("impl", "schedule", "ranks", "stages", "microbatches", "model", "batch")
+
+
+def _with_timed(metrics: dict[str, Any], row: dict[str, Any]) -> dict[str, Any]:
+    """A run's metrics from its events, completed from its runs-table row where the events
+    give none and the run has timed steps (a sweep's run): the figures of the timed steps
+    (step time, throughput, the normalised step, the simulator's error), so that every name
+    means what it means in ``vpipe runs``, the report and the runs table."""
+    if _timed_s(row) is None:
+        return metrics
+    out = dict(metrics)
+    for name, value in metrics.items():
+        stored = row.get(name)
+        if value is None and stored is not None and stored == stored:
+            out[name] = stored.item() if hasattr(stored, "item") else stored
+    return out
 
 
 def analyze_report(source: str, **kw: Any) -> str:
@@ -225,18 +241,15 @@ def analysis_text(found: dict[str, Any]) -> str:
     s = found["metrics"]
     desc = ", ".join(f"{k} {v}" for k, v in found["run"].items())
     n = s["steps"]
+    timed = "" if s.get("step_time_s") is None else (
+        "; step time and throughput are the timed steps' (unprofiled), the rest the profiled "
+        "steps'"
+    )  # fmt: skip
     lines = [
         f"run {found['run_id']} ({desc}): {n} profiled step{'' if n == 1 else 's'} (recorded "
-        "under torch.profiler, which slows each step; the figures below are theirs)"
+        f"under torch.profiler, which slows each step){timed}"
     ]
-    # The registry calls it "step time"; here it is the profiled steps', not the timed steps'.
-    lines.extend(ln.replace("  step time     ", "  profiled step ", 1) for ln in metric_lines(s))
-    if found.get("timed_step_s") is not None:  # next to the profiled step it differs from
-        lines.insert(
-            2,
-            f"  timed step     {found['timed_step_s'] * 1e3:.3f} ms median of the timed steps "
-            "(unprofiled: the step time the bench report shows)",
-        )
+    lines.extend(metric_lines(s))
     peaks = found["peak_bytes"]
     if len(peaks):
         lines.append(
@@ -245,8 +258,9 @@ def analysis_text(found: dict[str, Any]) -> str:
     kd = found["spans"]
     if not kd.empty:
         table = kd.pivot(index="stage", columns="kind", values="median_s") * 1e3
-        lines.append("  median span (ms) per stage and kind:")
-        lines.extend("    " + ln for ln in table.round(3).to_string().splitlines())
+        lines.append("  median span (ms) per stage and kind (-: the stage ran none):")
+        text = table.round(3).to_string(na_rep="-")
+        lines.extend("    " + ln for ln in text.splitlines())
     if "predictions" in found:
         d, units = found["calibration"], found["model_pieces"]
         head = (
@@ -258,7 +272,8 @@ def analysis_text(found: dict[str, Any]) -> str:
             + (f"; model in {units} pieces" if units else "")
         )
         table = found["predictions"]
-        lines += ["", head, table.to_string(index=False, float_format=lambda x: f"{x:.3f}")]
+        shown = table.to_string(index=False, float_format=lambda x: f"{x:.3f}", na_rep="-")
+        lines += ["", head, shown]
     return "\n".join(lines)
 
 

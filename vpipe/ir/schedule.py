@@ -184,12 +184,15 @@ def placement_style(placement: Mapping[int, int], n_ranks: int) -> str:
 # Schedule
 
 
-@dataclass
+@dataclass(eq=False)
 class Schedule:
     """One ordered action list per rank, plus the stage -> rank placement.
 
     ``actions[r]`` is rank r's program. A schedule is *lowered* when it contains SEND/RECV
-    actions (see :func:`vpipe.ir.lowering.lower`).
+    actions (see :func:`vpipe.ir.lowering.lower`). ``name`` and ``meta`` describe how it was
+    made (the family, its options); ``==`` compares the program alone (ranks, stages,
+    microbatches, placement and actions: what the CSV format holds), so a schedule read back
+    from its CSV file equals the one written.
     """
 
     n_ranks: int
@@ -205,6 +208,16 @@ class Schedule:
             raise ScheduleError(
                 f"schedule has {len(self.actions)} action lists for {self.n_ranks} ranks"
             )
+
+    def __eq__(self, other: object) -> bool:
+        if not isinstance(other, Schedule):
+            return NotImplemented
+        return self._program() == other._program()
+
+    __hash__ = None  # type: ignore[assignment]  # mutable: not a dict key
+
+    def _program(self) -> tuple:
+        return self.n_ranks, self.n_stages, self.n_microbatches, self.placement, self.actions
 
     # -- structure ---------------------------------------------------------------------------
     @property

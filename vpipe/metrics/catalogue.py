@@ -99,6 +99,7 @@ class Spread:
     q1: str
     q3: str
     label: str
+    table: bool = True  # a column of the report's summary table (else the printout's only)
 
 
 @dataclass(frozen=True)
@@ -120,7 +121,9 @@ class Show:
 
 @dataclass(frozen=True)
 class Track:
-    """An asv ``track_<name>`` benchmark of a metric. asv takes lower as better, so a
+    """An asv ``track_<name>`` benchmark of a metric; asv prints only seconds and bytes with
+    their unit, so any other unit is in the name (``normalised_step_in_ref_units``). asv takes
+    lower as better, so a
     higher-is-better metric is tracked through its reciprocal (``reciprocal=True``). asv
     compares one value per commit against a factor, so only figures that hold when the host
     changes are tracked (the normalised step, peak bytes): raw seconds and bubble ratios move
@@ -221,18 +224,26 @@ def _tokens(x: Inputs) -> int | None:
 def _sim_error(x: Inputs) -> float | None:
     """Against the run's own step time: the timed median where it has timed steps (one
     profiled step can be an outlier), the profiled median otherwise."""
-    sim, measured = x.row.get("sim_step_time_s"), x.row.get("step_time_s")
+    sim = x.row.get("sim_step_time_s")
+    measured = x.row.get("step_time_s")
+    if measured is None or pd.isna(measured):
+        measured = x.row.get("profiled_step_time_s")
     ok = sim is not None and measured is not None and not pd.isna(measured) and measured != 0
     return sim / measured - 1 if ok else None
 
 
 def _step_time(i: int) -> dict[str | tuple[str, ...], Callable[[Inputs], Any]]:
-    """Quartile ``i`` (0: q1, 1: median, 2: q3) of the step time, from each source."""
+    """Quartile ``i`` (0: q1, 1: median, 2: q3) of the step time: of the timed steps, or the
+    simulated step. Never of profiled steps: those are :func:`_profiled_step_time`'s."""
     return {
         "steps": lambda x: quartiles(x.steps)[i],
-        "events": lambda x: quartiles(x.step_frame["step_time_s"])[i],
         "sim": lambda x: x.sim.step_time_s,
     }
+
+
+def _profiled_step_time(i: int) -> dict[str | tuple[str, ...], Callable[[Inputs], Any]]:
+    """Quartile ``i`` of the step time of the profiled steps (measured or simulated events)."""
+    return {"events": lambda x: quartiles(x.step_frame["step_time_s"])[i]}
 
 
 def _normalised_step(x: Inputs) -> float | None:
@@ -255,8 +266,8 @@ _MS = {"scale": 1e3, "unit": "ms"}
 BUILTIN = (
     Metric(
         "step_time_s", "step ms (median)", "s", "lower",
-        "time of one training step (slowest rank), median over the run's steps: the timed "
-        "steps of a sweep, else the profiled ones, else the simulated step",
+        "time of one training step (slowest rank), median over the run's timed steps (not "
+        "profiled: those are profiled_step_time_s), or the simulated step of a simulated run",
         _step_time(1),
         show=Show(**_MS, text_digits=3, group="step time", note="median",
                   spread=Spread("step_time_q1_s", "step_time_q3_s", "step ms IQR")),
@@ -269,7 +280,7 @@ BUILTIN = (
         {("steps", "refs"): _normalised_step},
         show=Show(digits=2, group="step time", note="in units of the host-speed reference",
                   table=False),
-        asv=Track("normalised_step", "reference units"),
+        asv=Track("normalised_step_in_ref_units", "host-speed reference units"),
     ),
     Metric("step_time_q1_s", "step ms q1", "s", "lower", "first quartile of the step time",
            _step_time(0)),
@@ -277,7 +288,7 @@ BUILTIN = (
            _step_time(2)),
     Metric(
         "samples_per_s", "samples/s", "samples/s", "higher",
-        "throughput: samples per step (the batch) over the step time",
+        "throughput: samples per step (the batch) over the step time (step_time_s)",
         {"row": _per_second(lambda x: x.batch)},
         show=Show(unit="samples/s", digits=1, group="throughput", baseline="thru"),
     ),
@@ -329,27 +340,37 @@ BUILTIN = (
     ),
     Metric(
         "profiled_step_time_s", "profiled step ms", "s", "lower",
-        "step time of the profiled steps, next to the timed steps' (profiling costs time)",
-        {("steps", "events"): lambda x: x.step_median("step_time_s")},
-        show=Show(**_MS),
+        "step time (slowest rank) of the steps recorded under torch.profiler, median: slower "
+        "than the timed steps (profiling costs time per span), the only step time of a run "
+        "converted from traces",
+        _profiled_step_time(1),
+        show=Show(**_MS, text_digits=3, group="profiled step", note="median",
+                  spread=Spread("profiled_step_time_q1_s", "profiled_step_time_q3_s",
+                                "profiled step ms IQR", table=False)),
     ),
+    Metric("profiled_step_time_q1_s", "profiled step ms q1", "s", "lower",
+           "first quartile of the profiled steps' time", _profiled_step_time(0)),
+    Metric("profiled_step_time_q3_s", "profiled step ms q3", "s", "lower",
+           "third quartile of the profiled steps' time", _profiled_step_time(2)),
     Metric(
         "sim_step_time_s", "sim step ms", "s", "lower",
         "step time the simulator predicts with costs calibrated from the profiled steps",
         {"simulated": lambda x: x.simulated["step_time_s"]},
-        show=Show(**_MS),
+        show=Show(**_MS, group="sim step"),
     ),
     Metric(
         "sim_error", "sim err %", "ratio", "zero",
         "relative error of the simulated step time against the timed median of the same "
         "config (simulated / timed - 1; the profiled median where no step was timed)",
         {"row": _sim_error},
-        show=Show(scale=100, unit="%", digits=1),
+        show=Show(scale=100, unit="%", digits=1, group="sim error", note="vs the step time"),
     ),
     Metric(
-        "peak_activations", "peak activations", "microbatches", "lower",
-        "most microbatch activations a rank holds at once in the simulated schedule",
-        {"sim": lambda x: max(x.sim.result.peak_activations)},
+        "peak_stage_activations", "peak stage activations", "stage activations", "lower",
+        "most activations a rank holds at once in the simulated schedule, max over ranks, "
+        "counted in stage activations (one stage's saved tensors for one microbatch; a V stage "
+        "is half a rank's share)",
+        {"sim": lambda x: max(x.sim.result.peak_stage_activations)},
         dtype="Int64",
     ),
 )  # fmt: skip

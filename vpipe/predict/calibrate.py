@@ -459,6 +459,15 @@ def leave_one_out(cases: list[Case], n_units: int | None = None) -> pd.DataFrame
     return pd.DataFrame(rows)
 
 
+def _judged_against(run: Any) -> float:
+    """A measured run's step time to judge predictions against: its timed median, or the
+    median of its profiled steps when it has no timed steps (a run converted from traces)."""
+    timed = getattr(run, "step_time_s", None)
+    if timed is None or pd.isna(timed):
+        return float(getattr(run, "profiled_step_time_s", float("nan")))
+    return float(timed)
+
+
 def leave_one_out_tables(
     runs: pd.DataFrame, events_of: Any, ranks: int, meta: dict[str, Any]
 ) -> list[tuple[str, int, pd.DataFrame]]:
@@ -476,7 +485,7 @@ def leave_one_out_tables(
             ev = events_of(r.run_id)
             if ev is not None and ev["kind"].astype(str).isin(COMPUTE_KINDS).any():
                 schedule = make_schedule(r.schedule, ranks, int(m))
-                cases.append(Case(r.schedule, schedule, ev, float(r.step_time_s)))
+                cases.append(Case(r.schedule, schedule, ev, _judged_against(r)))
         if len(cases) >= 2:
             stages = max(c.schedule.n_stages for c in cases)
             units = model_units({**meta, "stages": stages})

@@ -11,9 +11,11 @@ spec. Both are turned into a cost model for any schedule and microbatch size:
 - activation bytes per stage scale like compute: a stage's share times the rows.
 
 Every catalogue family x stages per rank x microbatch count that the family can build is
-simulated (:func:`vpipe.sim.simulate`), and the fastest candidate whose peak activation memory
-fits the budget on every rank is recommended, with the receive lookahead to run it with
-(:func:`best_lookahead`). Budgets are bytes (``12GiB``, ``500MB``) or
+simulated (:func:`vpipe.sim.simulate`). The candidates whose peak activation memory fits the
+budget on every rank and whose predicted step is within the prediction's error
+(:data:`PREDICTION_ERROR`, ``--tie``) of the fastest are a tie; the tie rule
+(:mod:`vpipe.schedules.ties`: less memory, then the simpler schedule) picks the one recommended,
+with the receive lookahead to run it with (:func:`best_lookahead`). Budgets are bytes (``12GiB``, ``500MB``) or
 activation units (``6units``: the most microbatch activations of a full stage, 1/P of the
 model, a rank may hold; a V stage's count half).
 """
@@ -30,10 +32,12 @@ import numpy as np
 
 from vpipe.errors import ScheduleError, VpipeError
 from vpipe.ir import Schedule
+from vpipe.predict.plan_ties import PREDICTION_ERROR, candidate_label, tie_note, tied
 from vpipe.sim import CostModel, parse_numbers
 from vpipe.sim.cost_model import split_unit
 
 __all__ = [
+    "PREDICTION_ERROR",
     "Budget",
     "Candidate",
     "PlanError",
@@ -41,7 +45,10 @@ __all__ = [
     "best_lookahead",
     "candidates",
     "plan",
+    "candidate_label",
     "recommend",
+    "tie_note",
+    "tied",
 ]
 
 
@@ -321,7 +328,7 @@ def candidates(
                         batch / step_s if step_s > 0 else math.inf,
                         r.bubble_ratio,
                         [float(x) for x in r.peak_activation_bytes or [0.0]],
-                        [x * ranks / schedule.n_stages for x in r.peak_activations],
+                        r.peak_activation_units,
                         dp_exposed_s=reduced.exposed * time_unit_s if reduced else 0.0,
                         dp_hidden_s=reduced.hidden * time_unit_s if reduced else 0.0,
                         placement=placement,
@@ -346,22 +353,28 @@ def plural(n: int, word: str) -> str:
     return f"{n} {word}{'' if n == 1 else 'es' if word.endswith(('ch', 's', 'x')) else 's'}"
 
 
-def recommend(found: list[Candidate], budget: Budget) -> Candidate:
-    """Mark which candidates fit and return the fastest that does (less memory on a tie); a
-    budget nothing fits is a PlanError naming the smallest peak available."""
+def recommend(found: list[Candidate], budget: Budget, tie: float = PREDICTION_ERROR) -> Candidate:
+    """Mark which candidates fit and return the one to run: of the fitting candidates
+    predicted within ``tie`` of the fastest (:func:`tied`), the one the tie rule picks
+    (:func:`vpipe.schedules.ties.break_tie`: less memory, then the simpler schedule). A budget
+    nothing fits is a PlanError naming the smallest peak available."""
+    from vpipe.schedules.ties import Tied, break_tie
+
     if not found:
         raise PlanError("no schedule family can run this many ranks and microbatches")
     for c in found:
         c.fits = budget.peak(c) <= budget.value
-    fitting = [c for c in found if c.fits]
-    if not fitting:
+    if not any(c.fits for c in found):
         low = min(found, key=budget.peak)
         raise PlanError(
             f"nothing fits --memory {budget.describe(budget.value)} per rank: the smallest peak "
             f"is {budget.describe(budget.peak(low))} ({low.schedule}, "
             f"{plural(low.stages_per_rank, 'stage')} per rank, M={low.microbatches})"
         )
-    return min(fitting, key=lambda c: (c.predicted_step_s, budget.peak(c)))
+    tie_set = tied(found, tie)
+    pick = break_tie([Tied(c.schedule, budget.peak(c), c.stages_per_rank, c.microbatches)
+                      for c in tie_set])  # fmt: skip
+    return tie_set[pick]
 
 
 # Lookaheads the planner tries, and how much faster (relative) a larger one must be simulated
@@ -398,21 +411,26 @@ def plan(
     *,
     time_unit_s: float = 1e-6,
     objective: str = "makespan",
+    tie: float = PREDICTION_ERROR,
     **kw: Any,
 ) -> dict[str, Any]:
-    """``{"recommended": ..., "candidates": [...], "recv_lookahead": ..., "objective": ...,
-    "left_out": {...}}`` (fitting candidates first, fastest by ``objective`` first; the
-    lookahead for the recommended one; why each family without a candidate has none), as
-    ``vpipe plan --json`` prints it."""
+    """``{"recommended": ..., "candidates": [...], "tied": [...], "tie": ..., "tie_rule": ...,
+    "recv_lookahead": ..., "objective": ..., "left_out": {...}}`` (fitting candidates first,
+    fastest by ``objective`` first; the candidates within ``tie`` of the fastest that the
+    recommended one was chosen from by the tie rule; the lookahead for the recommended one;
+    why each family without a candidate has none), as ``vpipe plan --json`` prints it."""
     from vpipe.predict.plan_auto import auto_for_plan
     from vpipe.schedules import catalogue
+    from vpipe.schedules.ties import TIE_RULE
 
+    if not 0 <= tie < 1:
+        raise PlanError(f"--tie must be a fraction in [0, 1), got {tie:g}")
     left_out: dict[str, str] = {}
     found = candidates(
         costs, ranks, batch, time_unit_s=time_unit_s, budget=budget, objective=objective,
         left_out=left_out, **kw,
     )  # fmt: skip
-    best = recommend(found, budget)
+    best = recommend(found, budget, tie)
     ranked = sorted(found, key=lambda c: (not c.fits, c.predicted_step_s, budget.peak(c)))
     rows = batch / (kw["dp"].replicas if kw.get("dp") else 1) / best.microbatches
     if best.placement is not None:
@@ -432,6 +450,9 @@ def plan(
     return {
         "recommended": best.to_dict(),
         "candidates": [c.to_dict() for c in ranked],
+        "tied": [c.to_dict() for c in tied(found, tie)],
+        "tie": tie,
+        "tie_rule": TIE_RULE,
         "recv_lookahead": lookahead,
         "objective": objective,
         "left_out": left_out,
@@ -449,9 +470,7 @@ def pareto_frame(found: list[dict[str, Any]]) -> Any:
 
     table = pd.DataFrame(
         {
-            "schedule": [
-                f"{c['schedule']} v{c['stages_per_rank']} M{c['microbatches']}" for c in found
-            ],
+            "schedule": [candidate_label(c) for c in found],
             "impl": ["fits" if c["fits"] else "over budget" for c in found],
             "microbatches": ["all"] * len(found),
             "samples_per_s": [c["samples_per_s"] for c in found],

@@ -182,8 +182,10 @@ def comparison_table(sweeps: Sequence[Sweep], model: CrossModel | None = None) -
                 )
                 cells.pop("_ratio")
                 cells["host"] = "; ".join(hosts) if cells["verdict"] == "host differed" else ""
-            else:  # the runs tables' medians
-                ratio = Ratio(x.step_time_s / y.step_time_s, nan, nan, 0, 0)
+            else:  # the runs tables' medians, timed against timed or profiled against profiled
+                same_kind = pd.notna(x.get("step_time_s")) == pd.notna(y.get("step_time_s"))
+                value = _recorded_step(x) / _recorded_step(y) if same_kind else nan
+                ratio = Ratio(value, nan, nan, 0, 0)
                 cells = ratio_cells(label, ratio, "faster", "slower")
                 cells["steps"] = cells.pop("pairs")
             if not timed:
@@ -196,8 +198,8 @@ def comparison_table(sweeps: Sequence[Sweep], model: CrossModel | None = None) -
                     "M": idx[1],
                     "impl": idx[2],
                     "run": run.label,
-                    f"{base.label} ms": _ms(x.step_time_s),
-                    "run ms": _ms(y.step_time_s),
+                    f"{base.label} ms": _ms(_recorded_step(x)),
+                    "run ms": _ms(_recorded_step(y)),
                     "delay ms": _delay(run),
                     **cells,
                 }
@@ -237,20 +239,20 @@ def normalisation_note(base: Sweep, run: Sweep) -> str | None:
     return None
 
 
+def _recorded_step(row: pd.Series) -> float:
+    """A run's step time: its timed median, or, for a run with profiled steps only (converted
+    from traces), theirs (a comparison sets one kind against the same kind only)."""
+    timed = row.get("step_time_s")
+    return timed if pd.notna(timed) else row.get("profiled_step_time_s", nan)
+
+
 def _ms(seconds: float) -> str:
     return "" if pd.isna(seconds) else f"{seconds * 1e3:.2f}"
 
 
-RUNS_COLUMNS = (
-    "schedule",
-    "microbatches",
-    "impl",
-    "step_time_s",
-    "step_time_q1_s",
-    "step_time_q3_s",
-    "samples_per_s",
-    "peak_memory_bytes",
-)
+RUNS_COLUMNS = ("schedule", "microbatches", "impl", "peak_memory_bytes")
+# a runs table needs one of these: timed steps (a sweep's), or profiled ones alone (traces)
+STEP_COLUMNS = ("step_time_s", "profiled_step_time_s")
 
 
 def load_runs(path: str | Path) -> pd.DataFrame:
@@ -273,6 +275,8 @@ def load_runs(path: str | Path) -> pd.DataFrame:
     if df.empty:
         raise ReportError(f"{p}: the runs table is empty")
     missing = [c for c in RUNS_COLUMNS if df[c].isna().all()] if len(df) else []
+    if all(df[c].isna().all() for c in STEP_COLUMNS):
+        missing.append(" or ".join(STEP_COLUMNS))
     if missing:
         raise ReportError(f"{p}: runs table has no values for {missing}")
     return df[df["source"].fillna("measured") == "measured"].reset_index(drop=True)

@@ -418,13 +418,18 @@ def _within_noise_band(threshold: float) -> float:
     return max(2 * MIN_EFFECT, min(2 * threshold, MAX_WITHIN_NOISE))
 
 
-def paired_rounds_to_settle(value: float, low: float, high: float, rounds: int) -> int | None:
-    """Rounds that would make a within-run paired ratio's interval exclude 1, from its
-    observed half-width (shrinking as 1/sqrt(rounds)); None when the ratio is 1 or unknown."""
+def paired_rounds_to_settle(
+    value: float, low: float, high: float, rounds: int, band: float = 0.0
+) -> int | None:
+    """Rounds that would make a within-run paired ratio's interval decide, from its observed
+    half-width (shrinking as 1/sqrt(rounds)): exclude 1, or fit inside the tie band ``band``
+    (log half-width; 0: none), whichever is nearer. None when the ratio is unknown, or 1
+    without a band."""
     if any(math.isnan(x) for x in (value, low, high)) or value <= 0 or rounds < 1:
         return None
     effect = abs(math.log(value))
     half = (math.log(high) - math.log(low)) / 2
-    if effect == 0 or half <= 0:
+    target = max(effect, band - effect)
+    if target <= 0 or half <= 0:
         return None
-    return max(rounds + 1, math.ceil(rounds * (half / effect) ** 2))
+    return max(rounds + 1, math.ceil(rounds * (half / target) ** 2))

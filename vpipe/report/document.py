@@ -174,7 +174,7 @@ def _cells(m: Metric, row: Mapping[str, Any]) -> dict[str, str]:
     """A metric's table cells in one row: its value, then its IQR when it has one."""
     sh = m.show
     cells = {m.label: _fmt(_scaled(row.get(m.name), sh.scale), sh.digits)}
-    if sh.spread:
+    if sh.spread and sh.spread.table:
         q1, q3 = (_scaled(row.get(q), sh.scale) for q in (sh.spread.q1, sh.spread.q3))
         iqr = f"{_fmt(q1, sh.digits)}-{_fmt(q3, sh.digits)}"
         cells[sh.spread.label] = "" if _missing(q1) or _missing(q3) else iqr

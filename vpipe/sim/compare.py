@@ -23,7 +23,8 @@ __all__ = ["COMPARE_NOTE", "REFERENCE_SCHEDULE", "compare_rows"]
 REFERENCE_SCHEDULE = catalogue.baseline()
 COMPARE_NOTE = (
     "one model split into ranks x V stages: a stage costs the given f, b, w divided by V, and "
-    "peak act counts activations in units of one rank's share (stage units / V)"
+    "peak act counts activations in activation units, one rank's share of the model (stage "
+    "activations / V)"
 )
 
 
@@ -63,9 +64,9 @@ def compare_rows(
             makespan=float(result.makespan),
             bubble_ratio=float(result.bubble_ratio),
             bubble_ratio_excl_skew=float(result.bubble_ratio_excl_skew),
-            peak_activations=[int(x) for x in result.peak_activations],
-            peak_act_max=max(result.peak_activations) / v,
-            peak_act_min=min(result.peak_activations) / v,
+            peak_stage_activations=[int(x) for x in result.peak_stage_activations],
+            peak_activation_units_max=max(result.peak_activation_units),
+            peak_activation_units_min=min(result.peak_activation_units),
             comm_ops=[int(x) for x in result.comm_ops],
             comm_ops_total=int(sum(result.comm_ops)),
         )

@@ -49,7 +49,11 @@ KIND_NAMES = ("F", "B", "I", "W", "SEND_F", "RECV_F", "SEND_B", "RECV_B")
 
 @dataclass
 class SimResult:
-    """Outcome of :func:`simulate`. Times are in the cost model's units."""
+    """Outcome of :func:`simulate`. Times are in the cost model's units; memory per rank in
+    stage activations (``peak_stage_activations``: one stage's saved tensors for one
+    microbatch), activation units (``peak_activation_units``: one microbatch's of a rank's
+    share of the model, 1/P of it, so a V stage counts half) and bytes
+    (``peak_activation_bytes``, when the costs give activation bytes)."""
 
     schedule: Schedule
     costs: CostModel
@@ -58,12 +62,31 @@ class SimResult:
     bubble_ratio_per_rank: list[float]
     bubble_ratio_excl_skew: float
     bubble_ratio_per_rank_excl_skew: list[float]
-    peak_activations: list[int]
+    peak_stage_activations: list[int]
     peak_activation_bytes: list[float] | None
     comm_ops: list[int]
     busy: list[float]
     span: float = 0.0  # the longest rank span: a rank's first compute start to its last end
     _raw: _Raw | None = field(repr=False, default=None)
+
+    @property
+    def peak_activation_units(self) -> list[float]:
+        """Peak activations per rank in activation units: stage activations x P / stages."""
+        ratio = self.schedule.n_ranks / self.schedule.n_stages
+        return [x * ratio for x in self.peak_stage_activations]
+
+    @property
+    def peak_activations(self) -> list[int]:
+        """The old name of :attr:`peak_stage_activations` (deprecated: it named no unit)."""
+        import warnings
+
+        warnings.warn(
+            "SimResult.peak_activations is peak_stage_activations (stage activations); "
+            "peak_activation_units gives them in activation units",
+            DeprecationWarning,
+            stacklevel=2,
+        )
+        return self.peak_stage_activations
 
     @cached_property
     def columns(self) -> dict[str, np.ndarray]:
@@ -111,7 +134,8 @@ class SimResult:
             "bubble_ratio_per_rank": self.bubble_ratio_per_rank,
             "bubble_ratio_excl_skew": self.bubble_ratio_excl_skew,
             "bubble_ratio_per_rank_excl_skew": self.bubble_ratio_per_rank_excl_skew,
-            "peak_activations": self.peak_activations,
+            "peak_stage_activations": self.peak_stage_activations,
+            "peak_activation_units": self.peak_activation_units,
             "peak_activation_bytes": self.peak_activation_bytes,
             "comm_ops": self.comm_ops,
             "span": self.span,
@@ -323,7 +347,7 @@ def _summarise(
         bubble_ratio_per_rank=[float(x) for x in per_rank],
         bubble_ratio_excl_skew=overall_ex,
         bubble_ratio_per_rank_excl_skew=[float(x) for x in per_rank_ex],
-        peak_activations=[int(x) for x in peaks],
+        peak_stage_activations=[int(x) for x in peaks],
         peak_activation_bytes=None if peak_bytes is None else [float(x) for x in peak_bytes],
         comm_ops=[int(x) for x in comm_ops],
         busy=[float(x) for x in busy],

@@ -3,8 +3,9 @@
 Run-to-run variance (a launch's thread placement, memory layout, the host's state in that
 minute) is invisible inside one launch; comparing two runs needs it (:mod:`vpipe.report.crossrun`).
 ``vpipe bench --blocks K`` launches the sweep K times one after the other: only the first
-launch profiles, every launch times every config in its rounds, and the merged results hold
-every block's steps, reference timings and host rounds, each labelled with its block.
+launch profiles, every launch times every config in its rounds (the same rounds: no time
+budget adds any), and the merged results hold every block's steps, reference timings and host
+rounds, each labelled with its block.
 """
 
 from __future__ import annotations
@@ -34,15 +35,30 @@ def run_blocks(spec: SweepSpec, bench_id: str) -> list[dict[str, Any]]:
 
 def merge_blocks(blocks: list[list[dict[str, Any]]]) -> list[dict[str, Any]]:
     """One result per rank: the first block's, with every block's step and reference times
-    appended per config (block after block) and every block's host rounds (and ``--dp``
-    reduction records), each marked with its block."""
+    and rounds appended per config (block after block; rounds numbered on across blocks), each
+    step's block, and every block's host rounds (and ``--dp`` reduction records), each marked
+    with its block."""
     merged = []
     for per_rank in zip(*(sorted(b, key=lambda r: r["rank"]) for b in blocks), strict=True):
         first = dict(per_rank[0])
+        offsets, n = [], 0
+        for r in per_rank:  # the first round of each block, counted on across blocks
+            offsets.append(n)
+            n += 1 + max((x for rounds in r["rounds"] for x in rounds), default=-1)
         for key in ("times", "refs"):
             first[key] = [sum(rows, []) for rows in zip(*(r[key] for r in per_rank), strict=True)]
+        first["rounds"] = [
+            [x + offsets[b] for b, rounds in enumerate(rows) for x in rounds]
+            for rows in zip(*(r["rounds"] for r in per_rank), strict=True)
+        ]
+        first["blocks"] = [
+            [b for b, rounds in enumerate(rows) for _ in rounds]
+            for rows in zip(*(r["rounds"] for r in per_rank), strict=True)
+        ]
         first["host_rounds"] = [
-            {**row, "block": b} for b, r in enumerate(per_rank) for row in r.get("host_rounds", [])
+            {**row, "block": b, "round": row.get("round", i) + offsets[b]}
+            for b, r in enumerate(per_rank)
+            for i, row in enumerate(r.get("host_rounds", []))
         ]
         if "dp_steps" in first:  # --dp: every block's reductions
             first["dp_steps"] = [

@@ -3,7 +3,8 @@
 A sweep is schedules x microbatch counts x implementations (vpipe's runtime, torch's
 ``torch.distributed.pipelining``) on one model. All configs are built once per rank, warmed
 up, then measured in interleaved rounds (for each round, for each config, ``steps`` timed
-steps) so that machine noise hits every config alike. Each timed step starts after a barrier;
+steps) so that machine noise hits every config alike; with a time budget (``max_minutes``),
+rounds of the configs whose order is still open follow (:mod:`vpipe.sweep.rounds`). Each timed step starts after a barrier;
 its time is the slowest rank's (with ``dp`` replicas, of all ranks x replicas:
 :mod:`vpipe.sweep.dp_bench`). Before each timed step every rank times a short host-speed
 reference (:mod:`vpipe.sweep.reference`), and each round records the host's state
@@ -36,10 +37,14 @@ from vpipe.sweep.harness import IMPLS, RankSpec
 # Fixed when this module is imported: families registered later join only when named.
 DEFAULT_SCHEDULES = catalogue.names(lambda f: f.default_sweep)
 QUICK_SCHEDULES = catalogue.names(lambda f: f.quick_sweep)
-# The default sweep sits in the compute-bound regime: the MLP's default blocks (512 -> 2048)
-# with 64-row microbatches (batch 512, M = 8), where compute per action is well above the cost
-# of posting and completing a send/recv, so the schedule ranking says something about real
-# hardware; about a minute on 2 cores.
+# The default sweep sits in the compute-bound regime: MLP blocks 512 -> 1024 with 64-row
+# microbatches (batch 512, M = 8), where compute per action is well above the cost of posting
+# and completing a send/recv, so the schedule ranking says something about real hardware. Its
+# 8 blocks (the flops of the model's default 4 blocks of 512 -> 2048) split into every stage
+# count vpipe plan weighs at 2 ranks (up to 4 stages per rank) and into V-schedules at 4 ranks.
+# Its base rounds take about a minute on 2 cores; rounds are added within DEFAULT_MAX_MINUTES.
+DEFAULT_MLP_SIZES = {"d_model": 512, "d_hidden": 1024, "n_blocks": 8}
+DEFAULT_MAX_MINUTES = 4.0
 DEFAULT_BATCH = 512
 DEFAULT_MICROBATCHES = (8,)
 # On GPUs (--device cuda) the default model is a GPT-style decoder sized so that one action's
@@ -110,6 +115,11 @@ class SweepSpec:
     # data parallel (vpipe.sweep.dp_bench): replicas of the pipeline, ranks x dp processes
     dp: int = 1
     dp_bucket_bytes: int | None = None
+    # rounds added after the base ones to configs whose order is open (vpipe.sweep.rounds),
+    # while they fit before `deadline` (time.time() seconds, set when the sweep starts: the
+    # command's start plus max_minutes); 0: the rounds are fixed
+    max_minutes: float = 0.0
+    deadline: float | None = None
 
     @property
     def world_size(self) -> int:
@@ -164,9 +174,15 @@ class SweepSpec:
             ("blocks", self.blocks, 1),
             ("inject-delay-ms", self.inject_delay_ms, 0),
             ("dp", self.dp, 1),
+            ("max-minutes", self.max_minutes, 0),
         ):
             if value < low:
                 raise BenchError(f"--{what} must be >= {low}, got {value}")
+        if self.max_minutes and self.blocks > 1:
+            raise BenchError(
+                "--max-minutes adds rounds to one launch, and --blocks K repeats the same "
+                "rounds K times: give --max-minutes 0 with --blocks"
+            )
         if not self.schedules or not self.microbatches or not self.impls:
             raise BenchError(
                 "the sweep is empty: give at least one schedule, microbatch count "
@@ -267,6 +283,12 @@ class _Progress:
             self._task = self._bar.add_task("starting", total=total)
             self._bar.start()
 
+    def extend(self, units: int) -> None:
+        """More units of work than planned (a round added while the sweep runs)."""
+        self.total += units
+        if self._bar is not None:
+            self._bar.update(self._task, total=self.total)
+
     def advance(self, what: str) -> None:
         self.done += 1
         if not self.enabled:
@@ -293,17 +315,17 @@ def rank_worker(
 ) -> dict[str, Any]:
     """Run the whole sweep on one rank (process group already initialised).
 
-    Returns this rank's results: step times (already the max over ranks), per-config memory
-    and, when profiling, per-config event tables (one profiled step per profile round).
+    Returns this rank's results: per config its step times (already the max over ranks),
+    reference times and each step's round (:mod:`vpipe.sweep.rounds`), per-config memory and,
+    when profiling, per-config event tables (one profiled step per profile round).
     """
     import pandas as pd
     import torch
-    import torch.distributed as dist
 
     from vpipe.sweep.dp_bench import step_record
     from vpipe.sweep.harness import build
     from vpipe.sweep.reference import Reference
-    from vpipe.trace import host_state
+    from vpipe.sweep.rounds import Rounds
 
     if world != spec.world_size:
         asks = f"{spec.ranks} x {spec.dp} replicas" if spec.dp > 1 else f"{spec.ranks}"
@@ -323,13 +345,14 @@ def rank_worker(
                 h.timed_step()
             harnesses.append(h)
             progress.advance(f"warm up {cfg.key}")
-        times = torch.zeros(len(configs), spec.rounds * spec.steps, dtype=torch.float64)
-        refs = torch.zeros_like(times)
         ref_shape = sweep_reference_shape(spec, rank_specs)
-        reference = Reference(ref_shape, harnesses[0].device)
-        own_cpu = torch.zeros(spec.rounds, dtype=torch.float64)
-        samples = []
         dp_steps: list[dict[str, Any]] = []
+
+        def record(i: int, index: int, h: Any) -> None:  # this rank's reductions in the step
+            dp_steps.append(step_record(i, index, rank, spec.ranks, h))
+
+        timed = Rounds(spec, configs, harnesses, Reference(ref_shape, harnesses[0].device), rank,
+                       progress.advance, record if spec.dp > 1 else None)  # fmt: skip
         traced: dict[str, list[Any]] = {cfg.key: [] for cfg in configs}
 
         def profile_round(r: int) -> None:  # interleaved with the timed rounds
@@ -342,26 +365,19 @@ def rank_worker(
                 traced[cfg.key].append(ev.assign(step=ev["step"].where(ev["step"] < 0, r)))
                 progress.advance(f"profile {r + 1}/{profile_rounds} {cfg.key}")
 
+        everyone = list(range(len(configs)))
         for r in range(spec.rounds):
-            before = host_state.sample()
-            for i, (cfg, h) in enumerate(zip(configs, harnesses, strict=True)):
-                for k in range(spec.steps):
-                    refs[i, r * spec.steps + k] = reference.timed()
-                    times[i, r * spec.steps + k] = h.timed_step()
-                    if spec.dp > 1:  # this rank's reductions in the step, every replica's
-                        dp_steps.append(step_record(i, r * spec.steps + k, rank, spec.ranks, h))
-                progress.advance(f"round {r + 1}/{spec.rounds} {cfg.key}")
-            after = host_state.sample()
-            own_cpu[r] = after["own_cpu_s"] - before["own_cpu_s"]
-            samples.append((before, after))
+            timed.run(r, everyone)
             if r < profile_rounds:
                 profile_round(r)
         for r in range(spec.rounds, profile_rounds):
             profile_round(r)
-        dist.all_reduce(times, op=dist.ReduceOp.MAX)
-        dist.all_reduce(refs, op=dist.ReduceOp.MAX)
-        dist.all_reduce(own_cpu, op=dist.ReduceOp.SUM)
-        host = [host_state.round_state(b, a, float(own_cpu[r])) for r, (b, a) in enumerate(samples)]
+        r = spec.rounds
+        while active := timed.more():  # the configs whose order is open, within the budget
+            progress.extend(len(active))
+            timed.run(r, active)
+            r += 1
+        host = timed.host_rounds()
         events = {k: pd.concat(v, ignore_index=True) for k, v in traced.items() if v}
         memory = {}
         for cfg, h in zip(configs, harnesses, strict=True):
@@ -379,8 +395,10 @@ def rank_worker(
         "sizes": dict(next(iter(rank_specs.values())).sizes) if rank_specs else {},
         "n_stages": {cfg.key: h.n_stages for cfg, h in zip(configs, harnesses, strict=True)},
         "tokens_per_sample": harnesses[0].tokens_per_sample if harnesses else None,
-        "times": times.tolist(),
-        "refs": refs.tolist(),
+        "times": timed.times,
+        "refs": timed.refs,
+        "rounds": timed.rounds,
+        "stop": timed.stop,
         "reference": ref_shape,
         "host_rounds": host,
         "memory": memory,
@@ -455,6 +473,7 @@ def new_run_id() -> str:
 def spec_dict(spec: SweepSpec) -> dict[str, Any]:
     """The spec as JSON-ready metadata (the data-parallel fields only with ``dp > 1``)."""
     d = asdict(spec)
+    del d["deadline"]  # a moment of this launch, not the sweep's definition
     if spec.dp == 1:
         del d["dp"], d["dp_bucket_bytes"]
     for k in ("schedules", "microbatches", "impls"):

@@ -23,9 +23,8 @@ import pandas as pd
 from vpipe.events import COMPUTE_KINDS, events_frame, memory_frame
 from vpipe.metrics.catalogue import Inputs, Simulated, compute
 from vpipe.metrics.per_run import SAVED_ACTIVATIONS
-from vpipe.report.document import (
-    summary_table,
-)
+from vpipe.report.document import summary_table
+from vpipe.report.dp_section import DPSweep
 from vpipe.sweep.driver import Config, SweepSpec, spec_dict
 from vpipe.sweep.harness import default_dtype
 
@@ -53,6 +52,37 @@ class BenchResults:
     def summary_text(self) -> str:
         """The summary table as plain text for the terminal."""
         return summary_table(self.measured).to_string(index=False)
+
+    def dp_sweep(self) -> DPSweep:
+        """What the data-parallel report sections read (:mod:`vpipe.report.dp_section`)."""
+        spec = self.spec
+        return DPSweep(
+            spec.dp, spec.ranks, spec.batch, spec.dp_bucket_bytes,
+            tuple((c.schedule, c.microbatches) for c in spec.configs()), self.runs, self.dp_steps,
+        )  # fmt: skip
+
+    def verdict(self) -> list[str]:
+        """The sweep's verdict, one line per (M, impl) (:mod:`vpipe.report.winner`): the
+        schedule to run, or the tie it was picked from by the tie rule and why."""
+        from vpipe.report.winner import verdict_lines
+
+        m = self.measured
+        memory = {
+            (r["schedule"], r["microbatches"], r["impl"]):
+                None if pd.isna(r["peak_memory_bytes"]) else float(r["peak_memory_bytes"])
+            for r in m.to_dict("records")
+        }  # fmt: skip
+        return verdict_lines(self.steps, memory, rounds_note(self.meta))
+
+
+def rounds_note(meta: dict[str, Any]) -> str:
+    """Why a sweep's rounds ended, in words, for the verdict."""
+    n, stop = meta.get("rounds_run"), meta.get("rounds_stop", "fixed")
+    if stop == "budget":
+        return f"in {n} rounds, when the time budget (--max-minutes {meta['max_minutes']:g}) ran out"
+    if stop == "decided":
+        return f"in {n} rounds"
+    return f"in {n} fixed rounds (--max-minutes 0 adds none)"
 
 
 def git_commit(cwd: str | Path | None = None) -> str | None:
@@ -136,6 +166,9 @@ def collect(
         "sweep_wall_s": round(sweep_s, 2),
         "reference": r0.get("reference"),
         **spec_dict(spec),
+        # how many timed rounds ran, and why they ended (fixed, decided or budget)
+        "rounds_run": 1 + max((x for rounds in r0["rounds"] for x in rounds), default=-1),
+        "rounds_stop": r0.get("stop", "fixed"),
     }
     meta.pop("trace_dir", None)
     meta.pop("progress", None)
@@ -154,7 +187,6 @@ def collect(
         "batch": spec.batch,
         "bench_id": bench_id,
         "threads": r0["threads"],
-        "measured_steps": spec.blocks * spec.rounds * spec.steps,
         "blocks": spec.blocks,
         "inject_delay_ms": spec.inject_delay_ms,
         **({"dp": spec.dp} if spec.dp > 1 else {}),
@@ -168,14 +200,16 @@ def collect(
         run_id, sim_id = cfg.run_id(bench_id), cfg.run_id(bench_id, simulated=True)
         times = r0["times"][i]
         refs = r0["refs"][i] if "refs" in r0 else [None] * len(times)
+        rounds = r0["rounds"][i]
+        blocks = r0["blocks"][i] if "blocks" in r0 else [0] * len(times)  # one launch
         for j, (t, ref) in enumerate(zip(times, refs, strict=True)):
             steps.append(
                 {
                     "schedule": cfg.schedule,
                     "microbatches": cfg.microbatches,
                     "impl": cfg.impl,
-                    "block": j // (spec.rounds * spec.steps),
-                    "round": j // spec.steps,  # counted on across blocks
+                    "block": blocks[j],
+                    "round": rounds[j],  # counted on across blocks
                     "step": j % spec.steps,
                     "step_time_s": t,
                     "samples_per_s": spec.batch / t,
@@ -210,11 +244,11 @@ def collect(
             "microbatches": cfg.microbatches,
             "stages": r0["n_stages"][cfg.key],
         }
-        per_block = spec.rounds * spec.steps
+        per_block = spec.rounds * spec.steps  # with --blocks the rounds are fixed
         measured = Inputs(
             steps=times,
             refs=None if None in refs else refs,
-            blocks=[j // per_block for j in range(len(times))],
+            blocks=blocks,
             events=ev if traced else None,
             memory=_rank_peaks(results, cfg),
             simulated=sim_row,
@@ -227,6 +261,7 @@ def collect(
         runs.append(
             {
                 **config,
+                "measured_steps": len(times),
                 **compute(measured),
                 **dp_figures,
                 "run_id": run_id,
@@ -249,23 +284,19 @@ def collect(
         pd.DataFrame(ranks),
         events,
         memory,
-        host_table(r0.get("host_rounds", []), pd.DataFrame(steps), spec),
+        host_table(r0.get("host_rounds", []), pd.DataFrame(steps)),
         dp_steps,
     )
 
 
-def host_table(rounds: list[dict[str, Any]], steps: pd.DataFrame, spec: SweepSpec) -> pd.DataFrame:
+def host_table(rounds: list[dict[str, Any]], steps: pd.DataFrame) -> pd.DataFrame:
     """The host's state per (block, round) (:mod:`vpipe.trace.host_state`), with the median
     reference time of the round's steps."""
     rows = []
-    for r, state in enumerate(rounds):
-        block = state.get("block", r // spec.rounds)
-        glob = block * spec.rounds + r % spec.rounds
-        ref = steps.loc[steps["round"] == glob, "ref_s"] if "ref_s" in steps else None
+    for state in rounds:
+        ref = steps.loc[steps["round"] == state["round"], "ref_s"] if "ref_s" in steps else None
         known = ref is not None and ref.notna().any()
-        rows.append(
-            {**state, "block": block, "round": glob, "ref_s": ref.median() if known else None}
-        )
+        rows.append({**state, "ref_s": ref.median() if known else None})
     return pd.DataFrame(rows)
 
 

@@ -64,13 +64,12 @@ def write_outputs(res: BenchResults, out: str | Path) -> dict[str, Path]:
 def report_sections(res: BenchResults) -> list[Section]:
     """The report of one sweep: setup, summary tables, then figures."""
     from vpipe.report.document import vpipe_only_note
+    from vpipe.report.dp_section import dp_sections
     from vpipe.report.plots import plot_memory, plot_pareto, plot_throughput, to_png
-    from vpipe.report.winner import winner_line
-    from vpipe.sweep.dp_section import dp_sections
 
     runs = res.measured
     regime = regime_section(runs)
-    verdict = text_section("Verdict", [winner_line(res.steps, res.spec.rounds)])
+    verdict = text_section("Verdict", res.verdict())
     sections = [verdict, regime] if regime else [verdict]
     sections.append(table_section("Setup", meta_table(res.meta)))
     sections.append(
@@ -106,7 +105,7 @@ def report_sections(res: BenchResults) -> list[Section]:
                 "torch step time / vpipe step time: > 1 means vpipe is faster. " + STATS_NOTE,
             )
         )
-    sections.extend(dp_sections(res))
+    sections.extend(dp_sections(res.dp_sweep()))
     sections.extend(fidelity_sections(res))
     figs = Section("Throughput and memory")
     figs.images["Throughput per schedule"] = to_png(plot_throughput(res.steps))
@@ -153,17 +152,26 @@ def fidelity_worst(table: pd.DataFrame) -> float:
 def fidelity_shown(table: pd.DataFrame) -> pd.DataFrame:
     """A leave-one-out table with its errors as signed percentages."""
     return table.assign(
-        **{c: table[c].map(lambda e: f"{e * 100:+.1f}%") for c in table.columns[1:]}
-    )
+        **{c: table[c].map(lambda e: "" if pd.isna(e) else f"{e * 100:+.1f}%")
+           for c in table.columns[1:]}
+    )  # fmt: skip
 
 
 def plan_sections(res: BenchResults, top: int = 10) -> list[Section]:
     """The plan for the measured host: costs calibrated on the sweep's vpipe zbv config (else
     its first profiled vpipe config), every family x stages x M simulated for this sweep's
     ranks and batch, within the most memory any config of the sweep used."""
-    from vpipe.predict.plan import Budget, PlanError, calibrated_costs, plan, plural
+    from vpipe.predict.plan import (
+        Budget,
+        PlanError,
+        calibrated_costs,
+        candidate_label,
+        plan,
+        plural,
+        tie_note,
+    )
+    from vpipe.report.dp_section import plan_dp
     from vpipe.schedules import make_schedule
-    from vpipe.sweep.dp_section import plan_dp
 
     runs = res.measured
     traced = [
@@ -183,13 +191,14 @@ def plan_sections(res: BenchResults, top: int = 10) -> list[Section]:
     meta = {"model": res.spec.model, "sizes": res.meta.get("model_sizes"), "batch": res.spec.batch,
             "dp": res.spec.dp}  # fmt: skip
     budget = Budget(float(res.ranks["peak_bytes"].max()))
-    dp, dp_note = plan_dp(res, base.run_id)  # --dp: each step ends with its reductions
+    dp, dp_note = plan_dp(res.dp_sweep(), base.run_id)  # --dp: each step ends with its reductions
     try:
         costs = calibrated_costs(res.events[base.run_id], peaks, schedule, meta)
         result = plan(costs, res.spec.ranks, res.spec.batch, budget, dp=dp)
     except PlanError as e:
         return [Section("Plan for this host", f'<p class="note">{e}</p>', str(e))]
     rec = result["recommended"]
+    tied = {candidate_label(c) for c in result["tied"]}
     table = pd.DataFrame(
         {
             "schedule": c["schedule"],
@@ -199,6 +208,7 @@ def plan_sections(res: BenchResults, top: int = 10) -> list[Section]:
             "bubble": f"{c['bubble_ratio']:.3f}",
             "peak MiB/rank": f"{max(c['peak_activation_bytes']) / 2**20:.2f}",
             "fits": "yes" if c["fits"] else "no",
+            "tie": "yes" if candidate_label(c) in tied else "",
         }
         for c in result["candidates"][:top]
     )
@@ -208,7 +218,9 @@ def plan_sections(res: BenchResults, top: int = 10) -> list[Section]:
         f"of this sweep used ({budget.describe(budget.value)} per rank). Recommended: "
         f"{rec['schedule']} with {plural(rec['stages_per_rank'], 'stage')} per rank and "
         f"{plural(rec['microbatches'], 'microbatch')}, "
-        f"{rec['predicted_step_s'] * 1e3:.2f} ms per step predicted. Fastest {min(top, len(result['candidates']))} of "
+        f"{rec['predicted_step_s'] * 1e3:.2f} ms per step predicted"
+        + (f" ({tie_note(result)})" if len(tied) > 1 else "")
+        + f". Fastest {min(top, len(result['candidates']))} of "
         f"{len(result['candidates'])} candidates; `vpipe plan --from STORE --run "
         f"{base.run_id} --memory ...` plans for another budget." + dp_note
         + "".join(f" Left out {fam}: {why}." for fam, why in result["left_out"].items())

@@ -1,20 +1,41 @@
 """The report section of a ``vpipe bench --dp N`` sweep: the data-parallel share of the step
 per schedule, measured (exposed vs hidden reduction time, :mod:`vpipe.sweep.dp_bench`) and as
-the simulator predicts it, and each rank's reductions."""
+the simulator predicts it, each rank's reductions, and the plan section's data-parallel side.
+It reads the sweep through :class:`DPSweep`, which the sweep layer fills."""
 
 from __future__ import annotations
 
+from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
 import pandas as pd
 
 from vpipe.report.document import Section, table_section
-from vpipe.sweep.results import BenchResults
 
 if TYPE_CHECKING:
     from vpipe.predict.dp_costs import DPCosts
 
-__all__ = ["dp_sections", "dp_share_table", "plan_dp"]
+__all__ = ["DPSweep", "dp_sections", "dp_share_table", "plan_dp"]
+
+
+@dataclass(frozen=True)
+class DPSweep:
+    """What these sections read of a sweep: its replicas, pipeline ranks, global batch and
+    bucket size (None: the default), each config's (schedule, microbatches) by its index in
+    ``dp_steps``, the runs table (measured and simulated rows) and every rank's reductions per
+    timed step (:func:`vpipe.sweep.dp_bench.steps_frame`)."""
+
+    replicas: int
+    ranks: int
+    batch: int
+    bucket_bytes: int | None
+    configs: tuple[tuple[str, int], ...]
+    runs: pd.DataFrame
+    dp_steps: pd.DataFrame
+
+    @property
+    def world_size(self) -> int:
+        return self.replicas * self.ranks
 
 
 def _ms(x: object) -> str:
@@ -25,13 +46,12 @@ def _pct(x: object) -> str:
     return "" if x is None or pd.isna(x) else f"{float(x):.1%}"
 
 
-def dp_share_table(res: BenchResults) -> pd.DataFrame:
-    """One row per measured config: its timed step, its reductions' time, exposed and hidden
-    parts and the DP share (exposed / step), measured and simulated."""
-    runs = res.runs
+def dp_share_table(runs: pd.DataFrame) -> pd.DataFrame:
+    """One row per measured config of a runs table: its timed step, its reductions' time,
+    exposed and hidden parts and the DP share (exposed / step), measured and simulated."""
     sims = runs[runs["source"] == "simulated"].set_index("run_id")
     rows = []
-    for r in res.measured.to_dict("records"):
+    for r in runs[runs["source"] == "measured"].to_dict("records"):
         if "dp_exposed_s" not in r or pd.isna(r["dp_exposed_s"]):
             continue
         sim_id = f"{r['run_id']}-sim"
@@ -56,13 +76,13 @@ def dp_share_table(res: BenchResults) -> pd.DataFrame:
     return pd.DataFrame(rows)
 
 
-def rank_table(res: BenchResults) -> pd.DataFrame:
+def rank_table(d: DPSweep) -> pd.DataFrame:
     """Per config and rank (replica x pipeline rank): its stages, and the medians over the
     timed steps of its reductions' time and of the step end's wait for them."""
-    f = res.dp_steps
+    f = d.dp_steps
     if f.empty:
         return f
-    names = {i: (c.schedule, c.microbatches) for i, c in enumerate(res.spec.configs())}
+    names = dict(enumerate(d.configs))
     g = f.groupby(["config", "rank"], sort=True).agg(
         replica=("replica", "first"),
         pp_rank=("pp_rank", "first"),
@@ -85,17 +105,16 @@ def rank_table(res: BenchResults) -> pd.DataFrame:
     )
 
 
-def dp_sections(res: BenchResults) -> list[Section]:
+def dp_sections(d: DPSweep) -> list[Section]:
     """The DP share per schedule and the per-rank reductions; none without ``--dp``."""
-    spec = res.spec
-    if spec.dp <= 1:
+    if d.replicas <= 1:
         return []
-    share = dp_share_table(res)
+    share = dp_share_table(d.runs)
     if share.empty:
         return []
     note = (
-        f"{spec.dp} replicas x {spec.ranks} pipeline ranks ({spec.world_size} processes), each "
-        f"replica on {spec.batch // spec.dp} of the {spec.batch} samples; each stage's "
+        f"{d.replicas} replicas x {d.ranks} pipeline ranks ({d.world_size} processes), each "
+        f"replica on {d.batch // d.replicas} of the {d.batch} samples; each stage's "
         "gradients all-reduced across the replicas in buckets, started after its last W (or B). "
         "Measured on every rank of every replica in every timed step: per step, the rank that "
         "finished last gives exposed (the step end's wait for its reductions), reducing (the "
@@ -109,7 +128,7 @@ def dp_sections(res: BenchResults) -> list[Section]:
         "predict the pipeline without its reductions; the plan includes them."
     )
     sections = [table_section("Data parallel: DP share per schedule", share, note)]
-    ranks = rank_table(res)
+    ranks = rank_table(d)
     if len(ranks):
         sections.append(
             table_section(
@@ -122,30 +141,30 @@ def dp_sections(res: BenchResults) -> list[Section]:
     return sections
 
 
-def plan_dp(res: BenchResults, run_id: str) -> tuple[DPCosts | None, str]:
+def plan_dp(d: DPSweep, run_id: str) -> tuple[DPCosts | None, str]:
     """The plan section's data-parallel side for a ``--dp`` sweep: this sweep's replicas, the
     gradient bytes per full stage (1/P of the model) measured, and the ring all-reduce cost
     fitted to the reductions of the run the plan is calibrated on; with a sentence saying so.
     (None, "") without ``--dp`` or a simulated row to take the link from."""
     from vpipe.predict.dp_costs import DPCosts
 
-    spec, runs = res.spec, res.runs
+    runs = d.runs
     sim = runs[runs["run_id"] == f"{run_id}-sim"]
     measured = runs[runs["run_id"] == run_id]
-    if spec.dp <= 1 or sim.empty or "dp_bandwidth_GBps" not in sim or measured.empty:
+    if d.replicas <= 1 or sim.empty or "dp_bandwidth_GBps" not in sim or measured.empty:
         return None, ""
     link, grads = sim.iloc[0], float(measured.iloc[0]["dp_bytes"])
-    bucket_mb = (spec.dp_bucket_bytes or 25 * 2**20) / 2**20
+    bucket_mb = (d.bucket_bytes or 25 * 2**20) / 2**20
     costs = DPCosts(
-        spec.dp,
-        grad_bytes=grads / spec.ranks,
+        d.replicas,
+        grad_bytes=grads / d.ranks,
         bw=float(link["dp_bandwidth_GBps"]),
         lat=float(link["dp_latency_us"]),
         bucket_mb=bucket_mb,
     )
     return costs, (
-        f" Each candidate's step ends with its reductions across {spec.dp} replicas (the global "
-        f"batch {spec.batch} sharded): {grads / 2**20:.2f} MiB of gradients per replica in "
+        f" Each candidate's step ends with its reductions across {d.replicas} replicas (the "
+        f"global batch {d.batch} sharded): {grads / 2**20:.2f} MiB of gradients per replica in "
         f"{bucket_mb:g} MiB buckets, a ring at {costs.bw:.3g} GB/s and {costs.lat:.3g} us per ring "
         "step, fitted to that run's reductions."
     )

@@ -1,0 +1,44 @@
+"""Which of ``vpipe plan``'s candidates are a tie, and how a tie reads.
+
+A prediction is only as good as the simulator: candidates predicted within its error of the
+fastest cannot be ordered by it, so they are a tie, which :func:`vpipe.predict.plan.recommend`
+breaks by the tie rule (:mod:`vpipe.schedules.ties`).
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Any
+
+__all__ = ["PREDICTION_ERROR", "candidate_label", "tie_note", "tied"]
+
+# The error a prediction is taken to have (relative): the simulator's fidelity goal against the
+# timed median (the bench report's fidelity tables measure it on each host). Candidates
+# predicted within it of the fastest are a tie.
+PREDICTION_ERROR = 0.05
+
+
+def tied(found: list[Any], tie: float = PREDICTION_ERROR) -> list[Any]:
+    """The fitting candidates predicted within ``tie`` (relative: the prediction's error) of
+    the fastest fitting one, fastest first: a tie, since the predictions cannot order them."""
+    fitting = [c for c in found if c.fits]
+    fastest = min((c.predicted_step_s for c in fitting), default=math.inf)
+    within = [c for c in fitting if c.predicted_step_s <= fastest * (1 + tie)]
+    return sorted(within, key=lambda c: c.predicted_step_s)
+
+
+def tie_note(result: dict[str, Any]) -> str:
+    """A :func:`vpipe.predict.plan.plan` result's tie in words: how many candidates were predicted within the
+    prediction's error of the fastest, and the rule that picked the recommended one."""
+    tie_set = result["tied"]
+    fastest = tie_set[0]
+    return (
+        f"a tie: {len(tie_set)} candidates predicted within {result['tie']:.0%} (the "
+        f"prediction's error) of the fastest, {candidate_label(fastest)} at "
+        f"{fastest['predicted_step_s'] * 1e3:.2f} ms; broken by {result['tie_rule']}"
+    )
+
+
+def candidate_label(c: dict[str, Any]) -> str:
+    """``family vV MM``: a candidate as tables and plots name it."""
+    return f"{c['schedule']} v{c['stages_per_rank']} M{c['microbatches']}"
