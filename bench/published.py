@@ -36,7 +36,14 @@ from typing import Any
 
 from vpipe.sim.arch import Arch
 from vpipe.sim.machine import PRESETS
-from vpipe.sim.model_costs import Layout, ModelCosts, Rates, activation_peaks, model_costs
+from vpipe.sim.model_costs import (
+    Layout,
+    ModelCosts,
+    Rates,
+    activation_peaks,
+    layer_split,
+    model_costs,
+)
 
 DATA = Path("shared") / "data" / "zero-bubble-paper" / "dev-tables.json"
 VOCAB = 50304  # GPT-3's 50257 padded to a multiple of 128 (Megatron's default)
@@ -100,7 +107,7 @@ def profiled_costs(data: dict[str, Any], model: str) -> tuple[Rates, float]:
     scheduler takes the median across stages) and the link's bytes per second."""
     setup, times = data["profile_setups"][model], data["profiled"][model]
     arch = arch_of(model, data["models"][model], setup["microbatch_size"])
-    layers = _split(arch, setup["pp_stages"], Terms())
+    layers = layer_split(arch.layers, setup["pp_stages"])
     flops = sorted((k * arch.layer_flops("F") + (arch.head_flops("F") if s == len(layers) - 1
                     else 0), s) for s, k in enumerate(layers))  # fmt: skip
     stage = flops[len(flops) // 2][1]
@@ -109,12 +116,6 @@ def profiled_costs(data: dict[str, Any], model: str) -> tuple[Rates, float]:
     rates = Rates.measured(arch, layers[stage], head, [t / 1e3 for t in ms],
                            f"Table 9 ({model}, median over its m)")  # fmt: skip
     return rates, arch.boundary_bytes() / (times["T_comm"] / 1e3)
-
-
-def _split(arch: Arch, stages: int, terms: Terms) -> list[int]:
-    from vpipe.sim.model_costs import layer_split
-
-    return layer_split(arch.layers, stages)
 
 
 def machine_with_link(bandwidth: float) -> Any:

@@ -147,7 +147,8 @@ def render_cluster(result: dict, top: int) -> str:
                  f"the fastest)")  # fmt: skip
     rec = result["recommended"]
     lines.append(
-        f"recommended: {rec['schedule']} on pp={rec['pp']} x dp={rec['dp']}, "
+        f"recommended (of the tied, the least memory): {rec['schedule']} on pp={rec['pp']} x "
+        f"dp={rec['dp']}, "
         f"{plural(rec['stages_per_rank'], 'stage')} per rank, microbatch {rec['microbatch_size']}"
         f" x {rec['microbatches']}: {rec['tokens_per_s_per_gpu']:.1f} tokens/s per GPU "
         f"(predicted), {rec['memory_bytes'] / gib:.1f} GiB per GPU"

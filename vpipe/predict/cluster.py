@@ -37,9 +37,10 @@ __all__ = [
 # context, the allocator's fragmentation and kernels' workspaces (assumed).
 USABLE_MEMORY = 0.9
 MICROBATCH_SIZES = (1, 2, 4, 8)
-# Relative error of a predicted speedup against a measured one: bench.published's largest
-# on the zero-bubble paper's tables (see docs/plan.md). Candidates closer than this are ties.
-PREDICTION_ERROR = 0.05
+# Relative error of a predicted speedup against a measured one: the median error of
+# bench.published on the zero-bubble paper's tables (2.4%, docs/plan.md), rounded up.
+# Candidates closer than this to the fastest are ties.
+PREDICTION_ERROR = 0.03
 # actions the cost-adaptive scheduler may schedule per candidate, and the layouts it is tried on
 AUTO_SEARCH = 6_000
 AUTO_LAYOUTS = 3
@@ -239,17 +240,16 @@ def _schedule(spec: ClusterSpec, fam: Any, lay: Layout, m: int, cm: Any, alloc, 
 
 def rank_candidates(
     found: list[ClusterCandidate], error: float = PREDICTION_ERROR
-) -> list[ClusterCandidate]:
-    """The ranking, in one place: fastest predicted tokens/s per GPU first; those within
-    ``error`` (relative) of the fastest are ties (``tied``), and among ties the one needing
-    the least memory comes first (it leaves the most headroom for the same predicted speed)."""
-    if not found:
-        return []
+) -> tuple[list[ClusterCandidate], ClusterCandidate]:
+    """The ranking, in one place: the candidates by predicted tokens/s per GPU, fastest first,
+    those within ``error`` (relative) of the fastest marked ``tied`` (no prediction tells them
+    apart); and the recommendation: of the tied, the one needing the least memory (the most
+    headroom for the same predicted speed)."""
     best = max(c.tokens_per_s_per_gpu for c in found)
     for c in found:
         c.tied = c.tokens_per_s_per_gpu >= best * (1 - error)
-    return sorted(found, key=lambda c: (not c.tied, c.memory_bytes if c.tied else 0.0,
-                                        -c.tokens_per_s_per_gpu))  # fmt: skip
+    ranked = sorted(found, key=lambda c: -c.tokens_per_s_per_gpu)
+    return ranked, min((c for c in ranked if c.tied), key=lambda c: c.memory_bytes)
 
 
 def plan_cluster(spec: ClusterSpec) -> dict[str, Any]:
@@ -264,15 +264,15 @@ def plan_cluster(spec: ClusterSpec) -> dict[str, Any]:
                 f"{spec.batch} into pipelines (try another --batch or --gpus)"
             )
         raise PlanError(
-            f"nothing fits {spec.budget / GIB:.1f} GiB per GPU: the smallest need is "
-            f"{least.memory_bytes / GIB:.1f} GiB ({least.label()}: weights, gradients and "
+            f"nothing fits {spec.budget / GIB:.1f} GiB per GPU: the least any candidate needs "
+            f"is {least.memory_bytes / GIB:.1f} GiB or more ({least.label()}: weights, gradients and "
             f"optimizer state {least.static_bytes / GIB:.1f} GiB, activations "
             f"{least.activation_bytes / GIB:.1f} GiB)"
         )
-    ranked = rank_candidates(found)
+    ranked, recommended = rank_candidates(found)
     rates = spec.rates or Rates.default(spec.machine, spec.arch.precision)
     return {
-        "recommended": ranked[0].to_dict(),
+        "recommended": recommended.to_dict(),
         "candidates": [c.to_dict() for c in ranked],
         "budget_bytes": spec.budget,
         "rates": {"F": rates.f, "I": rates.i, "W": rates.w, "source": rates.source},
