@@ -258,3 +258,25 @@ def test_measured_rates_reproduce_the_measured_times():
     ratio = (2 * a.layer_flops("F") + a.head_flops("F")) / (3 * a.layer_flops("F")
                                                             + a.head_flops("F"))  # fmt: skip
     assert np.isclose(c.f[0], 1e-3 * ratio)
+
+
+def test_rates_from_a_calibrated_gpt_run():
+    from types import SimpleNamespace
+
+    from vpipe.predict.plan import PlanError
+    from vpipe.predict.run_rates import calibrated_rates, run_arch
+
+    meta = {"model": "gpt", "stages": 2, "host": "h",
+            "sizes": {"vocab": 64, "d_model": 32, "n_heads": 2, "n_layers": 2, "seq_len": 8}}
+    arch = run_arch(meta, 4)
+    assert (arch.layers, arch.hidden, arch.microbatch, arch.precision) == (2, 32, 4, "fp32")
+    # 4 pieces (embedding, 2 blocks, head) on 2 stages: [embedding, block], [block, head]
+    cal = SimpleNamespace(f=np.array([10.0, 30.0]), b=np.array([20.0, 40.0]),
+                          w=np.array([5.0, 15.0]), n_stages=2)  # fmt: skip
+    rates = calibrated_rates(SimpleNamespace(calibration=cal, pieces=4, rows=4), meta, "r1")
+    f = 2 * arch.layer_flops("F") + arch.head_flops("F")
+    assert rates.f == pytest.approx(f / 40e-6)
+    assert rates.w == pytest.approx((2 * arch.layer_flops("W") + arch.head_flops("W")) / 20e-6)
+    assert "run r1" in rates.source
+    with pytest.raises(PlanError, match="needs a run of the gpt model"):
+        run_arch({"model": "mlp"}, 4)

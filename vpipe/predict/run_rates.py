@@ -13,7 +13,7 @@ from vpipe.predict.plan import PlanError
 from vpipe.sim.arch import Arch
 from vpipe.sim.model_costs import Rates
 
-__all__ = ["run_arch", "rates_from_run"]
+__all__ = ["calibrated_rates", "rates_from_run", "run_arch"]
 
 
 def run_arch(meta: dict[str, Any], rows: float) -> Arch:
@@ -37,18 +37,25 @@ def run_arch(meta: dict[str, Any], rows: float) -> Arch:
 
 def rates_from_run(store_root: str, run_id: str) -> Rates:
     """F, I and W rates of run ``run_id`` in ``store_root`` (see the module docstring)."""
-    from vpipe.predict.calibrate import split_sizes
     from vpipe.predict.plan import from_run
     from vpipe.trace.store import Store
 
-    costs = from_run(store_root, run_id)
     meta = Store(store_root).run(run_id).meta
+    run_arch(meta, 1)  # a gpt run, or a clear error before calibrating
+    return calibrated_rates(from_run(store_root, run_id), meta, run_id)
+
+
+def calibrated_rates(costs: Any, meta: dict[str, Any], run_id: str = "") -> Rates:
+    """Rates from a run's calibrated costs (:class:`vpipe.predict.plan.CalibratedCosts`): each
+    kind's FLOPs over all stages (the model's pieces, embedding, blocks and head, split as
+    the benchmark models split them) over its measured time over all stages."""
+    from vpipe.predict.calibrate import split_sizes
+
     arch = run_arch(meta, costs.rows)
     cal = costs.calibration
-    pieces = split_sizes(costs.pieces, cal.n_stages)  # embedding, layers..., head
     first = 0
     flops = {"F": 0.0, "I": 0.0, "W": 0.0}
-    for n in pieces:
+    for n in split_sizes(costs.pieces, cal.n_stages):  # pieces: embedding, blocks..., head
         blocks = len(set(range(first, first + n)) & set(range(1, arch.layers + 1)))
         head = first + n == costs.pieces
         for kind in flops:
