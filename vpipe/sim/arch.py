@@ -30,12 +30,11 @@ Counts, per microbatch of ``b`` sequences of ``s`` tokens (``t = b s``), hidden 
 
 from __future__ import annotations
 
-import json
 from dataclasses import asdict, dataclass, fields, replace
-from pathlib import Path
 from typing import Any
 
 from vpipe.errors import VpipeError
+from vpipe.sim.cost_model import read_json_object
 
 __all__ = ["PRESETS", "Arch", "ArchError", "load_arch"]
 
@@ -205,20 +204,17 @@ def _kind(kind: str) -> str:
 
 
 # Presets: each from its authors' published configuration.
+_LLAMA = Arch("llama2-70b", layers=80, hidden=8192, heads=64, kv_heads=8, ffn=28672,
+              seq_len=4096, vocab=32000, gated_mlp=True, tied_embeddings=False)  # fmt: skip
 PRESETS: dict[str, tuple[Arch, str]] = {
-    "llama2-70b": (
-        Arch("llama2-70b", layers=80, hidden=8192, heads=64, kv_heads=8, ffn=28672,
-             seq_len=4096, vocab=32000, gated_mlp=True, tied_embeddings=False),
-        "config.json of meta-llama/Llama-2-70b-hf (Hugging Face)",
-    ),
+    "llama2-70b": (_LLAMA, "config.json of meta-llama/Llama-2-70b-hf (Hugging Face)"),
     "llama3-70b": (
-        Arch("llama3-70b", layers=80, hidden=8192, heads=64, kv_heads=8, ffn=28672,
-             seq_len=8192, vocab=128256, gated_mlp=True, tied_embeddings=False),
+        replace(_LLAMA, name="llama3-70b", seq_len=8192, vocab=128256),
         "config.json of meta-llama/Meta-Llama-3-70B (Hugging Face)",
     ),
     "llama3-8b": (
-        Arch("llama3-8b", layers=32, hidden=4096, heads=32, kv_heads=8, ffn=14336,
-             seq_len=8192, vocab=128256, gated_mlp=True, tied_embeddings=False),
+        replace(_LLAMA, name="llama3-8b", layers=32, hidden=4096, heads=32, ffn=14336,
+                seq_len=8192, vocab=128256),
         "config.json of meta-llama/Meta-Llama-3-8B (Hugging Face)",
     ),
     "gpt3-175b": (
@@ -235,17 +231,7 @@ def load_arch(text: str, **overrides: Any) -> Arch:
     if text in PRESETS:
         arch = PRESETS[text][0]
     else:
-        path = Path(text)
-        if not path.is_file():
-            raise ArchError(
-                f"--arch {text!r}: no such preset or file (presets: {', '.join(PRESETS)})"
-            )
-        try:
-            data = json.loads(path.read_text())
-        except (OSError, UnicodeDecodeError, json.JSONDecodeError) as e:
-            raise ArchError(f"{path}: not a JSON file ({e})") from None
-        if not isinstance(data, dict):
-            raise ArchError(f"{path}: expected a JSON object")
+        data, path = read_json_object(text, "--arch", PRESETS, ArchError)
         arch = from_config(data, path.stem if path.name != "config.json" else path.parent.name,
                            str(path))  # fmt: skip
     given = {k: v for k, v in overrides.items() if v is not None}

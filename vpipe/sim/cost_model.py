@@ -24,6 +24,7 @@ __all__ = [
     "CostModelError",
     "PerStage",
     "parse_numbers",
+    "read_json_object",
     "split_unit",
 ]
 
@@ -218,6 +219,25 @@ def parse_numbers(
         except ValueError:
             raise error(f"bad {what} value in {item!r}: not a number") from None
     return values
+
+
+def read_json_object(text: str, flag: str, presets: Iterable[str], error: type[Exception]):
+    """The JSON object in file ``text`` (a ``flag`` value that is no preset) and its path; a
+    missing file, bad JSON or a non-object is ``error`` naming the file (or listing
+    ``presets``)."""
+    import json
+    from pathlib import Path
+
+    path = Path(text)
+    if not path.is_file():
+        raise error(f"{flag} {text!r}: no such preset or file (presets: {', '.join(presets)})")
+    try:
+        data = json.loads(path.read_text())
+    except (OSError, UnicodeDecodeError, json.JSONDecodeError) as e:
+        raise error(f"{path}: not a JSON file ({e})") from None
+    if not isinstance(data, dict):
+        raise error(f"{path}: expected a JSON object")
+    return data, path
 
 
 def split_unit(text: str, what: str, error: type[Exception]) -> tuple[str, str]:

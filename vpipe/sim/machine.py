@@ -10,13 +10,12 @@ some fields replaced (``load_machine("h100", gpus_per_node=4)``).
 
 from __future__ import annotations
 
-import json
 import math
 from dataclasses import asdict, dataclass, field, fields, replace
-from pathlib import Path
 from typing import Any
 
 from vpipe.errors import VpipeError
+from vpipe.sim.cost_model import read_json_object
 
 __all__ = ["PRESETS", "Machine", "MachineError", "load_machine"]
 
@@ -126,22 +125,22 @@ PRESETS: dict[str, Machine] = {
             "latency": _LATENCY,
         },
     ),
-    "h200": Machine(
-        "h200", {"bf16": 989e12, "fp16": 989e12, "fp32": 67e12}, memory_bandwidth=4.8e12,
-        memory=141e9, gpus_per_node=8, intra_node_bandwidth=450e9,
-        inter_node_bandwidth=50e9, intra_node_latency=5e-6, inter_node_latency=10e-6,
-        sources={
-            "peak_flops": "NVIDIA H200 Tensor Core GPU datasheet, H200 SXM: BF16/FP16 Tensor "
-            "Core 1,979 TFLOPS with sparsity (989 dense), FP32 67 TFLOPS",
-            "memory_bandwidth": "H200 datasheet: 4.8 TB/s",
-            "memory": "H200 datasheet: 141GB HBM3e",
-            "gpus_per_node": "NVIDIA DGX H200 datasheet: 8x H200",
-            "intra_node_bandwidth": "H200 datasheet: NVLink 900 GB/s (both directions)",
-            "inter_node_bandwidth": "DGX H200 datasheet: 8x ConnectX-7, 400 Gb/s (one per GPU)",
-            "latency": _LATENCY,
-        },
-    ),
 }  # fmt: skip
+
+# The H200 is the H100's chip and links with more and faster memory.
+PRESETS["h200"] = replace(
+    PRESETS["h100"], name="h200", memory_bandwidth=4.8e12, memory=141e9,
+    sources={
+        **PRESETS["h100"].sources,
+        "peak_flops": "NVIDIA H200 Tensor Core GPU datasheet, H200 SXM: BF16/FP16 Tensor Core "
+        "1,979 TFLOPS with sparsity (989 dense), FP32 67 TFLOPS",
+        "memory_bandwidth": "H200 datasheet: 4.8 TB/s",
+        "memory": "H200 datasheet: 141GB HBM3e",
+        "gpus_per_node": "NVIDIA DGX H200 datasheet: 8x H200",
+        "intra_node_bandwidth": "H200 datasheet: NVLink 900 GB/s (both directions)",
+        "inter_node_bandwidth": "DGX H200 datasheet: 8x ConnectX-7, 400 Gb/s (one per GPU)",
+    },
+)  # fmt: skip
 
 _FIELDS = {f.name for f in fields(Machine)}
 
@@ -152,17 +151,7 @@ def load_machine(text: str, **overrides: Any) -> Machine:
     if text.lower() in PRESETS:
         machine = PRESETS[text.lower()]
     else:
-        path = Path(text)
-        if not path.is_file():
-            raise MachineError(
-                f"--machine {text!r}: no such preset or file (presets: {', '.join(PRESETS)})"
-            )
-        try:
-            data = json.loads(path.read_text())
-        except (OSError, UnicodeDecodeError, json.JSONDecodeError) as e:
-            raise MachineError(f"{path}: not a JSON file ({e})") from None
-        if not isinstance(data, dict):
-            raise MachineError(f"{path}: expected a JSON object of machine fields")
+        data, path = read_json_object(text, "--machine", PRESETS, MachineError)
         base = data.pop("preset", None)
         unknown = sorted(set(data) - _FIELDS)
         if unknown:
