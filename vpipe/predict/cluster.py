@@ -99,7 +99,8 @@ class ClusterSpec:
 
 def cluster_candidates(spec: ClusterSpec) -> tuple[list[ClusterCandidate], ClusterCandidate | None]:
     """Every candidate that fits ``spec.budget`` on every GPU, and the one needing the least
-    memory among those that do not (None when all fit)."""
+    memory among those that do not (None when all fit); a candidate dropped before its
+    schedule was built (or built whole) records a lower bound of its need."""
     from vpipe.schedules import catalogue
 
     arch = spec.arch
