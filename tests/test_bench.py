@@ -69,6 +69,30 @@ def test_saved_tensor_meter_counts_activations_until_backward():
     assert with_params.peak == 2 * 32 * 64 * 4 + 64 * 64 * 4  # x, tanh output, the weight
 
 
+def test_saved_tensor_meter_releases_a_split_backward_after_w():
+    """I keeps the graph for W; once W ran, every saved tensor is released, step after step
+    (a meter holding the saved tensors themselves made a cycle that kept them forever)."""
+    import torch
+
+    from vpipe.models import build_model
+    from vpipe.runtime.backward import backward_input, grad_node
+
+    stage = build_model("gpt", 3, vocab=64, d_model=32, n_heads=2, n_layers=4, seq_len=16).stages[1]
+    params = list(stage.parameters())
+    nodes = {grad_node(p): p for p in params}
+    meter = SavedTensorMeter(exclude=params)
+    for _ in range(3):
+        x = torch.randn(2, 16, 32, requires_grad=True)
+        with meter.hooks():
+            out = stage(x)
+        _, task = backward_input([out], [torch.randn_like(out)], [x], nodes)
+        del out
+        task.run()
+        del task
+        assert meter.live == 0
+    assert meter.peak > 0
+
+
 def test_quick_sweep_writes_store_plots_and_report(tmp_path, capsys):
     out = tmp_path / "out"
     # --quick: interleaved-1f1b and zbv, M=4, both implementations (a tinier MLP here)

@@ -50,6 +50,21 @@ def test_schedule_commands_import_no_heavy_stack(tmp_path):
             "--cost",
             "f=10,b=10,w=8,comm=1",
         ],
+        [
+            "plan",
+            "--arch",
+            "llama3-8b",
+            "--seq-len",
+            "1024",
+            "--machine",
+            "h100",
+            "--gpus",
+            "8",
+            "--batch",
+            "32",
+            "--schedules",
+            "1f1b,zbv",
+        ],
     ]
     out = subprocess.run(
         [sys.executable, "-c", PROBE.format(heavy=HEAVY), json.dumps(commands)],

@@ -1,10 +1,14 @@
 """``vpipe plan``: the schedule, stages per rank and microbatch count to run for a memory
-budget, from a calibrated run or an explicit cost spec (see :mod:`vpipe.predict.plan`)."""
+budget, from a calibrated run or an explicit cost spec (see :mod:`vpipe.predict.plan`); or,
+with ``--arch``, ``--machine`` and ``--gpus``, the layout and schedule of a cluster predicted
+from the model and the machine (:mod:`vpipe.commands._cluster_plan`)."""
 
 from __future__ import annotations
 
 import argparse
 import json
+
+from vpipe.commands._cluster_plan import add_cluster_flags, cluster_command
 
 
 def register(subparsers: argparse._SubParsersAction) -> None:
@@ -13,14 +17,18 @@ def register(subparsers: argparse._SubParsersAction) -> None:
         help="recommend a schedule for a memory budget (every family x stages x M, simulated)",
         description="Simulate every schedule family x stages per rank x microbatch count with "
         "costs calibrated from a measured run (--from STORE --run RUN) or given (--cost), and "
-        "recommend the fastest whose peak activation memory fits --memory on every rank.",
+        "recommend the fastest whose peak activation memory fits --memory on every rank. With "
+        "--arch, --machine and --gpus: every pipeline x data-parallel layout, microbatch size "
+        "and schedule of a model on a cluster, costed from the model and the machine.",
     )
-    p.add_argument("--ranks", "-p", type=int, required=True, help="pipeline ranks P")
-    p.add_argument("--batch", type=int, required=True, help="samples per step")
+    p.add_argument("--ranks", "-p", type=int, help="pipeline ranks P (not with --arch)")
+    p.add_argument("--batch", type=int, required=True,
+                   help="samples per step (with --arch: sequences, the global batch)")  # fmt: skip
     p.add_argument(
-        "--memory", required=True, help="budget per rank: bytes (12GiB, 500MB) or units (6units)"
-    )
-    src = p.add_mutually_exclusive_group(required=True)
+        "--memory", help="budget per rank: bytes (12GiB, 500MB) or units (6units); with --arch "
+        "bytes per GPU (default 90%% of the machine's)"
+    )  # fmt: skip
+    src = p.add_mutually_exclusive_group()
     src.add_argument("--from", dest="store", metavar="STORE", help="results store of the run")
     src.add_argument(
         "--cost",
@@ -61,6 +69,7 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     p.add_argument("--top", type=int, default=15, help="rows of the table to print (default 15)")
     p.add_argument("--plot", metavar="PNG", help="throughput vs peak memory, Pareto front")
     p.add_argument("--json", action="store_true", help='print {"recommended", "candidates"}')
+    add_cluster_flags(p)
     p.set_defaults(func=plan_command)
 
 
@@ -70,6 +79,11 @@ def plan_command(args: argparse.Namespace) -> int:
     from vpipe.predict.plan import PREDICTION_ERROR, Budget, PlanError, SpecCosts, from_run, plan
     from vpipe.sweep.driver import parse_list
 
+    if args.arch or args.gpus or args.machine:
+        return cluster_command(args)
+    if args.ranks is None or args.memory is None or not (args.cost or args.store):
+        raise PlanError("vpipe plan needs --ranks, --memory and --from or --cost (or --arch, "
+                        "--machine and --gpus for a cluster)")  # fmt: skip
     if args.ranks < 1 or args.batch < 1:
         raise PlanError(f"--ranks and --batch must be >= 1, got {args.ranks} and {args.batch}")
     budget = Budget.parse(args.memory)

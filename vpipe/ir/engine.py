@@ -68,7 +68,7 @@ class LinkModel:
     runs on its own, so transfers never queue behind each other.
     """
 
-    latency: float = 0.0
+    latency: np.ndarray | float = 0.0  # per boundary, or one for all
     bandwidth: float = math.inf
     boundary_bytes: np.ndarray | float = 0.0
     handshake: float = 0.0

@@ -93,6 +93,7 @@ def auto_schedule(
     exact: bool = False,
     time_limit: float = 60.0,
     workers: int = 2,
+    fixed_families: bool = True,
 ) -> Schedule:
     """The best schedule under ``costs`` whose every rank's activation memory stays within
     ``memory_limit``, by ``objective`` (``"makespan"`` or ``"span"``, see
@@ -117,7 +118,8 @@ def auto_schedule(
     ``exact``: then hand the best of them to the constraint solver as its starting point
     (:mod:`vpipe.schedules.exact`, OR-Tools, ``time_limit`` seconds on ``workers`` threads)
     and return its best schedule; ``meta["exact"]`` has its status, objective, proven lower
-    bound and gap.
+    bound and gap. ``fixed_families=False`` leaves the fixed families out (a caller that
+    weighs them itself, as a cluster plan does).
     """
     name = "auto"
     p, m = check_counts(name, ranks, microbatches)
@@ -157,7 +159,9 @@ def auto_schedule(
                 cands.append((block, filled.actions, c))
             if placement == "v":
                 cands += _squeezed(place, m, cap, times)
-        fixed = [g(p, m) for g in _FIXED[placement]]
+        fixed = [g(p, m) for g in _FIXED[placement]] if fixed_families else []
+    elif not fixed_families:
+        fixed = []
     else:
         fixed = []
         for g in (interleaved_1f1b, zb_h1):

@@ -24,6 +24,7 @@ __all__ = [
     "CostModelError",
     "PerStage",
     "parse_numbers",
+    "read_json_object",
     "split_unit",
 ]
 
@@ -55,7 +56,9 @@ class CostModel:
     ``comm_handshake`` more when its RECV is posted after its SEND (a rendezvous transport;
     :class:`vpipe.ir.engine.LinkModel`).
     ``comm_bytes`` and ``activation_bytes`` (per stage, for peak memory) are a number for
-    all stages/boundaries, a sequence, or a mapping.
+    all stages/boundaries, a sequence, or a mapping. ``boundary_time``, when given, is the time
+    of one message over each boundary instead (links that differ by boundary: a layout whose
+    stages sit on the same node or on different ones, :mod:`vpipe.sim.model_costs`).
 
     ``post`` and ``gap`` are what the runtime pays besides computing and waiting: ``post`` per
     SEND or RECV it posts, ``gap`` per action (its own work between actions). A rank pays them
@@ -85,6 +88,7 @@ class CostModel:
     overlap: float = 1.0
     comm_handshake: float = 0.0
     unit: str = "stage"
+    boundary_time: PerStage | None = None
 
     def __post_init__(self) -> None:
         if self.unit not in UNITS:
@@ -172,7 +176,11 @@ class CostModel:
 
     def links(self, n_stages: int) -> LinkModel:
         """The link model of a schedule with ``n_stages`` stages."""
-        nbytes = _per_stage("comm_bytes", self.comm_bytes, max(n_stages - 1, 0))
+        n = max(n_stages - 1, 0)
+        if self.boundary_time is not None:
+            times = _per_stage("boundary_time", self.boundary_time, n)
+            return LinkModel(times, math.inf, 0.0, self.comm_handshake)
+        nbytes = _per_stage("comm_bytes", self.comm_bytes, n)
         return LinkModel(self.comm_latency, self.comm_bandwidth, nbytes, self.comm_handshake)
 
     def boundary_costs(self, n_stages: int) -> np.ndarray:
@@ -211,6 +219,25 @@ def parse_numbers(
         except ValueError:
             raise error(f"bad {what} value in {item!r}: not a number") from None
     return values
+
+
+def read_json_object(text: str, flag: str, presets: Iterable[str], error: type[Exception]):
+    """The JSON object in file ``text`` (a ``flag`` value that is no preset) and its path; a
+    missing file, bad JSON or a non-object is ``error`` naming the file (or listing
+    ``presets``)."""
+    import json
+    from pathlib import Path
+
+    path = Path(text)
+    if not path.is_file():
+        raise error(f"{flag} {text!r}: no such preset or file (presets: {', '.join(presets)})")
+    try:
+        data = json.loads(path.read_text())
+    except (OSError, UnicodeDecodeError, json.JSONDecodeError) as e:
+        raise error(f"{path}: not a JSON file ({e})") from None
+    if not isinstance(data, dict):
+        raise error(f"{path}: expected a JSON object")
+    return data, path
 
 
 def split_unit(text: str, what: str, error: type[Exception]) -> tuple[str, str]:

@@ -479,7 +479,10 @@ class SavedTensorMeter:
 
             def __init__(self, t: Any) -> None:
                 storage = t.untyped_storage()
-                self.t, self.key = t, storage.data_ptr()
+                # detached: holding the tensor with its grad_fn from inside its own graph is
+                # a cycle Python cannot collect, which kept a split backward's graph (held
+                # from I to W) alive after W, growing every step
+                self.t, self.key = t.detach(), storage.data_ptr()
                 meter._add(self.key, storage.nbytes())
 
             def __del__(self) -> None:

@@ -1,0 +1,161 @@
+"""`vpipe plan --arch --machine --gpus`: candidates are reproduced by costing them directly;
+the ranking moves the way the memory budget and the link figures say it should; a plan
+nothing fits is one line; ties are those within the prediction's error."""
+
+from __future__ import annotations
+
+import json
+import re
+from dataclasses import replace
+
+import pytest
+
+from vpipe.cli import main
+from vpipe.predict.cluster import (
+    PREDICTION_ERROR,
+    PROBE,
+    ClusterCandidate,
+    ClusterSpec,
+    plan_cluster,
+    rank_candidates,
+)
+from vpipe.predict.plan import PlanError
+from vpipe.schedules import catalogue
+from vpipe.sim import simulate
+from vpipe.sim.arch import Arch
+from vpipe.sim.collectives import simulate_reductions
+from vpipe.sim.iteration import iteration
+from vpipe.sim.machine import GIB, load_machine
+from vpipe.sim.model_costs import Layout, activation_peaks, model_costs
+
+ARCH = Arch("small", layers=16, hidden=2048, heads=16, seq_len=2048, vocab=32000)
+H100 = load_machine("h100")
+SCHEDULES = ("1f1b", "zbv", "v-min")
+
+
+def spec(budget_gib: float, machine=H100, **kw) -> ClusterSpec:
+    return ClusterSpec(ARCH, machine, 16, 128, budget_gib * GIB, schedules=SCHEDULES,
+                       microbatch_sizes=(1,), **kw)  # fmt: skip
+
+
+def test_a_candidate_is_what_its_costs_simulate_to():
+    result = plan_cluster(spec(80))
+    c = result["recommended"]
+    fam = catalogue.get(c["schedule"])
+    layout = Layout(c["pp"], c["dp"], c["stages_per_rank"], fam.placement)
+    costs = model_costs(ARCH.with_microbatch(c["microbatch_size"]), H100, layout)
+    s = fam.generator(c["pp"], c["microbatches"], c["stages_per_rank"])
+    r = simulate(s, costs.cost_model())
+    red = None
+    if c["dp"] > 1:
+        red = simulate_reductions(s, r.columns, r.makespan, *costs.dp_reduction())
+    seconds = iteration(r.columns, c["pp"], costs.iteration_costs(), red).time / 1e6
+    assert c["tokens_per_s_per_gpu"] == pytest.approx(128 * 2048 / seconds / 16)
+    peaks = activation_peaks(s, costs.alloc_bytes, costs.freed_by_i)
+    need = max(a + b + p for a, b, p in zip(costs.static_bytes, costs.transient_bytes, peaks,
+                                            strict=True))  # fmt: skip
+    assert c["memory_bytes"] == pytest.approx(need)
+    speeds = [x["tokens_per_s_per_gpu"] for x in result["candidates"]]
+    assert speeds == sorted(speeds, reverse=True)
+    assert all(x["memory_bytes"] <= 80 * GIB for x in result["candidates"])
+
+
+def test_a_tighter_memory_budget_moves_the_plan_to_a_smaller_schedule():
+    roomy = plan_cluster(spec(6))["candidates"][0]
+    tight = plan_cluster(spec(4))["candidates"][0]
+    assert roomy["memory_bytes"] > 4 * GIB  # the fastest no longer fits ...
+    assert tight["memory_bytes"] <= 4 * GIB  # ... so the next fastest that does leads
+    assert tight["tokens_per_s_per_gpu"] < roomy["tokens_per_s_per_gpu"]
+    assert tight["activation_bytes"] < roomy["activation_bytes"]
+
+
+def test_a_slow_link_between_nodes_moves_the_plan_to_fewer_replicas():
+    fast = plan_cluster(spec(80))["candidates"][0]
+    slow_machine = replace(H100, inter_node_bandwidth=H100.inter_node_bandwidth / 100)
+    slow = plan_cluster(spec(80, slow_machine))["candidates"][0]
+    # the replicas' gradient all-reduce crosses nodes: fewer replicas, less of it
+    assert slow["dp"] < fast["dp"]
+    assert slow["tokens_per_s_per_gpu"] < fast["tokens_per_s_per_gpu"]
+    # a faster link inside a node changes nothing that crosses nodes only
+    quick = replace(slow_machine, intra_node_bandwidth=H100.intra_node_bandwidth * 2)
+    assert plan_cluster(spec(80, quick))["candidates"][0]["dp"] == slow["dp"]
+
+
+def test_nothing_fits_is_one_line_naming_the_least_need():
+    with pytest.raises(PlanError, match=r"nothing fits 1.0 GiB per GPU: the least any candidate"
+                       r" needs is [0-9.]+ GiB or more \(") as e:  # fmt: skip
+        plan_cluster(spec(1))
+    assert "\n" not in str(e.value)
+
+
+def test_ties_are_within_the_prediction_error_and_the_least_memory_is_recommended():
+    def cand(name, speed, mem):
+        return ClusterCandidate(name, 4, 1, 1, 1, 8, speed, 1.0, 1.0, 0.1, mem, 0.0, mem)
+
+    found = [cand("a", 100.0, 9.0), cand("b", 100.0 * (1 - PREDICTION_ERROR / 2), 5.0),
+             cand("c", 90.0, 1.0)]  # fmt: skip
+    ranked, best = rank_candidates(found)
+    assert [c.schedule for c in ranked] == ["a", "b", "c"]
+    assert [c.tied for c in ranked] == [True, True, False]
+    assert best.schedule == "b"
+
+
+@pytest.mark.parametrize("name", [f.name for f in catalogue.families() if f.name != "auto"])
+def test_more_microbatches_never_lower_a_familys_peak(name):
+    """What the planner's probe relies on: a family's peak at PROBE x stages microbatches is
+    at most its peak with more."""
+    fam = catalogue.get(name)
+    for ranks in (2, 4):
+        try:
+            first = fam.generator(ranks, PROBE * ranks * fam.stages_per_rank, None)
+        except Exception:
+            continue
+        n = first.n_stages
+        alloc, freed = [1.0 + s % 3 for s in range(n)], [0.4 * (1.0 + s % 3) for s in range(n)]
+        low = activation_peaks(first, alloc, freed)
+        for m in (first.n_microbatches + 1, 2 * first.n_microbatches + 3):
+            more = activation_peaks(fam.generator(ranks, m, None), alloc, freed)
+            assert all(a <= b + 1e-9 for a, b in zip(low, more, strict=True)), (ranks, m)
+
+
+def write_arch(tmp_path) -> str:
+    path = tmp_path / "small.json"
+    path.write_text(json.dumps({"layers": 16, "hidden": 2048, "heads": 16, "seq_len": 2048,
+                                "vocab": 32000}))  # fmt: skip
+    return str(path)
+
+
+def test_cli_plans_a_cluster_as_json(tmp_path, capsys):
+    arch = write_arch(tmp_path)
+    assert main(["plan", "--arch", arch, "--machine", "h100", "--gpus", "16", "--batch", "128",
+                 "--schedules", "1f1b,zbv", "--microbatch-sizes", "1,2", "--json"]) == 0  # fmt: skip
+    out = json.loads(capsys.readouterr().out)
+    assert out["machine"] == "h100" and out["gpus"] == 16
+    assert out["rates"]["source"].startswith("default efficiency")
+    rec = out["recommended"]
+    assert rec["pp"] * rec["dp"] == 16 and rec["fits"] and rec["tied"]
+    assert {c["microbatch_size"] for c in out["candidates"]} == {1, 2}
+    assert main(["plan", "--arch", arch, "--machine", "h100", "--gpus", "16", "--batch", "128",
+                 "--schedules", "1f1b", "--efficiency", "0.5,0.5,0.5"]) == 0  # fmt: skip
+    text = capsys.readouterr().out
+    assert "--efficiency 0.5,0.5,0.5" in text and "recommended (of the tied" in text
+
+
+@pytest.mark.parametrize(
+    ("extra", "message"),
+    [(["--ranks", "4"], "--ranks is not a cluster plan's flag"),
+     (["--memory", "6units"], "not units"), (["--efficiency", "2,1,1"], "in \\(0, 1\\]"),
+     (["--microbatch-sizes", "0"], ">= 1"), (["--i-frees", "1.5"], "between 0 and 1")],
+)  # fmt: skip
+def test_cli_refuses_bad_cluster_flags(tmp_path, capsys, extra, message):
+    argv = ["plan", "--arch", write_arch(tmp_path), "--machine", "h100", "--gpus", "16",
+            "--batch", "128", *extra]  # fmt: skip
+    assert main(argv) != 0
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1
+    assert re.search(message, err), err
+
+
+def test_cli_without_machine_says_so(tmp_path, capsys):
+    assert main(["plan", "--arch", write_arch(tmp_path), "--gpus", "4", "--batch", "8"]) != 0
+    assert "give --machine" in capsys.readouterr().err
