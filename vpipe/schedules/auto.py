@@ -266,7 +266,8 @@ def _squeezed(
 
 
 # Memory of the controllable-memory families in 1F1B stage-activations (strict count) for P
-# ranks: what the block-built V-Half and V-Min hold (P+2 and 2*floor((P+4)/3) V stages).
+# ranks: half and a third of 1F1B's, as the controllable-memory paper's V-Half and V-Min hold
+# them (P+2 or P+1 and 2*floor((P+4)/3) V stages).
 FAMILY_MEMORY = {"v-half": lambda p: float((p + 2) // 2), "v-min": lambda p: float((p + 4) // 3)}
 _V = "V placement: rank r holds stages r and 2P-1-r"
 
@@ -284,7 +285,8 @@ def adapted(
     :func:`auto_schedule` on the V placement at the family's memory
     (:data:`FAMILY_MEMORY`), whose candidates include the family's block-built and squeezed
     patterns with W's placed in their free slots or by the costs, so it is never worse than
-    the block-built family at its own memory."""
+    the block-built family (which for V-Half at odd P holds half a 1F1B stage more, P+2 V
+    stages, and is then left out)."""
     if family not in FAMILY_MEMORY:
         raise ScheduleError(f"adapted: family must be 'v-half' or 'v-min', got {family!r}")
     p, m = check_counts(family, ranks, microbatches)
@@ -300,7 +302,7 @@ def v_half_adapted(
     costs: StageCosts = UNIT_COSTS,
 ) -> Schedule:  # fmt: skip
     """The catalogue's ``v-half``: :func:`adapted` to ``costs`` (per stage; default f = b = w
-    = 1, free messages), objective span, at (P+2)/2 1F1B stages.
+    = 1, free messages), objective span, at floor((P+2)/2) 1F1B stages.
     Constraints: exactly 2 stages per rank; any P >= 1, any M >= 1."""
     return adapted("v-half", ranks, microbatches, costs, "span", CATALOGUE_BUDGET,
                    stages_per_rank)  # fmt: skip

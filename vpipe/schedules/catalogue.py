@@ -275,7 +275,7 @@ for _family in (
         "v-half",
         v_half_adapted,
         "controllable memory V-Half: the best schedule auto finds for the costs (unit costs by "
-        "default) within V-Half's memory, (P+2)/2 1F1B stages; I/W split; 2 stages/rank",
+        "default) within V-Half's memory, floor((P+2)/2) 1F1B stages; I/W split; 2 stages/rank",
         placement="v",
         stages_per_rank=2,
         order=62,
