@@ -7,6 +7,7 @@ The same commands over the whole catalogue at P <= 8 are ``python -m bench.show_
 
 from __future__ import annotations
 
+import json
 from pathlib import Path
 
 from hypothesis import HealthCheck, given, settings
@@ -79,3 +80,36 @@ def test_every_schedule_command_answers_or_refuses_in_one_line(tmp_path_factory,
         rc, out, err = run_cli(["validate", csv])
         assert rc == 0 and out.startswith("valid: ") and err == "", (argv, err)
         assert Path(csv).stat().st_size > 0
+
+
+PAPER_15B = "f=18.522,b=18.086,w=9.337,comm=0.601"
+
+
+def test_cost_adapted_names_follow_the_costs_in_every_command(tmp_path):
+    """v-half, v-min and auto are built for the command's --cost in show, simulate and compare
+    (as make_schedule(..., costs=...) builds them), and for unit costs without it."""
+    from vpipe.schedules import make_schedule
+    from vpipe.sim import CostModel, simulate
+
+    costs = CostModel.parse(PAPER_15B)
+    p, m = 6, 12
+    rc, out, _ = run_cli(["compare", "-p", str(p), "-m", str(m), "--cost", PAPER_15B,
+                          "--schedules", "v-half,v-min,auto", "--json"])  # fmt: skip
+    assert rc == 0
+    rows = {r["schedule"]: r for r in json.loads(out)["schedules"]}
+    differs = 0
+    for name in ("v-half", "v-min", "auto"):
+        adapted = make_schedule(name, p, m, costs=costs)
+        unit = make_schedule(name, p, m)
+        differs += adapted.actions != unit.actions
+        assert rows[name]["makespan"] == simulate(adapted, costs).makespan
+        csv = tmp_path / f"{name}.csv"
+        rc, out, _ = run_cli(["show", name, "-p", str(p), "-m", str(m), "--cost", PAPER_15B,
+                              "--csv", str(csv)])  # fmt: skip
+        assert rc == 0 and f"{name} chose" in out
+        assert Schedule.from_csv(csv).actions == adapted.actions
+        rc, out, _ = run_cli(["show", name, "-p", str(p), "-m", str(m), "--csv", str(csv)])
+        assert rc == 0 and Schedule.from_csv(csv).actions == unit.actions
+        rc, out, _ = run_cli(["simulate", name, "-p", str(p), "-m", str(m), "--cost", PAPER_15B])
+        assert rc == 0 and f"makespan       {simulate(adapted, costs).makespan:g}" in out
+    assert differs, "the paper's costs should change at least one of the three schedules"
