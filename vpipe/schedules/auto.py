@@ -11,7 +11,8 @@ and the fixed families of the same placement as they are; it keeps the best by t
 from __future__ import annotations
 
 import math
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
+from functools import partial
 from typing import Protocol
 
 from vpipe.errors import ScheduleError
@@ -36,8 +37,7 @@ __all__ = [
     "adapted",
     "auto",
     "auto_schedule",
-    "v_half_adapted",
-    "v_min_adapted",
+    "catalogue_adapted",
 ]
 
 PLACEMENTS = ("loop", "v", "interleaved")
@@ -297,26 +297,22 @@ def adapted(
     )  # fmt: skip
 
 
-def v_half_adapted(
-    ranks: int, microbatches: int, stages_per_rank: int | None = None,
-    costs: StageCosts = UNIT_COSTS,
-) -> Schedule:  # fmt: skip
-    """The catalogue's ``v-half``: :func:`adapted` to ``costs`` (per stage; default f = b = w
-    = 1, free messages), objective span, at floor((P+2)/2) 1F1B stages.
+def catalogue_adapted(family: str) -> Callable[..., Schedule]:
+    """The catalogue's generator of ``family`` (``"v-half"`` or ``"v-min"``):
+    ``generate(ranks, microbatches, stages_per_rank=None, costs=UNIT_COSTS)`` is
+    :func:`adapted` to ``costs`` (per stage; default f = b = w = 1, free messages), objective
+    span, at the family's memory (:data:`FAMILY_MEMORY`), with the catalogue's search budget.
     Constraints: exactly 2 stages per rank; any P >= 1, any M >= 1."""
-    return adapted("v-half", ranks, microbatches, costs, "span", CATALOGUE_BUDGET,
-                   stages_per_rank)  # fmt: skip
+    if family not in FAMILY_MEMORY:
+        raise ScheduleError(f"adapted: family must be 'v-half' or 'v-min', got {family!r}")
+    return partial(_adapted_for_catalogue, family)
 
 
-def v_min_adapted(
-    ranks: int, microbatches: int, stages_per_rank: int | None = None,
+def _adapted_for_catalogue(
+    family: str, ranks: int, microbatches: int, stages_per_rank: int | None = None,
     costs: StageCosts = UNIT_COSTS,
 ) -> Schedule:  # fmt: skip
-    """The catalogue's ``v-min``: :func:`adapted` to ``costs`` (per stage; default f = b = w =
-    1, free messages), objective span, at floor((P+4)/3) 1F1B stages.
-    Constraints: exactly 2 stages per rank; any P >= 1, any M >= 1."""
-    return adapted("v-min", ranks, microbatches, costs, "span", CATALOGUE_BUDGET,
-                   stages_per_rank)  # fmt: skip
+    return adapted(family, ranks, microbatches, costs, "span", CATALOGUE_BUDGET, stages_per_rank)
 
 
 def auto(

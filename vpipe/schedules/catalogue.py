@@ -16,7 +16,7 @@ from typing import Generic, TypeVar
 
 from vpipe.errors import ScheduleError
 from vpipe.ir import Schedule
-from vpipe.schedules.auto import auto, v_half_adapted, v_min_adapted
+from vpipe.schedules.auto import auto, catalogue_adapted
 from vpipe.schedules.controllable import zb_h2
 from vpipe.schedules.interleaved import interleaved_1f1b, looped_bfs, zb_h1
 from vpipe.schedules.simple import gpipe, one_f_one_b
@@ -273,7 +273,7 @@ for _family in (
     ),
     Family(
         "v-half",
-        v_half_adapted,
+        catalogue_adapted("v-half"),
         "controllable memory V-Half: the best schedule auto finds for the costs (unit costs by "
         "default) within V-Half's memory, floor((P+2)/2) 1F1B stages; I/W split; 2 stages/rank",
         placement="v",
@@ -283,7 +283,7 @@ for _family in (
     ),
     Family(
         "v-min",
-        v_min_adapted,
+        catalogue_adapted("v-min"),
         "controllable memory V-Min: the best schedule auto finds for the costs (unit costs by "
         "default) within V-Min's memory, floor((P+4)/3) 1F1B stages; I/W split; 2 stages/rank",
         placement="v",
