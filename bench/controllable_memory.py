@@ -40,7 +40,8 @@ def costs_for(model: str, stages_per_rank: int):
 
 def family_table(ranks: int, microbatches: int):
     """One row per family that runs at (ranks, microbatches): stages per rank, peak memory in
-    1F1B stages, and makespan (ms) and bubble ratio per model."""
+    1F1B stages (the last model's, for the cost-adapted families), and makespan (ms) and bubble
+    ratio per model."""
     import pandas as pd
 
     from vpipe.errors import ScheduleError
@@ -56,7 +57,10 @@ def family_table(ranks: int, microbatches: int):
         v = s.stages_per_rank
         row: dict[str, object] = {"schedule": family.name, "v": v}
         for model in PAPER_COSTS:
-            res = simulate(s, costs_for(model, v))
+            costs = costs_for(model, v)
+            if family.cost_adapted:  # v-half, v-min, auto: built for each model's costs
+                s = make_schedule(family.name, ranks, microbatches, costs=costs)
+            res = simulate(s, costs)
             row["peak (1F1B stages)"] = max(res.peak_stage_activations) / v
             row[f"{model} ms"] = round(res.makespan, 1)
             row[f"{model} bubble"] = round(res.bubble_ratio, 3)

@@ -1,5 +1,6 @@
-"""The controllable-memory families (V-Min, V-Half, ZB-H2) against their docstrings' closed
-forms, exactly, with the simulator at f = b = w = c and no communication; the building blocks
+"""The block-built controllable-memory families (V-Min, V-Half, ZB-H2 of
+:mod:`vpipe.schedules.controllable`; the catalogue's v-half and v-min are the cost-adapted ones,
+tests/test_adaptive.py) against their docstrings' closed forms, exactly, with the simulator at f = b = w = c and no communication; the building blocks
 and the W-filling list scheduler they are made of; properties under random integer costs.
 
 Memory is the simulator's peak live stage-activations (F run, W not yet) per rank; a V stage
@@ -17,6 +18,7 @@ from vpipe.ir import Kind, Schedule, loop_placement, v_placement
 from vpipe.ir.lowering import lower, validate
 from vpipe.schedules import make_schedule
 from vpipe.schedules.blocks import fi_peak, loop_block, plan, v_block
+from vpipe.schedules.controllable import v_half, v_min, zb_h2
 from vpipe.schedules.fill import fill
 from vpipe.sim import CostModel, simulate
 
@@ -56,6 +58,14 @@ def zb_h2_peak(p: int, m: int) -> int:
     return min(m, 2 * p - 1)
 
 
+BLOCK_BUILT = {"v-min": v_min, "v-half": v_half, "zb-h2": zb_h2}
+
+
+def built(name: str, p: int, m: int):
+    """The block-built family ``name``, or the catalogue's schedule of another name."""
+    return BLOCK_BUILT[name](p, m) if name in BLOCK_BUILT else make_schedule(name, p, m)
+
+
 CLOSED = {
     "v-min": (v_min_makespan, v_min_peak),
     "v-half": (v_half_makespan, v_half_peak),
@@ -74,7 +84,7 @@ def test_closed_forms_at_unit_costs(name):
     makespan, peak = CLOSED[name]
     for p in RANKS:
         for m in MICRO:
-            res = _sim(make_schedule(name, p, m))
+            res = _sim(built(name, p, m))
             assert res.makespan == makespan(p, m), (name, p, m)
             assert max(res.peak_stage_activations) == peak(p, m), (name, p, m)
             if name == "zb-h2" or (name == "v-half" and m > p):
@@ -87,7 +97,7 @@ def test_closed_forms_scale_with_the_costs(name):
     makespan, peak = CLOSED[name]
     for p in (2, 5, 8):
         for m in (1, p, 3 * p):
-            res = _sim(make_schedule(name, p, m), 2)
+            res = _sim(built(name, p, m), 2)
             assert res.makespan == 2 * makespan(p, m), (name, p, m)
             assert max(res.peak_stage_activations) == peak(p, m), (name, p, m)
 
@@ -97,7 +107,7 @@ def test_memory_shrinks_and_bubble_grows_from_zbv_to_v_half_to_v_min():
     each pays with more idle time: 4P-5 > 3P-5 > P-1 per rank."""
     for p in range(4, 9):
         m = 2 * p
-        runs = [_sim(make_schedule(n, p, m)) for n in ("v-min", "v-half", "zbv")]
+        runs = [_sim(built(n, p, m)) for n in ("v-min", "v-half", "zbv")]
         peaks = [max(r.peak_stage_activations) for r in runs]
         idle = [r.makespan - 6 * m for r in runs]
         assert peaks == [2 * ((p + 4) // 3), p + 2, 2 * p], p
@@ -111,8 +121,8 @@ def test_v_min_is_about_a_third_and_v_half_half_of_1f1b_memory():
         m = 4 * p
         one_f_one_b = max(_sim(make_schedule("1f1b", p, m)).peak_stage_activations)
         assert one_f_one_b == p
-        assert max(_sim(make_schedule("v-min", p, m)).peak_stage_activations) / 2 == (p + 4) // 3
-        assert max(_sim(make_schedule("v-half", p, m)).peak_stage_activations) / 2 == (p + 2) / 2
+        assert max(_sim(built("v-min", p, m)).peak_stage_activations) / 2 == (p + 4) // 3
+        assert max(_sim(built("v-half", p, m)).peak_stage_activations) / 2 == (p + 2) / 2
 
 
 def test_zb_h2_zero_bubble_from_2p_minus_1_microbatches():
@@ -139,6 +149,8 @@ def test_zb_h2_beats_zb_h1_when_w_is_cheaper():
 
 @pytest.mark.parametrize("name", sorted(CLOSED))
 def test_other_stage_counts_are_refused(name):
+    with pytest.raises(ScheduleError, match="stage"):
+        BLOCK_BUILT[name](4, 8, 3)
     with pytest.raises(ScheduleError, match="stage"):
         make_schedule(name, 4, 8, 3)
 
@@ -219,7 +231,7 @@ def _costs(draw, n_stages: int, comm: bool) -> CostModel:
 def family_case(draw):
     name = draw(st.sampled_from(sorted(CLOSED)))
     p, m = draw(st.integers(1, 8)), draw(st.integers(1, 32))
-    s = make_schedule(name, p, m)
+    s = built(name, p, m)
     return name, s, _costs(draw, s.n_stages, comm=True)
 
 

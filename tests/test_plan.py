@@ -23,7 +23,7 @@ from vpipe.predict.plan import (
     recommend,
 )
 from vpipe.predict.plan_auto import auto_for_plan
-from vpipe.schedules import catalogue
+from vpipe.schedules import catalogue, make_schedule
 from vpipe.schedules.ties import TIE_RULE, Tied, break_tie
 from vpipe.sim import CostModel, simulate
 
@@ -58,13 +58,14 @@ def test_bad_cost_spec(text, message):
 def independent_step_s(
     spec: SpecCosts, name: str, ranks: int, v: int, m: int, batch: int, schedule=None
 ):
-    """The candidate's step time and peak bytes, from the spec's definition directly."""
-    s = schedule or catalogue.get(name).generator(ranks, m, v)
-    share = ranks / s.n_stages * (batch / m) / spec.rows
+    """The candidate's step time and peak bytes, from the spec's definition directly (a
+    cost-adapted family built for those costs)."""
+    share = 1 / v * (batch / m) / spec.rows
     cm = CostModel(f=spec.f * share, b=spec.b * share, w=spec.w * share,
                    comm_latency=spec.comm, comm_handshake=spec.handshake,
                    activation_bytes=spec.act_bytes * share,
                    post=spec.post, gap=spec.gap)  # fmt: skip
+    s = schedule or make_schedule(name, ranks, m, v, costs=cm)
     r = simulate(s, cm)
     return r.makespan * 1e-6, max(r.peak_activation_bytes)
 

@@ -27,8 +27,10 @@ def add_auto_flags(p: argparse.ArgumentParser, *, cost: bool) -> None:
     g = p.add_argument_group("auto (schedule NAME_OR_CSV = auto)")
     if cost:
         g.add_argument(
-            "--cost", metavar="SPEC", help="per-stage costs auto schedules for, e.g. "
-            "f=1,b=1,w=1,comm=0 (see vpipe.sim.CostModel.parse); act_bytes= for a limit in bytes"
+            "--cost", metavar="SPEC", help="costs the cost-adapted schedules (auto, v-half, "
+            "v-min) are scheduled for, read as simulate reads them (per rank's share unless "
+            "unit=stage), e.g. f=1,b=1,w=1,comm=0 (the default; see vpipe.sim.CostModel.parse); "
+            "act_bytes= for auto's limit in bytes"
         )  # fmt: skip
     g.add_argument(
         "--memory", metavar="LIMIT", help="activation memory per rank: units of a 1F1B stage "
@@ -67,7 +69,8 @@ def wants_auto(args: argparse.Namespace, *, cost_counts: bool) -> bool:
 
 
 def auto_from_args(args: argparse.Namespace, costs: Any) -> Schedule:
-    """The schedule ``auto`` picks for the command's flags under ``costs`` (a CostModel)."""
+    """The schedule ``auto`` picks for the command's flags under ``costs`` (a CostModel, read
+    as the simulator reads it: per rank's share is split evenly over the stages per rank)."""
     from vpipe.schedules.adaptive import MemoryModel
     from vpipe.schedules.auto import auto_schedule
 
@@ -76,6 +79,7 @@ def auto_from_args(args: argparse.Namespace, costs: Any) -> Schedule:
     p, placement = args.ranks, args.placement or "v"
     spr = {"v": 2, "loop": 1}.get(placement) or args.stages_per_rank or 2
     n = p * spr
+    costs = costs.for_schedule(spr)
     share = 0.0 if args.i_frees is None else args.i_frees
     if not 0.0 <= share <= 1.0:
         raise ScheduleError(f"--i-frees must be between 0 and 1, got {share:g}")
@@ -108,7 +112,7 @@ def describe_auto(schedule: Schedule) -> str:
     meta = schedule.meta
     source = meta.get("source")
     text = (
-        f"auto chose {source if isinstance(source, str) else 'a building block'} by "
+        f"{schedule.name} chose {source if isinstance(source, str) else 'a building block'} by "
         f"{meta.get('objective')} {meta.get('objective_value', 0):g} under memory limit "
         f"{meta.get('memory_limit'):g} (peak {meta.get('peak', 0):g})"
     )

@@ -49,14 +49,23 @@ def program_cells(schedule: Schedule) -> list[list[str]]:
     return [[label(format_action(a)) for a in acts] for acts in schedule.actions]
 
 
-def timed_cells(schedule: Schedule, costs: Any) -> list[list[str]]:
-    """One cell per unit time slot per rank, from a simulation under ``costs`` (unit costs
-    make one slot per F, I or W): the action's label
-    in its first slot, ``-`` in the slots it continues, ``.`` where the rank is idle."""
-    from vpipe.sim import simulate
+# The grid's time axis: one slot per F, I or W of one stage, whatever the stages per rank
+# (a V schedule's stage is half a rank's share, so its actions are drawn at their own size).
+SLOT_NOTE = (
+    "one time slot per F, I or W of a stage (f=b=w=1 per stage, free comm; a full backward B "
+    "takes 2 slots, an overlap F+B 3, - continues an action); . idle"
+)
+
+
+def timed_cells(schedule: Schedule) -> list[list[str]]:
+    """One cell per time slot per rank (:data:`SLOT_NOTE`), from a simulation with every F, I
+    and W of a stage costing one slot: the action's label in its first slot, ``-`` in the slots
+    it continues, ``.`` where the rank is idle. Every duration is a whole number of slots, so
+    each action has a slot of its own and a row lists its rank's actions in program order."""
+    from vpipe.sim import CostModel, simulate
     from vpipe.sim.simulator import KIND_NAMES
 
-    c = simulate(schedule, costs).columns  # numpy only: no pandas here
+    c = simulate(schedule, CostModel(unit="stage")).columns  # numpy only: no pandas here
     compute = c["kind"] < 4  # F, B, I, W parts (KIND_NAMES order)
     ranks, starts, ends = c["rank"][compute], c["start"][compute], c["end"][compute]
     parts = zip(
@@ -82,9 +91,11 @@ def timed_cells(schedule: Schedule, costs: Any) -> list[list[str]]:
             want = [(p.stage, p.kind.value, p.microbatch) for p in action.compute_parts()]
             if [key for key, _, _ in spans] != want:
                 raise RuntimeError(f"simulator timeline out of program order at {action}")
-            first, last = round(spans[0][1]), round(spans[-1][2])
+            first, last = int(spans[0][1]), int(spans[-1][2])
+            if row[first] != "." or first != spans[0][1]:
+                raise RuntimeError(f"rank {rank}: {action} has no whole time slot of its own")
             row[first] = label(str(action))
-            for t in range(first + 1, max(last, first + 1)):
+            for t in range(first + 1, last):
                 row[t] = "-"
     return cells
 

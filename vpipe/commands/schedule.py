@@ -18,7 +18,13 @@ from collections.abc import Callable
 from typing import Any
 
 from vpipe.commands._auto_flags import add_auto_flags, auto_from_args, describe_auto, wants_auto
-from vpipe.commands._grid import print_grid, program_cells, render_grid, timed_cells
+from vpipe.commands._grid import (
+    SLOT_NOTE,
+    print_grid,
+    program_cells,
+    render_grid,
+    timed_cells,
+)
 from vpipe.errors import ScheduleError, VpipeError
 from vpipe.ir import Schedule
 from vpipe.outputs import check_output_file
@@ -174,11 +180,15 @@ def _cmd_show(args: argparse.Namespace) -> int:
 
     if args.csv:
         check_output_file(args.csv, "--csv")
+    costs = _cost_model(args.cost)
     if wants_auto(args, cost_counts=True):
-        schedule = auto_from_args(args, _cost_model(args.cost))
-        print(describe_auto(schedule))
+        schedule = auto_from_args(args, costs)
     else:
-        schedule = load_schedule(args.source, args.ranks, args.microbatches, args.stages_per_rank)
+        schedule = load_schedule(
+            args.source, args.ranks, args.microbatches, args.stages_per_rank, costs
+        )
+    if "objective" in schedule.meta:  # a cost-adapted family: say what it chose
+        print(describe_auto(schedule))
     if args.lowered and not schedule.is_lowered:
         schedule = lower(schedule)
     if args.csv:
@@ -190,8 +200,8 @@ def _cmd_show(args: argparse.Namespace) -> int:
         print("program order (one column per action, SEND/RECV included)")
         print_grid(render_grid(program_cells(schedule), width, header=False))
     else:
-        print("time slots with f=b=w=1 and free comm (a full backward B takes 2 slots); . idle")
-        cells = timed_cells(schedule, _cost_model(UNIT_COST))
+        print(SLOT_NOTE)
+        cells = timed_cells(schedule)
         # Plain actions set a uniform slot width; only overlap actions widen their slot.
         plain = max((len(c) for row in cells for c in row if "+" not in c), default=1)
         print_grid(render_grid(cells, width, header=True, min_col_width=plain))
@@ -274,7 +284,9 @@ def _cmd_simulate(args: argparse.Namespace) -> int:
     if wants_auto(args, cost_counts=False):
         schedule = auto_from_args(args, costs)
     else:
-        schedule = load_schedule(args.source, args.ranks, args.microbatches, args.stages_per_rank)
+        schedule = load_schedule(
+            args.source, args.ranks, args.microbatches, args.stages_per_rank, costs
+        )
     result = simulate(schedule, costs)
     objective = args.objective or "makespan"
     if args.trace:
@@ -285,7 +297,7 @@ def _cmd_simulate(args: argparse.Namespace) -> int:
         print(json.dumps(summary, default=_json_default))
         return 0
     print(f"{schedule.name}: {describe(schedule)}; cost {args.cost or UNIT_COST} ({per(costs)})")
-    if schedule.name == "auto" and "objective" in schedule.meta:
+    if "objective" in schedule.meta:  # a cost-adapted family
         print(describe_auto(schedule))
     print(f"makespan       {result.makespan:g}")
     print(f"span           {result.span:g} (longest rank span, first action to last)")

@@ -275,7 +275,7 @@ def candidates(
     A program already listed (interleaved-1f1b with one stage per rank is 1f1b's) is not
     listed again; ``left_out`` receives, per family with no candidate, why (its first
     refusal), or the family whose programs it repeats."""
-    from vpipe.predict.plan_auto import PLACEMENTS, auto_for_plan
+    from vpipe.predict.plan_auto import PLACEMENTS
 
     replicas = dp.replicas if dp is not None else 1
     if batch % replicas:
@@ -301,12 +301,7 @@ def candidates(
                     )
                 rows = batch_per_replica / m
                 try:
-                    if adaptive:
-                        schedule = auto_for_plan(
-                            costs, ranks, m, rows, placement, v, budget, objective
-                        )
-                    else:
-                        schedule = fam.generator(ranks, m, v)
+                    schedule = _build(costs, fam, ranks, m, rows, v, placement, budget, objective)
                     cm = costs.cost_model(schedule, rows)
                 except ScheduleError as e:
                     refusals.setdefault(v, str(e))  # the family cannot build this combination
@@ -340,6 +335,21 @@ def candidates(
                 why.append(f"the programs it can build are {' and '.join(sorted(repeats))}'s")
             left_out[fam.name] = "; ".join(filter(None, why))
     return out
+
+
+def _build(
+    costs: Any, family: Any, ranks: int, m: int, rows: float, v: int, placement: str | None,
+    budget: Budget | None, objective: str,
+) -> Schedule:  # fmt: skip
+    """One candidate's schedule: auto on ``placement`` for the plan's costs, budget and
+    objective; another cost-adapted family for the plan's costs; any other as generated."""
+    from vpipe.predict.plan_auto import adapted_for_plan, auto_for_plan
+
+    if placement is not None:
+        return auto_for_plan(costs, ranks, m, rows, placement, v, budget, objective)
+    if family.cost_adapted:
+        return adapted_for_plan(costs, family, ranks, m, rows, v)
+    return family.generator(ranks, m, v)
 
 
 def _program(schedule: Schedule) -> tuple:
@@ -419,7 +429,6 @@ def plan(
     fastest by ``objective`` first; the candidates within ``tie`` of the fastest that the
     recommended one was chosen from by the tie rule; the lookahead for the recommended one;
     why each family without a candidate has none), as ``vpipe plan --json`` prints it."""
-    from vpipe.predict.plan_auto import auto_for_plan
     from vpipe.schedules import catalogue
     from vpipe.schedules.ties import TIE_RULE
 
@@ -433,15 +442,10 @@ def plan(
     best = recommend(found, budget, tie)
     ranked = sorted(found, key=lambda c: (not c.fits, c.predicted_step_s, budget.peak(c)))
     rows = batch / (kw["dp"].replicas if kw.get("dp") else 1) / best.microbatches
-    if best.placement is not None:
-        schedule = auto_for_plan(
-            costs, ranks, best.microbatches, rows, best.placement,
-            best.stages_per_rank, budget, objective,
-        )  # fmt: skip
-    else:
-        schedule = catalogue.get(best.schedule).generator(
-            ranks, best.microbatches, best.stages_per_rank
-        )
+    schedule = _build(
+        costs, catalogue.get(best.schedule), ranks, best.microbatches, rows,
+        best.stages_per_rank, best.placement, budget, objective,
+    )  # fmt: skip
     k, steps = best_lookahead(schedule, costs.cost_model(schedule, rows), kw.get("dp"))
     lookahead = {
         "best": k,

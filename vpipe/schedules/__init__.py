@@ -9,6 +9,8 @@ by name or from a CSV file.
 
 from __future__ import annotations
 
+from typing import Any
+
 from vpipe.ir import Schedule
 from vpipe.schedules import catalogue
 from vpipe.schedules.catalogue import Generator, LiveView
@@ -25,11 +27,23 @@ def schedule_names() -> dict[str, str]:
 
 
 def make_schedule(
-    name: str, ranks: int, microbatches: int, stages_per_rank: int | None = None
+    name: str,
+    ranks: int,
+    microbatches: int,
+    stages_per_rank: int | None = None,
+    costs: Any = None,
 ) -> Schedule:
     """Generate the named schedule for ``ranks`` ranks and ``microbatches`` microbatches.
 
-    ``stages_per_rank=None`` takes the family's default. Unknown names and combinations a
+    ``stages_per_rank=None`` takes the family's default. ``costs``: a cost model
+    (:class:`vpipe.sim.CostModel`, per stage or per rank's share as the simulator reads it)
+    that the cost-adapted families (``auto``, ``v-half``, ``v-min``) schedule for; the others
+    do not depend on costs, and None means unit costs. Unknown names and combinations a
     family cannot run raise :class:`ScheduleError` saying what would work.
     """
-    return catalogue.get(name).generator(ranks, microbatches, stages_per_rank)
+    family = catalogue.get(name)
+    if costs is None or not family.cost_adapted:
+        return family.generator(ranks, microbatches, stages_per_rank)
+    if hasattr(costs, "for_schedule"):  # per rank's share: each of V stages gets 1/V
+        costs = costs.for_schedule(stages_per_rank or family.stages_per_rank)
+    return family.generator(ranks, microbatches, stages_per_rank, costs=costs)

@@ -1,8 +1,9 @@
 """The cost-adaptive scheduler behind ``auto``: :func:`~vpipe.schedules.listsched.list_schedule`
 under several priority rules, warm-ups and memory caps, keeping the best programs.
 
-The search runs the rules most likely to win first (every rule at the full limit, then with
-cost-derived warm-ups, then under lower caps) and stops when its work budget (actions
+The search runs the configurations most likely to win first (the rules that won most often on
+the zero-bubble paper's costs and on unit costs, each with its cost-derived warm-ups, at the full
+limit; then the other rules; then lower caps) and stops when its work budget (actions
 scheduled, so the time it takes grows with the pipeline's size, not the grid's) is spent.
 """
 
@@ -23,7 +24,8 @@ __all__ = ["MemoryModel", "Found", "make_problem", "search"]
 WORK_BUDGET = 150_000
 _LOWER_CAPS = 4
 _MIN_RUNS = 2  # configurations tried whatever the budget
-_EXTRAS = (None, -1, 0, 1, 2)
+_EXTRAS = (None, 0, -1, 1, 2)
+_OVERRUNS = (0.0, 0.5)  # how far a W may run past the next input's arrival, in W's
 
 
 @dataclass(frozen=True)
@@ -70,7 +72,8 @@ class Found:
         warm = "none" if self.extra is None else f"{self.extra:+d}"
         return (
             f"list rule {'I' if r.backward_first else 'F'}-first guard {r.guard:g} "
-            f"w-blind {int(r.w_blind)} depth {int(r.depth)} warm-up {warm} cap {self.cap:g}"
+            f"w-blind {int(r.w_blind)} depth {int(r.depth)} w-over {r.w_over:g} warm-up {warm} "
+            f"cap {self.cap:g}"
         )
 
 
@@ -112,20 +115,22 @@ def _tapered(in_flight: list[int], extra: int, ranks_by_chain: list[int]) -> lis
 
 
 def _configs(problem: Problem) -> Iterator[tuple[Rule, int | None, float]]:
-    multi = problem.n_stages > problem.n_ranks
-    rules = [
-        Rule(bf, guard, blind, depth)
-        for bf, blind, guard, depth in itertools.product(
-            (True, False), (True, False), (0.0, 0.5, 1.0), (True, False) if multi else (True,)
-        )
-    ]
+    """Every (rule, warm-up extra, cap) the search tries, the likeliest winners first: at the
+    full limit, rules that run W's blind before those that wait, the deepest forward first
+    before the oldest, smaller guards first, each with every warm-up (none, then the estimate,
+    then one less and more) and I-first then F-first; then the lower caps without warm-ups
+    (the cap already bounds them)."""
+    depths = (True, False) if problem.n_stages > problem.n_ranks else (True,)
+    kinds = list(itertools.product((True, False), depths, (0.0, 0.5, 1.0)))
     caps = _caps(problem)
-    for k, cap in enumerate(caps):
+    for blind, depth, guard in kinds:
         for extra in _EXTRAS:
-            if extra is not None and k > 0 and cap < problem.limit:
-                continue  # warm-ups under lower caps add little: the cap already bounds them
-            for rule in rules:
-                yield rule, extra, cap
+            for first, over in itertools.product((True, False), _OVERRUNS):
+                yield Rule(first, guard, blind, depth, over), extra, caps[0]
+    for cap in caps[1:]:
+        for blind, depth, guard in kinds:
+            for first, over in itertools.product((True, False), _OVERRUNS):
+                yield Rule(first, guard, blind, depth, over), None, cap
 
 
 def search(problem: Problem, objective: str, budget: int = WORK_BUDGET) -> Found:

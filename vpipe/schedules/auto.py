@@ -11,7 +11,8 @@ and the fixed families of the same placement as they are; it keeps the best by t
 from __future__ import annotations
 
 import math
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
+from functools import partial
 from typing import Protocol
 
 from vpipe.errors import ScheduleError
@@ -27,7 +28,17 @@ from vpipe.schedules.simple import one_f_one_b
 from vpipe.schedules.squeeze import squeeze
 from vpipe.schedules.v import zbv
 
-__all__ = ["PLACEMENTS", "MemoryModel", "StageCosts", "adapted", "auto", "auto_schedule"]
+__all__ = [
+    "FAMILY_MEMORY",
+    "PLACEMENTS",
+    "UNIT_COSTS",
+    "MemoryModel",
+    "StageCosts",
+    "adapted",
+    "auto",
+    "auto_schedule",
+    "catalogue_adapted",
+]
 
 PLACEMENTS = ("loop", "v", "interleaved")
 # actions the building-block candidates may fill in all (skipped above: the list scheduler
@@ -55,6 +66,19 @@ class StageCosts(Protocol):
     def stage_times(self, n_stages: int) -> tuple[Sequence[float], ...]: ...
 
     def boundary_costs(self, n_stages: int) -> Sequence[float]: ...
+
+
+class _UnitCosts:
+    """f = b = w = 1 on every stage, free messages."""
+
+    def stage_times(self, n_stages: int) -> tuple[list[float], ...]:
+        return [1.0] * n_stages, [1.0] * n_stages, [1.0] * n_stages
+
+    def boundary_costs(self, n_stages: int) -> list[float]:
+        return [0.0] * max(n_stages - 1, 0)
+
+
+UNIT_COSTS = _UnitCosts()
 
 
 def _blocks(placement: str, ranks: int, period: int) -> list[Block]:
@@ -94,6 +118,7 @@ def auto_schedule(
     time_limit: float = 60.0,
     workers: int = 2,
     fixed_families: bool = True,
+    name: str = "auto",
 ) -> Schedule:
     """The best schedule under ``costs`` whose every rank's activation memory stays within
     ``memory_limit``, by ``objective`` (``"makespan"`` or ``"span"``, see
@@ -121,7 +146,6 @@ def auto_schedule(
     bound and gap. ``fixed_families=False`` leaves the fixed families out (a caller that
     weighs them itself, as a cluster plan does).
     """
-    name = "auto"
     p, m = check_counts(name, ranks, microbatches)
     objective = check_objective(objective)
     if placement not in PLACEMENTS:
@@ -160,11 +184,9 @@ def auto_schedule(
             if placement == "v":
                 cands += _squeezed(place, m, cap, times)
         fixed = [g(p, m) for g in _FIXED[placement]] if fixed_families else []
-    elif not fixed_families:
-        fixed = []
     else:
         fixed = []
-        for g in (interleaved_1f1b, zb_h1):
+        for g in (interleaved_1f1b, zb_h1) if fixed_families else ():
             try:
                 fixed.append(g(p, m, spr))
             except ScheduleError:
@@ -245,6 +267,13 @@ def _squeezed(
     return out
 
 
+# Memory of the controllable-memory families in 1F1B stage-activations (strict count) for P
+# ranks: half and a third of 1F1B's, as the controllable-memory paper's V-Half and V-Min hold
+# them (P+2 or P+1 and 2*floor((P+4)/3) V stages).
+FAMILY_MEMORY = {"v-half": lambda p: float((p + 2) // 2), "v-min": lambda p: float((p + 4) // 3)}
+_V = "V placement: rank r holds stages r and 2P-1-r"
+
+
 def adapted(
     family: str,
     ranks: int,
@@ -252,39 +281,52 @@ def adapted(
     costs: StageCosts,
     objective: str = "span",
     search_budget: int = WORK_BUDGET,
+    stages_per_rank: int | None = None,
 ) -> Schedule:
-    """``"v-half"`` or ``"v-min"`` adapted to ``costs``: :func:`auto_schedule` on the V
-    placement at the family's memory ((P+2)/2 and floor((P+4)/3) 1F1B stages), whose
-    candidates include the family's squeezed pattern with W's placed in its free slots or by
-    the costs, so it is never worse than the family at its own memory."""
-    limits = {"v-half": (ranks + 2) / 2, "v-min": float((ranks + 4) // 3)}
-    if family not in limits:
+    """``"v-half"`` or ``"v-min"`` adapted to ``costs`` (per stage), named so:
+    :func:`auto_schedule` on the V placement at the family's memory
+    (:data:`FAMILY_MEMORY`), whose candidates include the family's block-built and squeezed
+    patterns with W's placed in their free slots or by the costs, so it is never worse than
+    the block-built family (which for V-Half at odd P holds half a 1F1B stage more, P+2 V
+    stages, and is then left out)."""
+    if family not in FAMILY_MEMORY:
         raise ScheduleError(f"adapted: family must be 'v-half' or 'v-min', got {family!r}")
+    p, m = check_counts(family, ranks, microbatches)
+    resolve_stages_per_rank(family, stages_per_rank, default=2, fixed=_V)
     return auto_schedule(
-        ranks, microbatches, costs, limits[family], "v", objective=objective,
-        search_budget=search_budget,
+        p, m, costs, FAMILY_MEMORY[family](p), "v", objective=objective,
+        search_budget=search_budget, name=family,
     )  # fmt: skip
 
 
-def auto(ranks: int, microbatches: int, stages_per_rank: int | None = None) -> Schedule:
-    """The catalogue's ``auto`` row: :func:`auto_schedule` on the V placement with unit costs
-    (f = b = w = 1, no communication) and a memory limit of 2P 1F1B stage-activations (twice
-    1F1B's peak). Shape, memory and bubble are those of the candidate it picks; with this
-    generous limit it is never slower than ZB-V at unit costs.
+def catalogue_adapted(family: str) -> Callable[..., Schedule]:
+    """The catalogue's generator of ``family`` (``"v-half"`` or ``"v-min"``):
+    ``generate(ranks, microbatches, stages_per_rank=None, costs=UNIT_COSTS)`` is
+    :func:`adapted` to ``costs`` (per stage; default f = b = w = 1, free messages), objective
+    span, at the family's memory (:data:`FAMILY_MEMORY`), with the catalogue's search budget.
+    Constraints: exactly 2 stages per rank; any P >= 1, any M >= 1."""
+    if family not in FAMILY_MEMORY:
+        raise ScheduleError(f"adapted: family must be 'v-half' or 'v-min', got {family!r}")
+    return partial(_adapted_for_catalogue, family)
+
+
+def _adapted_for_catalogue(
+    family: str, ranks: int, microbatches: int, stages_per_rank: int | None = None,
+    costs: StageCosts = UNIT_COSTS,
+) -> Schedule:  # fmt: skip
+    return adapted(family, ranks, microbatches, costs, "span", CATALOGUE_BUDGET, stages_per_rank)
+
+
+def auto(
+    ranks: int, microbatches: int, stages_per_rank: int | None = None,
+    costs: StageCosts = UNIT_COSTS,
+) -> Schedule:  # fmt: skip
+    """The catalogue's ``auto`` row: :func:`auto_schedule` on the V placement for ``costs``
+    (per stage; default f = b = w = 1, free messages) and a memory limit of 2P 1F1B
+    stage-activations (twice 1F1B's peak), objective makespan. Shape, memory and bubble are
+    those of the candidate it picks; with this generous limit it is never slower than ZB-V.
     Constraints: exactly 2 stages per rank; any P >= 1, any M >= 1.
     """
     p, m = check_counts("auto", ranks, microbatches)
-    resolve_stages_per_rank(
-        "auto", stages_per_rank, default=2, fixed="V placement: rank r holds stages r and 2P-1-r"
-    )
-    return auto_schedule(p, m, _UnitCosts(), 2 * p, search_budget=CATALOGUE_BUDGET)
-
-
-class _UnitCosts:
-    """f = b = w = 1 on every stage, free messages."""
-
-    def stage_times(self, n_stages: int) -> tuple[list[float], ...]:
-        return [1.0] * n_stages, [1.0] * n_stages, [1.0] * n_stages
-
-    def boundary_costs(self, n_stages: int) -> list[float]:
-        return [0.0] * max(n_stages - 1, 0)
+    resolve_stages_per_rank("auto", stages_per_rank, default=2, fixed=_V)
+    return auto_schedule(p, m, costs, 2 * p, search_budget=CATALOGUE_BUDGET)

@@ -16,8 +16,8 @@ from typing import Generic, TypeVar
 
 from vpipe.errors import ScheduleError
 from vpipe.ir import Schedule
-from vpipe.schedules.auto import auto
-from vpipe.schedules.controllable import v_half, v_min, zb_h2
+from vpipe.schedules.auto import auto, catalogue_adapted
+from vpipe.schedules.controllable import zb_h2
 from vpipe.schedules.interleaved import interleaved_1f1b, looped_bfs, zb_h1
 from vpipe.schedules.simple import gpipe, one_f_one_b
 from vpipe.schedules.v import dualpipev, zbv
@@ -46,7 +46,9 @@ class Family:
     ``stages_per_rank`` is the generator's default; ``torch_class`` names the
     torch.distributed.pipelining class running the same schedule (None: vpipe only), and
     ``torch_multi`` says that class takes a list of stages. ``order`` places the family in
-    listings, tables and plots (lower first).
+    listings, tables and plots (lower first). ``cost_adapted``: the generator also takes
+    ``costs=`` (per-stage costs, see :class:`vpipe.schedules.auto.StageCosts`) and schedules
+    for them; without them it schedules for unit costs (:func:`vpipe.schedules.make_schedule`).
     """
 
     name: str
@@ -61,6 +63,7 @@ class Family:
     default_sweep: bool = False
     quick_sweep: bool = False
     aliases: tuple[str, ...] = ()
+    cost_adapted: bool = False
 
     def spellings(self) -> tuple[str, ...]:
         """Every name that means this family, case-insensitively: its own, its aliases, and
@@ -270,19 +273,23 @@ for _family in (
     ),
     Family(
         "v-half",
-        v_half,
-        "controllable memory V-Half: half of 1F1B's activation memory, I/W split; 2 stages/rank",
+        catalogue_adapted("v-half"),
+        "controllable memory V-Half: the best schedule auto finds for the costs (unit costs by "
+        "default) within V-Half's memory, floor((P+2)/2) 1F1B stages; I/W split; 2 stages/rank",
         placement="v",
         stages_per_rank=2,
         order=62,
+        cost_adapted=True,
     ),
     Family(
         "v-min",
-        v_min,
-        "controllable memory V-Min: a third of 1F1B's activation memory, I/W split; 2 stages/rank",
+        catalogue_adapted("v-min"),
+        "controllable memory V-Min: the best schedule auto finds for the costs (unit costs by "
+        "default) within V-Min's memory, floor((P+4)/3) 1F1B stages; I/W split; 2 stages/rank",
         placement="v",
         stages_per_rank=2,
         order=64,
+        cost_adapted=True,
     ),
     Family(
         "dualpipev",
@@ -299,10 +306,11 @@ for _family in (
         "auto",
         auto,
         "best schedule for a cost model and memory limit: list scheduler, blocks, families "
-        "(here unit costs, limit 2x 1F1B's); 2 stages/rank",
+        "(for the costs, unit costs by default; limit 2x 1F1B's); 2 stages/rank",
         placement="v",
         stages_per_rank=2,
         order=90,
+        cost_adapted=True,
     ),
 ):
     register(_family)

@@ -45,6 +45,7 @@ class Rule:
     guard: float = 0.0
     w_blind: bool = True
     depth: bool = True
+    w_over: float = 0.0
 
 
 def list_schedule(
@@ -102,6 +103,7 @@ def list_schedule(
         t = max(t, busy[r])
         ready_i = ready_f = None
         next_at = None  # earliest known future arrival of a next F or I
+        urgent = None  # the same, leaving out stage 0's I's (no other rank waits on them)
         held = False
         for s in stages[r]:
             m = ni[s]
@@ -111,8 +113,11 @@ def list_schedule(
                     if at <= t + _EPS:
                         if ready_i is None or (m, s) < ready_i:
                             ready_i = (m, s)
-                    elif next_at is None or at < next_at:
-                        next_at = at
+                    else:
+                        if next_at is None or at < next_at:
+                            next_at = at
+                        if s > 0 and (urgent is None or at < urgent):
+                            urgent = at
             m = nf[s]
             if m < m_count:
                 at = 0.0 if s == 0 else arrive.get((0, s, m))
@@ -125,8 +130,11 @@ def list_schedule(
                     key = (-s, m) if rule.depth else (m, -s)
                     if ready_f is None or key < ready_f[0]:
                         ready_f = (key, s)
-                elif next_at is None or at < next_at:
-                    next_at = at
+                else:
+                    if next_at is None or at < next_at:
+                        next_at = at
+                    if urgent is None or at < urgent:
+                        urgent = at
         action = None
         if ready_i is not None and rule.backward_first:
             action = I(ready_i[1], ready_i[0])
@@ -142,8 +150,8 @@ def list_schedule(
             ws = owed[r][0][0]
             if (
                 held
-                or (next_at is None and rule.w_blind)
-                or (next_at is not None and t + w[ws] <= next_at + _EPS)
+                or (urgent is None and rule.w_blind)
+                or (urgent is not None and t + w[ws] * (1 - rule.w_over) <= urgent + _EPS)
             ):
                 s, m = owed[r].popleft()
                 action = W(s, m)

@@ -9,6 +9,7 @@ option at fault, since the CLI is the caller.
 from __future__ import annotations
 
 from pathlib import Path
+from typing import Any
 
 from vpipe.errors import ScheduleError
 from vpipe.ir import Schedule
@@ -45,8 +46,11 @@ def load_schedule(
     ranks: int | None = None,
     microbatches: int | None = None,
     stages_per_rank: int | None = None,
+    costs: Any = None,
 ) -> Schedule:
-    """A built-in schedule by name, or a CSV file (validated, compared with the given sizes)."""
+    """A built-in schedule by name (the cost-adapted ones scheduled for ``costs``, see
+    :func:`vpipe.schedules.make_schedule`), or a CSV file (validated, compared with the given
+    sizes)."""
     if is_csv_source(source):
         if stages_per_rank is not None:
             raise ScheduleError(f"{source}: --stages-per-rank applies to built-in schedules only")
@@ -58,14 +62,19 @@ def load_schedule(
             )
         validate_file(source, schedule)
         return schedule
-    return make_named(source, ranks, microbatches, stages_per_rank)
+    return make_named(source, ranks, microbatches, stages_per_rank, costs)
 
 
 def make_named(
-    name: str, ranks: int | None, microbatches: int | None, stages_per_rank: int | None
+    name: str,
+    ranks: int | None,
+    microbatches: int | None,
+    stages_per_rank: int | None,
+    costs: Any = None,
 ) -> Schedule:
-    """The catalogue's schedule ``name``, refusing missing sizes and sizes too large to
-    simulate in reasonable time (see MAX_STAGE_MICROBATCHES)."""
+    """The catalogue's schedule ``name`` (for ``costs``, if it adapts to them), refusing
+    missing sizes and sizes too large to simulate in reasonable time (see
+    MAX_STAGE_MICROBATCHES)."""
     name = catalogue.canonical(name)
     names = catalogue.names()
     if name not in names:
@@ -81,7 +90,7 @@ def make_named(
             f"{name} with {ranks} ranks and {microbatches} microbatches is too large for the "
             f"CLI (ranks * stages per rank * microbatches = {size} > {MAX_STAGE_MICROBATCHES})"
         )
-    return make_schedule(name, ranks, microbatches, stages_per_rank)
+    return make_schedule(name, ranks, microbatches, stages_per_rank, costs)
 
 
 def validate_file(path: str, schedule: Schedule) -> None:

@@ -54,6 +54,7 @@ def squeeze(
 class _Ctx:
     def __init__(self, placement: Mapping[int, int], ranks: int, n: int, mbs: int) -> None:
         self.place, self.ranks, self.n, self.mbs = placement, ranks, n, mbs
+        self.mine: list[list[tuple[int, int, int]]] = []  # set by compact
 
     def rank_of(self, key: tuple[int, int, int]) -> int:
         return self.place[key[1]]
@@ -85,6 +86,9 @@ class _Ctx:
     def compact(self, slot: Slots, startup: bool) -> None:
         """Squeeze the drain (and the start-up when ``startup``) of ``slot`` in place."""
         has_w = any(k[0] == _W for k in slot)
+        self.mine = [[] for _ in range(self.ranks)]  # each rank's keys, for peak
+        for key in slot:
+            self.mine[self.rank_of(key)].append(key)
         cap = max(self.peak(slot, r, has_w) for r in range(self.ranks))
         taken = [set() for _ in range(self.ranks)]
         phase = 0
@@ -126,7 +130,7 @@ class _Ctx:
     def peak(self, slot: Slots, rank: int, has_w: bool) -> int:
         """Most stage-activations ``rank`` holds in slot order; without W's, each runs in the
         first free slot after its I."""
-        events = sorted((t, k[0]) for k, t in slot.items() if self.rank_of(k) == rank)
+        events = sorted((slot[k], k[0]) for k in self.mine[rank])
         live = peak = owed = 0
         last = -1
         for t, kind in events:

@@ -37,7 +37,8 @@ def compare_rows(
 ) -> list[dict[str, Any]]:
     """One row per schedule, all for the same model and the same work (see COMPARE_NOTE); a
     schedule that cannot run at this size gets an ``error`` instead of figures. Rows carry
-    ``relative_step_time`` against REFERENCE_SCHEDULE when it is among them and runs."""
+    ``relative_step_time`` against REFERENCE_SCHEDULE when it is among them and runs. The
+    cost-adapted families (auto, v-half, v-min) are scheduled for ``costs``."""
     from vpipe.sim.cost_model import CostModelError
     from vpipe.sim.simulator import simulate
 
@@ -51,7 +52,7 @@ def compare_rows(
     for name in names:
         row: dict[str, Any] = {"schedule": name}
         try:
-            schedule = make_named(name, ranks, microbatches, stages_per_rank)
+            schedule = make_named(name, ranks, microbatches, stages_per_rank, costs)
             v = schedule.stages_per_rank
             result = simulate(schedule, costs)  # each stage 1/V of the rank's share
         except VpipeError as e:
