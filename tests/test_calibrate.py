@@ -205,3 +205,20 @@ def test_data_parallel_reductions_are_not_pipeline_costs():
         assert getattr(dp, costs).tolist() == getattr(plain, costs).tolist()
     # rank 0's uncovered time: 72 us, less the 63 us of the step end's wait
     assert plain.gap == pytest.approx((72 + 25) / 6) and dp.gap == pytest.approx((9 + 25) / 6)
+
+
+def test_a_full_backward_beside_i_and_w_keeps_its_own_cost():
+    """A run with B on a stage that also ran I and W (dualpipev's overlapped B): B costs what
+    it measured, not I + W, for the same split; the simulator uses it."""
+    from vpipe import simulate
+    from vpipe.schedules import make_schedule
+    from vpipe.sim import CostModel
+
+    sched = make_schedule("dualpipev", 2, 8)
+    per_stage = {s: {"f": 4.0, "b": 3.0, "w": 2.0, "B": 7.0} for s in range(4)}
+    ev = simulate(sched, CostModel(per_stage=per_stage)).to_events("m", sched, time_unit_ns=1000)
+    cal = calibrate(ev)
+    assert list(cal.full_b) == [7.0] * 4 and list(cal.b + cal.w) == [5.0] * 4
+    model = cal.cost_model(sched)
+    assert list(model.backward_times(4)) == [7.0] * 4
+    assert simulate(sched, model).makespan == simulate(sched, CostModel(per_stage=per_stage)).makespan

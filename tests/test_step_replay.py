@@ -34,7 +34,7 @@ def test_a_step_without_runtime_overhead_adds_nothing(name):
     cal = calibrate(ev)
     table = own_bubbles(ev, cal, sched)
     assert table["added"].abs().max() < 1e-6  # times in whole ns
-    assert abs(table["bubble"].iloc[0] - predict(cal, sched).bubble_ratio) > 0.005
+    assert abs(table["bubble"].iloc[0] - predict(cal, sched).bubble_ratio) > 1e-3  # not exact
     got = action_times(ev, cal)[0]
     assert sorted(got) == sorted(times)
     if not any(a.parts for acts in sched.actions for a in acts):

@@ -67,6 +67,8 @@ class Calibration:
     run_id: str = ""
     overlap: float = 1.0  # an overlap action's span over the sum of its parts' separate costs
     comm_handshake: float = 0.0  # added to a message whose receive is posted after its send
+    # a full backward's own time per stage where the run has B beside I and W (NaN elsewhere)
+    full_b: np.ndarray | None = None
 
     @property
     def n_stages(self) -> int:
@@ -86,6 +88,9 @@ class Calibration:
             w[0] = total[0]  # the first stage computes no input gradient: all of it is W
             b = total - w
         per_stage = {s: {"f": f[s], "b": b[s], "w": w[s]} for s in range(n_stages)}
+        if n_stages == self.n_stages and self.full_b is not None:  # same split: B as measured
+            for s in np.flatnonzero(np.isfinite(self.full_b)):
+                per_stage[int(s)]["B"] = float(self.full_b[s])
         return CostModel(
             comm_latency=self.comm_latency,
             comm_handshake=self.comm_handshake,
@@ -108,6 +113,8 @@ class Calibration:
             "f_us": self.f.round(1).tolist(),
             "i_us": self.b.round(1).tolist(),
             "w_us": self.w.round(1).tolist(),
+            **({"b_full_us": [None if np.isnan(x) else round(float(x), 1) for x in self.full_b]}
+               if self.full_b is not None else {}),  # fmt: skip
             "post_us": round(self.post, 1),
             "gap_us": round(self.gap, 1),
             "comm_latency_us": round(self.comm_latency, 1),
@@ -153,6 +160,7 @@ def calibrate(events: pd.DataFrame, *, w_share: float = 0.5, stat: str = "median
     med = dur_us[plain & kind.isin(COMPUTE_KINDS)].groupby([ev["stage"], kind]).agg(stat)
     n_stages = int(ev.loc[kind.isin(COMPUTE_KINDS), "stage"].max()) + 1
     f, b, w = np.zeros(n_stages), np.zeros(n_stages), np.zeros(n_stages)
+    full_b = np.full(n_stages, np.nan)
     measured_iw = True
     for s in range(n_stages):
         get = lambda k, s=s: med.get((s, k), np.nan)  # noqa: E731
@@ -161,6 +169,7 @@ def calibrate(events: pd.DataFrame, *, w_share: float = 0.5, stat: str = "median
         f[s] = get("F")
         if not np.isnan(get("I")) and not np.isnan(get("W")):
             b[s], w[s] = get("I"), get("W")
+            full_b[s] = get("B")  # a B beside I and W costs what it measured
         elif not np.isnan(get("B")):
             share = 1.0 if s == 0 else w_share  # stage 0: no input gradient to compute
             b[s], w[s] = get("B") * (1 - share), get("B") * share
@@ -184,6 +193,7 @@ def calibrate(events: pd.DataFrame, *, w_share: float = 0.5, stat: str = "median
         str(ev["run_id"].iloc[0]) if len(ev) else "",
         _overlap_factor(ev, dur_us, kind, f, b, w),
         handshake,
+        full_b if np.isfinite(full_b).any() else None,
     )
 
 

@@ -51,7 +51,8 @@ class CostModel:
 
     ``f``: forward; ``b``: input gradient (I); ``w``: weight gradient (W); a full backward B
     costs ``b + w`` and an overlap action the sum of its parts. ``per_stage`` overrides them
-    per stage: ``{stage: {"f": 2.0, "w": 0.5}}``. A message over the boundary between stages
+    per stage: ``{stage: {"f": 2.0, "w": 0.5}}``, and its key ``"B"`` gives a stage's full
+    backward its own time (a run can measure B beside I and W: one pass is not their sum). A message over the boundary between stages
     s and s+1 (either direction) costs ``comm_latency + comm_bytes[s] / comm_bandwidth``, and
     ``comm_handshake`` more when its RECV is posted after its SEND (a rendezvous transport;
     :class:`vpipe.ir.engine.LinkModel`).
@@ -100,9 +101,9 @@ class CostModel:
             raise CostModelError(f"comm_bandwidth must be a positive number, got {bw!r}")
         for stage, over in (self.per_stage or {}).items():
             for key, value in over.items():
-                if key not in ("f", "b", "w"):
+                if key not in ("f", "b", "w", "B"):
                     raise CostModelError(
-                        f"per_stage[{stage}] has unknown key {key!r}: use 'f', 'b' or 'w'"
+                        f"per_stage[{stage}] has unknown key {key!r}: use 'f', 'b', 'w' or 'B'"
                     )
                 _non_negative(f"per_stage[{stage}][{key!r}]", value)
 
@@ -173,6 +174,15 @@ class CostModel:
                 if k in over:
                     out[j][stage] = float(over[k])
         return out[0], out[1], out[2]
+
+    def backward_times(self, n_stages: int) -> np.ndarray:
+        """A full backward's time per stage: ``b + w``, or the stage's ``per_stage`` "B"."""
+        _, b, w = self.stage_times(n_stages)
+        out = b + w
+        for stage, over in (self.per_stage or {}).items():
+            if "B" in over:
+                out[stage] = float(over["B"])
+        return out
 
     def links(self, n_stages: int) -> LinkModel:
         """The link model of a schedule with ``n_stages`` stages."""

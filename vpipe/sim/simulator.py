@@ -262,7 +262,7 @@ def simulate(
     prog = compile_program(fl, None if plan is None else (plan.e, plan.recv_op))
     S = schedule.n_stages
     f, b, w = costs.stage_times(S)
-    part_dur = np.concatenate([f, b + w, b, w])[fl.p_kind * S + fl.p_stage]
+    part_dur = np.concatenate([f, costs.backward_times(S), b, w])[fl.p_kind * S + fl.p_stage]
     if costs.overlap != 1.0 and len(fl.p_op) > len(fl.o_rank):  # parts of overlap actions
         in_compound = np.bincount(fl.p_op, minlength=len(fl.o_rank))[fl.p_op] > 1
         part_dur = np.where(in_compound, part_dur * costs.overlap, part_dur)
