@@ -184,13 +184,35 @@ def _within_draws(block: Block, normalise: bool, rng: np.random.Generator) -> np
     return out
 
 
+def median_variance(values: np.ndarray) -> float:
+    """The variance of the log of the median of ``values`` from their robust spread: (1.2533
+    x sd)^2 / n, sd = 1.4826 x the median absolute deviation of their logs (normal errors)."""
+    logs = np.log(values)
+    sd = 1.4826 * float(np.median(np.abs(logs - np.median(logs))))
+    return (1.2533 * sd) ** 2 / max(logs.size, 1)
+
+
 def _sampling_variances(
     blocks: Sequence[Block], normalise: bool, rng: np.random.Generator
 ) -> tuple[np.ndarray, np.ndarray]:
     """Each block's bootstrap draws (blocks x RESAMPLES) and the variance of its log figure
-    from its own steps: the sampling noise of a median of that many steps."""
+    from its own steps: the sampling noise of a median of that many steps, never below what
+    the steps' robust spread says (:func:`median_variance`; a bootstrap of a few steps has
+    few distinct outcomes and understates it)."""
     draws = np.stack([_within_draws(b, normalise, rng) for b in blocks])
-    return draws, draws.var(axis=1)
+    floors = [
+        median_variance(b.steps)
+        + (median_variance(b.refs) if normalise and b.refs is not None else 0.0)
+        for b in blocks
+    ]
+    return draws, np.maximum(draws.var(axis=1), floors)
+
+
+def block_variances(blocks: Sequence[Block], normalise: bool) -> np.ndarray:
+    """Each block's sampling variance of its log figure (:func:`_sampling_variances`)."""
+    if not blocks:
+        return np.zeros(0)
+    return _sampling_variances(blocks, normalise, np.random.default_rng(SEED))[1]
 
 
 def cross_ratio(
