@@ -249,8 +249,9 @@ def _finish(sides: dict[str, SideProcess]) -> list[str]:
 
 
 def session_record(session: Session, versions: dict[str, Version], args: list[str]) -> str:
-    """``session.json``: the versions, the sweep options, the launch order with each launch's
-    wall time, and why the session stopped."""
+    """``session.json``: the versions, the sweep options, the sides' ready messages, every
+    launch's message (steps, reference times, host rounds) in the order they ran, and why the
+    session stopped: enough to compute the report again."""
     return json.dumps(
         {
             "versions": {
@@ -258,7 +259,8 @@ def session_record(session: Session, versions: dict[str, Version], args: list[st
                 for k, v in versions.items()
             },
             "bench_args": args,
-            "launches": [{"side": k, "wall_s": m.get("wall_s")} for k, m in session.launches],
+            "ready": session.ready,
+            "launches": [{"side": k, **m} for k, m in session.launches],
             "stopped": session.stopped,
             "wall_s": round(session.wall_s, 1),
         },

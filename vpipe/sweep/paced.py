@@ -65,12 +65,16 @@ def serve(spec: SweepSpec, out: str | Path, commands: IO[str] | None = None) -> 
     ``out``; see the module's doc. Returns the exit status."""
     from vpipe.errors import VpipeError, one_line
     from vpipe.outputs import check_output_dir
-    from vpipe.sweep.driver import new_run_id, run_sweep, sweep_reference_shape
+    from vpipe.runtime import launch
+    from vpipe.sweep.driver import BenchError, new_run_id, run_sweep, sweep_reference_shape
 
     commands = commands or sys.stdin
     target = check_output_dir(out, append=False, force=True)
     once = replace(spec, blocks=1, profile=False, progress=False)
     bench_id = new_run_id()
+    if launch.in_torchrun():
+        raise BenchError("--paced launches its own ranks: run it without torchrun")
+    launch.fork_server(start=True)
     reply(
         {
             "ready": True,
