@@ -24,8 +24,10 @@ from vpipe.report.crossrun_table import (
     choose_normalisation,
     config_blocks,
     cross_cells,
+    device_summary,
     headline,
     host_summary,
+    host_unknown,
     run_to_run_sd,
 )
 from vpipe.report.document import (
@@ -43,6 +45,7 @@ from vpipe.report.document import (
 from vpipe.report.knobs import knob_differences, knob_text
 from vpipe.report.plots import schedule_order
 from vpipe.stats import CONFIDENCE, OUTLIER_FACTOR, RESAMPLES, SEED, Ratio
+from vpipe.trace.device_state import judge_devices
 from vpipe.trace.host_state import judge_hosts
 
 
@@ -136,10 +139,19 @@ class CrossModel:
     spread: RunToRun
 
 
+def on_gpu(sweeps: Sequence[Sweep]) -> bool:
+    """Whether every sweep ran on GPUs (its step times are the device's)."""
+    return all(setting(s.runs, "device") == "cuda" for s in sweeps)
+
+
 def cross_model(sweeps: Sequence[Sweep]) -> CrossModel:
-    """The :class:`CrossModel` of ``sweeps`` (the first is the base)."""
+    """The :class:`CrossModel` of ``sweeps`` (the first is the base). On GPUs the figures are
+    raw (the device's time by CUDA events), and the device's reference and state judge it."""
     notes = frozenset(n for s in sweeps[1:] if (n := normalisation_note(sweeps[0], s)))
     steps = [s.steps for s in sweeps]
+    if on_gpu(sweeps):
+        why = "raw GPU step times (CUDA events); the device reference and NVML state judge the device"
+        return CrossModel(notes, False, why, run_to_run_sd(steps, False))
     normalise, why = choose_normalisation(steps, not notes)
     return CrossModel(notes, normalise, why, run_to_run_sd(steps, normalise))
 
@@ -165,7 +177,15 @@ def comparison_table(sweeps: Sequence[Sweep], model: CrossModel | None = None) -
         r = run.runs.set_index(CONFIG)
         comparable = not setup_differences(base, run)
         timed = base.steps is not None and run.steps is not None
-        hosts = judge_hosts(host_summary(base.host, base.steps), host_summary(run.host, run.steps))
+        if on_gpu([base, run]):  # the device decides; the CPU's state only describes the host
+            summaries = device_summary(base.host), device_summary(run.host)
+            hosts = judge_devices(*summaries)
+            lacking = [s.label for s, h in zip((base, run), summaries, strict=True) if not h]
+            unknown = f"no device state recorded for {' and '.join(lacking)}" if lacking else ""
+        else:
+            summaries = host_summary(base.host, base.steps), host_summary(run.host, run.steps)
+            hosts = judge_hosts(*summaries)
+            unknown = host_unknown(*summaries, (base.label, run.label))
         shared = b.index.intersection(r.index)
         for idx in shared:
             x, y = b.loc[idx], r.loc[idx]
@@ -179,17 +199,26 @@ def comparison_table(sweeps: Sequence[Sweep], model: CrossModel | None = None) -
                     host_differences=hosts,
                     rounds=int(run.meta_value("rounds", 3)),
                     configs=len(shared),
+                    host_unknown=unknown,
+                    ab_hint=ab_hint(base, run),
                 )
                 cells.pop("_ratio")
-                cells["host"] = "; ".join(hosts) if cells["verdict"] == "host differed" else ""
+                if cells["verdict"] == "host differed" and on_gpu([base, run]):
+                    cells["verdict"] = "device differed"
+                cells["host"] = "; ".join(hosts) if cells["verdict"].endswith("differed") else unknown
             else:  # the runs tables' medians
                 ratio = Ratio(x.step_time_s / y.step_time_s, nan, nan, 0, 0)
                 cells = ratio_cells(label, ratio, "faster", "slower")
                 cells["steps"] = cells.pop("pairs")
             if not timed:
                 cells.update({"verdict": "no interval: runs table only", OUTLIERS: "", "steps": ""})
+                cells["to settle"] = (
+                    f"compare vpipe bench output directories (their steps.parquet), or "
+                    f"{ab_hint(base, run)}"
+                )
             if not comparable:
                 cells["verdict"] = "not comparable: setup differs"
+                cells["to settle"] = "nothing: the ratio measures the setup (see the header)"
             rows.append(
                 {
                     "schedule": idx[0],
@@ -210,6 +239,22 @@ def comparison_table(sweeps: Sequence[Sweep], model: CrossModel | None = None) -
     order = {x: i for i, x in enumerate(schedule_order(df["schedule"].unique()))}
     df = df.assign(_o=df["schedule"].map(order)).sort_values(["run", "M", "impl", "_o"])
     return df.drop(columns="_o").reset_index(drop=True)
+
+
+def ab_hint(base: Sweep, run: Sweep) -> str:
+    """The ``vpipe ab`` command that compares two sweeps' versions in the same stretch of time
+    (their commits where recorded)."""
+    a, b = (setting(s.runs, "commit") or "A" for s in (base, run))
+    return f"vpipe ab {a} {b} [same options]"
+
+
+def steps_per_config(steps: pd.DataFrame | None) -> str:
+    """A sweep's timed steps per config (all blocks), as the comparison table counts them."""
+    if steps is None:
+        return "none: runs table only"
+    n = steps.groupby(["schedule", "microbatches", "impl"], observed=True).size()
+    low, high = int(n.min()), int(n.max())
+    return f"{low}" if low == high else f"{low}-{high}"
 
 
 def _delay(sweep: Sweep) -> str:
@@ -340,7 +385,7 @@ def comparison_report(paths: Sequence[str | Path]) -> tuple[str, str]:
                 "configs": len(s.runs),
                 "bench_id": s.runs["bench_id"].iloc[0] if "bench_id" in s.runs.columns else "",
                 **{col: setting(s.runs, col) or "" for col in SETUP},
-                "timed steps": "none: runs table only" if s.steps is None else len(s.steps),
+                "timed steps per config": steps_per_config(s.steps),
                 "runtime knobs": knob_text(s.meta),
             }
             for s in sweeps

@@ -18,6 +18,7 @@ import pandas as pd
 
 from vpipe.report.crossrun import (
     LAUNCH_SD,
+    MIN_STEPS,
     RUN_SD,
     Block,
     CrossRatio,
@@ -34,6 +35,7 @@ from vpipe.report.crossrun import (
 from vpipe.trace.host_state import summarise
 
 DECIDED = ("faster", "slower")
+ANSWERS = (*DECIDED, "within noise")
 
 
 def config_blocks(steps: pd.DataFrame, schedule: str, m: int, impl: str) -> list[Block]:
@@ -106,6 +108,29 @@ def choose_normalisation(steps: Sequence[pd.DataFrame | None], available: bool) 
     return True, "normalised by the host-speed reference"
 
 
+def host_unknown(
+    base: dict[str, Any], run: dict[str, Any], labels: tuple[str, str]
+) -> str:
+    """Why two sweeps' hosts cannot be judged, in words: a sweep that recorded neither its
+    host's state nor a reference timing (older sweeps); empty when both did."""
+    lacking = [
+        label
+        for label, h in zip(labels, (base, run), strict=True)
+        if h.get("ref_s") is None or all(h.get(k) is None for k in ("other_cores", "load1"))
+    ]
+    if not lacking:
+        return ""
+    return f"no host state recorded for {' and '.join(lacking)}"
+
+
+def device_summary(host: pd.DataFrame | None) -> dict[str, Any]:
+    """A GPU sweep's device state (:func:`vpipe.trace.device_state.summarise`); empty for a
+    CPU sweep or one from before vpipe read it."""
+    from vpipe.trace.device_state import summarise as summarise_device
+
+    return summarise_device(host.to_dict("records") if host is not None and len(host) else [])
+
+
 def host_summary(host: pd.DataFrame | None, steps: pd.DataFrame | None) -> dict[str, Any]:
     """A sweep's host state (:func:`vpipe.trace.host_state.summarise`); the reference time from its
     steps when the host table lacks it; every figure None for an older sweep."""
@@ -127,11 +152,15 @@ def cross_cells(
     host_differences: Sequence[str],
     rounds: int,
     configs: int = 1,
+    host_unknown: str = "",
+    ab_hint: str = "vpipe ab A B",
 ) -> dict[str, Any]:
     """A config's cells: the ratio the verdict uses (normalised when both sides can be) with
-    its interval, the raw ratio, the verdict and, when inconclusive, the rounds per block
-    that would settle it. ``configs``: how many configs the comparison holds, for
-    :func:`vpipe.report.crossrun.family_confidence`."""
+    its interval, the raw ratio, the verdict and, for a verdict that is no answer, what would
+    give one. ``configs``: how many configs the comparison holds, for
+    :func:`vpipe.report.crossrun.family_confidence`. ``host_unknown``: why the hosts cannot be
+    judged (a sweep that recorded no host state or reference): then the verdict is never
+    faster, slower or within noise. ``ab_hint``: the ``vpipe ab`` command for these runs."""
     use = normalise and normalisable(base) and normalisable(run)
     model = {
         "launch_sd": spread.sd,
@@ -143,32 +172,44 @@ def cross_cells(
     raw = r if not use else cross_ratio(base, run, normalise=False, **model)
     threshold = noise_threshold(r.noise_sd)
     word = verdict(r, threshold, host_differences)
+    if host_unknown and word in ANSWERS:
+        word = "inconclusive"
+    if word in ANSWERS:
+        settle = ""
+    elif host_unknown:
+        settle = f"{ab_hint} ({host_unknown}: runs made apart cannot be judged)"
+    elif word == "host differed":
+        settle = f"{ab_hint} (the same stretch of time for both)"
+    elif not r.has_interval:
+        settle = f"at least {MIN_STEPS} timed steps per config (vpipe bench --rounds N)"
+    else:
+        settle = _settle(r, threshold, rounds, ab_hint)
     return {
         label: _fmt(r.value),
         "95% CI": r.interval_text(),
         "verdict": word,
-        "to settle": _settle(r, threshold, rounds) if word == "inconclusive" else "",
+        "to settle": settle,
         "raw": _fmt(raw.value),
         "raw CI": raw.interval_text(),
         "figure": "normalised" if r.normalised else "raw",
         "blocks": f"{r.blocks[0]}+{r.blocks[1]}",
-        "steps": r.steps[1],
+        "steps": f"{r.steps[0]}+{r.steps[1]}",
         "outliers (excluded)": r.outliers,
         "_ratio": r,
     }
 
 
-def _settle(r: CrossRatio, threshold: float, rounds: int) -> str:
+def _settle(r: CrossRatio, threshold: float, rounds: int, ab_hint: str) -> str:
     """What would settle an inconclusive ratio, whichever times fewer steps: more rounds per
-    block, or more blocks per run."""
+    block, or more blocks per run; or ``vpipe ab`` when the runs' own drift alone is too wide."""
     n = rounds_to_settle(r, threshold, rounds)
     k = blocks_to_settle(r, threshold)
     blocks_now = max(r.blocks)
     if n is not None and (k is None or n * blocks_now <= rounds * k):
-        return f"~{n} rounds"
+        return f"~{n} rounds per block (vpipe bench --rounds {n}, both runs)"
     if k is not None:
-        return f"--blocks {k} (both runs)"
-    return f"nothing: the runs' own drift alone is +-{math.expm1(r.drift):.0%}"
+        return f"{k} blocks per run (vpipe bench --blocks {k}, both runs)"
+    return f"{ab_hint} (the runs' own drift alone is +-{math.expm1(r.drift):.0%})"
 
 
 def _fmt(v: float) -> str:

@@ -199,6 +199,7 @@ def run_session(
     t0 = time.monotonic()
     sides: dict[str, SideProcess] = {}
     running: SideProcess | None = None
+    out.mkdir(parents=True, exist_ok=True)
     try:
         for k, v in versions.items():
             sides[k] = SideProcess.start(v, bench_args[k], out / k, out / f"{k}.log")

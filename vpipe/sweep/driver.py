@@ -278,7 +278,7 @@ def rank_worker(
 
     from vpipe.sweep.dp_bench import step_record
     from vpipe.sweep.harness import build
-    from vpipe.sweep.reference import Reference
+    from vpipe.sweep.reference import DeviceReference, Reference, device_round
     from vpipe.trace import host_state
 
     if world != spec.world_size:
@@ -302,7 +302,13 @@ def rank_worker(
         times = torch.zeros(len(configs), spec.rounds * spec.steps, dtype=torch.float64)
         refs = torch.zeros_like(times)
         ref_shape = sweep_reference_shape(spec, rank_specs)
-        reference = Reference(ref_shape, harnesses[0].device)
+        device = harnesses[0].device
+        # on a GPU the per-step reference runs on the CPU and describes the host side; the
+        # device's own reference and state are read once per round (vpipe.trace.device_state)
+        on_gpu = getattr(device, "type", "cpu") == "cuda"
+        reference = Reference(ref_shape, torch.device("cpu") if on_gpu else device)
+        device_reference = DeviceReference(device) if on_gpu else None
+        device_rounds = []
         own_cpu = torch.zeros(spec.rounds, dtype=torch.float64)
         samples = []
         dp_steps: list[dict[str, Any]] = []
@@ -319,6 +325,7 @@ def rank_worker(
                 progress.advance(f"profile {r + 1}/{profile_rounds} {cfg.key}")
 
         for r in range(spec.rounds):
+            device_rounds.append(device_round(device_reference, device))
             before = host_state.sample()
             for i, (cfg, h) in enumerate(zip(configs, harnesses, strict=True)):
                 for k in range(spec.steps):
@@ -337,7 +344,10 @@ def rank_worker(
         dist.all_reduce(times, op=dist.ReduceOp.MAX)
         dist.all_reduce(refs, op=dist.ReduceOp.MAX)
         dist.all_reduce(own_cpu, op=dist.ReduceOp.SUM)
-        host = [host_state.round_state(b, a, float(own_cpu[r])) for r, (b, a) in enumerate(samples)]
+        host = [
+            {**host_state.round_state(b, a, float(own_cpu[r])), **device_rounds[r]}
+            for r, (b, a) in enumerate(samples)
+        ]
         events = {k: pd.concat(v, ignore_index=True) for k, v in traced.items() if v}
         memory = {}
         for cfg, h in zip(configs, harnesses, strict=True):
