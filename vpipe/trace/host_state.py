@@ -42,10 +42,10 @@ LIMITS = {
 }
 FREE_FLOOR = 0.1  # cores: below this a run had next to nothing, whatever the figure
 # The reference's own spread between quiet runs: the log sd of a one-block run's median
-# reference time over back-to-back quiet runs, measured by python -m bench.back_to_back (see
-# docs/comparing.md). A run with several blocks measures its own (the spread of its blocks'
-# medians) and the larger of the two counts.
-REF_RUN_SD = 0.04
+# reference time, measured by python -m bench.back_to_back on this 2-core host (docs/
+# comparing.md): 0.019 over 10 quiet runs in 3 minutes, back-to-back pairs 0.1-1.8% apart.
+# A run with several blocks measures its own (its blocks' medians); the larger counts.
+REF_RUN_SD = 0.02
 REF_Z = 2.576  # two runs' references farther apart than 99% of quiet pairs: the host differed
 
 
