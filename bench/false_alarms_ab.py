@@ -130,7 +130,7 @@ def describe(kind: str, i: int, result: dict[str, Any], budget: float, hog: Time
     hogged = f", hog {hog.start_s:.0f}-{hog.start_s + hog.length_s:.0f} s ran {hog.ran_s:.0f} s" if hog else ""
     return (
         f"{kind} {i:2d}: {cells}; {result['record']['stopped']}; wall {result['wall']:.0f} s "
-        f"({result['wall'] / budget:.2f}x two plain sweeps){hogged}; load {os.getloadavg()[0]:.2f}"
+        f"({result['wall'] / budget:.2f}x the budget){hogged}; load {os.getloadavg()[0]:.2f}"
     )
 
 
@@ -195,8 +195,8 @@ def main(args: Any) -> int:
         caught = sum(all(r["verdict"] == "slower" for r in res["rows"]) for res in results)
         walls = sorted(res["wall"] / (2 * budget) for res in results)
         print(f"{kind}: {dict(Counter(words))}; faster/slower in {decided}/{len(words)} configs; "
-              f"every config slower in {caught}/{len(results)} sessions; session time / two "
-              f"plain sweeps: median {walls[len(walls) // 2]:.2f}x, max {walls[-1]:.2f}x")  # fmt: skip
+              f"every config slower in {caught}/{len(results)} sessions; session time / budget (twice "
+              f"two plain sweeps): median {walls[len(walls) // 2]:.2f}x, max {walls[-1]:.2f}x")  # fmt: skip
     quiet = pooled_spread(kinds["A/A' quiet"] + kinds.get("A/A quiet", []))
     if quiet:
         print(f"pairs' spread beyond sampling noise (sd of log A/B, pooled): {quiet[0] ** 0.5:.4f}, "

@@ -18,10 +18,10 @@ from pathlib import Path
 import pandas as pd
 
 from vpipe.errors import VpipeError
-from vpipe.report.crossrun import MIN_BLOCKS, RUN_SD, noise_threshold
 from vpipe.report.crossrun_table import (
     RunToRun,
     choose_normalisation,
+    comparison_note,
     config_blocks,
     cross_cells,
     device_summary,
@@ -44,7 +44,7 @@ from vpipe.report.document import (
 )
 from vpipe.report.knobs import knob_differences, knob_text
 from vpipe.report.plots import schedule_order
-from vpipe.stats import CONFIDENCE, OUTLIER_FACTOR, RESAMPLES, SEED, Ratio
+from vpipe.stats import Ratio
 from vpipe.trace.device_state import judge_devices
 from vpipe.trace.host_state import judge_hosts
 
@@ -453,41 +453,5 @@ def _num(v: float | None, fmt: str) -> str:
 
 def _comparison_note(sweeps: Sequence[Sweep], differs: str, model: CrossModel) -> str:
     """What the comparison table's figures mean, and why they are no speedup if so."""
-    words = (
-        [f"Not a speedup ({differs}): the ratio measures the setup as much as the code."]
-        if differs
-        else []
-    )
-    words.extend(f"Note: {n}." for n in sorted(model.notes))
-    words.append(f"Figure compared: {model.why}.")
-    spread = model.spread
-    words.append(
-        "ratio = base figure / the run's (> 1: the run is faster); the figure is a block's "
-        "median step time over its median reference time (normalised; raw when a sweep has no "
-        f"reference timings), averaged in log over blocks. {CONFIDENCE:.0%} interval, "
-        "simultaneous over a run's n configs (each at 1 - 5%/n, Bonferroni, so that the same "
-        "code compared with itself shows any false verdict at most 5% of the time): a "
-        f"hierarchical bootstrap (blocks, then steps; {RESAMPLES} resamples, seed {SEED}) when "
-        f"both sweeps have {MIN_BLOCKS}+ blocks, else estimate +- t x sd, where each block "
-        "adds its steps' sampling variance (bootstrap) and the launch-to-launch variance, "
-        f"sd {spread.sd:.3f} in log ({spread.source}), and each run the drift of a whole run "
-        f"that its back-to-back blocks cannot show (sd {RUN_SD}, measured by "
-        "bench.false_alarms). Verdict: faster/slower "
-        "only when the interval excludes 1 and the ratio is beyond the config's A/A noise band "
-        "(1.96 x sqrt 2 x the sd of one launch's figure, at least "
-        f"{noise_threshold(0.0):.0%}: two launches of the same code differ by less "
-'95% of the time); "host differed" whenever the hosts\' states differed (see Host): '
-        "then normalising may hide a change as well as invent one; \"within noise\" when the "
-        'ratio is inside the band and the interval inside twice the band; else '
-        '"inconclusive", with the rounds per block (vpipe bench --rounds N) or the blocks '
-        "per run (--blocks K) that would settle it. raw: the ratio of medians "
-        f"without normalisation. Steps over {OUTLIER_FACTOR:g}x their block's median are "
-        "outliers, counted and excluded."
-    )
     bare = [s.label for s in sweeps if s.steps is None]
-    if bare:
-        words.append(
-            f"{', '.join(bare)}: runs table only (no steps.parquet), so the ratio of its "
-            "configs is of the runs tables' medians, without interval or verdict."
-        )
-    return " ".join(words)
+    return comparison_note(differs, model.notes, model.why, model.spread, bare)

@@ -10,7 +10,7 @@ that normalisation is unavailable.
 from __future__ import annotations
 
 import math
-from collections.abc import Sequence
+from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -18,6 +18,7 @@ import pandas as pd
 
 from vpipe.report.crossrun import (
     LAUNCH_SD,
+    MIN_BLOCKS,
     MIN_STEPS,
     RUN_SD,
     Block,
@@ -32,6 +33,7 @@ from vpipe.report.crossrun import (
     rounds_to_settle,
     verdict,
 )
+from vpipe.stats import CONFIDENCE, OUTLIER_FACTOR, RESAMPLES, SEED
 from vpipe.trace.host_state import summarise
 
 DECIDED = ("faster", "slower")
@@ -240,3 +242,43 @@ def headline(table: pd.DataFrame, base_label: str, label: str) -> str:
     more = f"; to settle: {', '.join(sorted(set(settle)))}" if settle else ""
     mixed = " (faster in some configs, slower in others)" if len(directions) > 1 else ""
     return f"no winner at this noise{mixed}: {', '.join(parts)} of {n} configs{more}"
+
+
+def comparison_note(
+    differs: str, notes: Iterable[str], why: str, spread: RunToRun, bare: Sequence[str]
+) -> str:
+    """What a cross-run comparison table's figures and verdicts mean: ``differs``, what of the
+    setups differs (empty: a speedup); ``notes``, why normalisation is unavailable; ``why``,
+    the figure compared; ``spread``, the launch spread used; ``bare``, the sweeps with a runs
+    table only."""
+    words = [f"Not a speedup ({differs}): the ratio measures the setup as much as the code."] if differs else []
+    words.extend(f"Note: {n}." for n in sorted(notes))
+    words.append(f"Figure compared: {why}.")
+    words.append(
+        "ratio = base figure / the run's (> 1: the run is faster); the figure is a block's "
+        "median step time over its median reference time (normalised; raw when a sweep has no "
+        f"reference timings, and on GPUs), averaged in log over blocks. {CONFIDENCE:.0%} "
+        "interval, simultaneous over a run's n configs (each at 1 - 5%/n, Bonferroni): a "
+        f"hierarchical bootstrap (blocks, then steps; {RESAMPLES} resamples, seed {SEED}) when "
+        f"both sweeps have {MIN_BLOCKS}+ blocks, else estimate +- t x sd, where each block "
+        "adds its steps' sampling variance (bootstrap, never below what their spread gives a "
+        f"median of that many) and the launch-to-launch variance, sd {spread.sd:.3f} in log "
+        f"({spread.source}), and each run the drift of a whole run that its back-to-back "
+        f"blocks cannot show (sd {RUN_SD}, measured by bench.false_alarms). Verdict: "
+        "faster/slower only when the interval excludes 1, the ratio is beyond the config's "
+        "A/A noise band (1.96 x sqrt 2 x the sd of one launch's figure, at least "
+        f"{noise_threshold(0.0):.0%}) and both hosts were judged alike; \"host differed\" "
+        "(\"device differed\" on GPUs) when their states differed (see Host); \"within "
+        "noise\" when the ratio is inside the band and the interval inside twice the band; "
+        "else \"inconclusive\". A sweep that recorded no host state or reference gets no "
+        "answer at all. Every verdict that is no answer says in \"to settle\" what would give "
+        "one: more rounds per block, more blocks per run, or vpipe ab (both versions in the "
+        f"same stretch of time). raw: the ratio of medians without normalisation. Steps over "
+        f"{OUTLIER_FACTOR:g}x their block's median are outliers, counted and excluded."
+    )
+    if bare:
+        words.append(
+            f"{', '.join(bare)}: runs table only (no steps.parquet), so the ratio of its "
+            "configs is of the runs tables' medians, without interval or verdict."
+        )
+    return " ".join(words)
