@@ -76,7 +76,7 @@ def test_the_same_code_is_within_noise_and_a_10_percent_slowdown_is_slower():
 
 
 def test_inconclusive_says_how_many_pairs_would_settle_it():
-    table, _, _ = _table(_session(2, 1.06), 8)
+    table, _, _ = _table(_session(2, 1.05), 8)
     assert set(table["verdict"]) == {"inconclusive"} and not settled(table)
     for text in table["to settle"]:
         n = int(text.split("~")[1].split()[0])

@@ -17,7 +17,7 @@ from vpipe.report.crossrun import Block
 from vpipe.report.crossrun_table import headline
 from vpipe.report.document import render_html, render_markdown, table_section, text_section
 from vpipe.report.pairs import (
-    LAUNCH_SD,
+    PAIR_LAUNCH_SD,
     Pair,
     Spread,
     busiest,
@@ -200,7 +200,7 @@ def ab_report(
         f"over the pairs of adjacent launches (A B B A ...) of log(A/B); figure: {why}. "
         f"Interval: each pair's variance is its two launches' sampling variance (bootstrap of "
         f"their steps) plus the launches' spread, {spread.source} (floor: launch sd "
-        f"{LAUNCH_SD} per side); {confidence(len(table), looks):.4f} per config "
+        f"{PAIR_LAUNCH_SD} per side); {confidence(len(table), looks):.4f} per config "
         f"(5% shared by {len(table)} configs x {looks} looks, Bonferroni), "
         f"{'the normal quantile' if spread.dof is None else f'Student t, {spread.dof} dof'}. "
         "Verdict as in vpipe report: faster/slower when the interval excludes 1 and the ratio "

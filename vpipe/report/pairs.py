@@ -16,7 +16,7 @@ order alternates so that a steady drift favours neither side.
 - **Interval** (:func:`paired_ratio`): a random-effects model: d_i = delta + launch effects +
   sampling noise, with variance v_i + tau^2, tau^2 the pairs' spread beyond their sampling
   noise (:func:`pair_spread`, pooled over configs, never below two launches'
-  :data:`vpipe.report.crossrun.LAUNCH_SD`). delta is the inverse-variance weighted mean (a
+  :data:`PAIR_LAUNCH_SD`). delta is the inverse-variance weighted mean (a
   noisy pair, such as one under a hog, counts less) and its interval delta +- q x its sd, q the
   normal quantile while the floor holds and Student's t for the pooled degrees of freedom
   when the pairs spread more. The host's slow drift is what the pairs cancel, so no run drift
@@ -38,7 +38,6 @@ from typing import Any
 import numpy as np
 
 from vpipe.report.crossrun import (
-    LAUNCH_SD,
     Block,
     CrossRatio,
     _within_noise_band,
@@ -51,6 +50,11 @@ from vpipe.stats import CONFIDENCE
 from vpipe.trace.host_state import LIMITS, judge_hosts
 
 MIN_PAIRS = 2  # A B B A: the first look at the verdicts
+# The floor of a launch's effect beyond its steps' sampling noise, per side of a pair:
+# adjacent launches showed none (python -m bench.false_alarms --ab: 0.000 pooled over 30, 66
+# and 42 degrees of freedom in three runs on this 2-core host, quiet to loaded), blocks
+# launched back to back 0.024 (bench.false_alarms, 160 dof); the floor keeps that margin
+PAIR_LAUNCH_SD = 0.02
 PAIR_LIMITS = {**LIMITS, "ref_ratio": math.inf}  # the reference's moves are what normalising undoes
 
 
@@ -130,13 +134,13 @@ class Spread:
 
 def session_spread(configs: Iterable[tuple[np.ndarray, np.ndarray]]) -> Spread:
     """tau^2 for a session's intervals: measured from its pairs (:func:`pair_spread`) when it
-    exceeds the floor of two launches' :data:`LAUNCH_SD`, else the floor (with the normal
-    quantile: a spread measured from a few pairs can come out far too small by chance)."""
-    floor = 2 * LAUNCH_SD**2
+    exceeds the floor of two launches' :data:`PAIR_LAUNCH_SD`, else the floor (with the
+    normal quantile: a spread measured from a few pairs can come out far too small by chance)."""
+    floor = 2 * PAIR_LAUNCH_SD**2
     measured = pair_spread(configs)
     if measured is None or measured[0] <= floor:
         seen = "" if measured is None else f"; the pairs showed sd {math.sqrt(measured[0]):.3f}"
-        return Spread(floor, None, f"the floor, launch sd {LAUNCH_SD} per side{seen}")
+        return Spread(floor, None, f"the floor, launch sd {PAIR_LAUNCH_SD} per side{seen}")
     tau2, dof = measured
     return Spread(tau2, dof, f"measured from the pairs, sd {math.sqrt(tau2):.3f}, {dof} dof")
 
