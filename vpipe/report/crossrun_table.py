@@ -37,6 +37,7 @@ from vpipe.stats import CONFIDENCE, OUTLIER_FACTOR, RESAMPLES, SEED
 from vpipe.trace.host_state import summarise
 
 DECIDED = ("faster", "slower")
+MAX_BLOCKS_HINT = 20  # beyond this many blocks per run, vpipe ab is the cheaper answer
 ANSWERS = (*DECIDED, "within noise")
 
 
@@ -209,8 +210,10 @@ def _settle(r: CrossRatio, threshold: float, rounds: int, ab_hint: str) -> str:
     blocks_now = max(r.blocks)
     if n is not None and (k is None or n * blocks_now <= rounds * k):
         return f"~{n} rounds per block (vpipe bench --rounds {n}, both runs)"
-    if k is not None:
+    if k is not None and k <= MAX_BLOCKS_HINT:
         return f"{k} blocks per run (vpipe bench --blocks {k}, both runs)"
+    if k is not None:
+        return f"{ab_hint} (it would take {k} blocks per run)"
     return f"{ab_hint} (the runs' own drift alone is +-{math.expm1(r.drift):.0%})"
 
 
@@ -238,7 +241,11 @@ def headline(table: pd.DataFrame, base_label: str, label: str) -> str:
         )
     counts = table["verdict"].value_counts()
     parts = [f"{int(c)} {v}" for v, c in counts.items()]
-    settle = [s for s in table.get("to settle", pd.Series(dtype=str)) if s]
+    settle = [  # vpipe ab once, whatever each config's reason
+        s.split(" (", 1)[0] if s.startswith("vpipe ab") else s
+        for s in table.get("to settle", pd.Series(dtype=str))
+        if s
+    ]
     more = f"; to settle: {', '.join(sorted(set(settle)))}" if settle else ""
     mixed = " (faster in some configs, slower in others)" if len(directions) > 1 else ""
     return f"no winner at this noise{mixed}: {', '.join(parts)} of {n} configs{more}"
