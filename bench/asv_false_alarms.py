@@ -7,7 +7,7 @@ In a scratch clone of this checkout's HEAD it makes two commits on top: one that
 the README (benchmarked code identical: any "PERFORMANCE DECREASED" or "INCREASED" is a false
 alarm), and one that makes every pipeline step sleep ``--delay-ms`` longer (a sleep added to
 the harness's training step on every rank: a real slowdown, which asv must report). It then runs
-``asv continuous --interleave-rounds`` (asv's own virtualenv, default factor 1.1; the suite's
+``asv continuous --interleave-rounds -a rounds=7`` (asv's own virtualenv, default factor 1.1; the suite's
 rounds alternate the two commits) ``--tries`` times on the identical pair and once on the
 slowed pair, and prints each verdict and the wall time. ``--busy`` keeps one core busy (a
 pinned busy loop) while the second commit's rounds are benchmarked, so the identical pair is
@@ -33,6 +33,7 @@ HARNESS = "vpipe/sweep/harness.py"
 # benchmarked code; a changed default of RankSpec.inject_delay_s would not do: the sweep passes
 # its own --inject-delay-ms explicitly)
 STEP_LINE = "        self.zero_grad()\n"
+ROUNDS = 7  # benchmarks.benchmarks.ROUNDS: the suite's rounds, given on asv's command line
 HOG = "import os\nos.sched_setaffinity(0, {0})\nwhile True: pass"  # one core kept busy
 
 
@@ -91,8 +92,9 @@ def continuous(
     conf: Path, work: Path, a: str, b: str, env: dict[str, str], busy: bool
 ) -> tuple[str, list[str]]:
     """asv continuous a b; its verdict line(s) ("PERFORMANCE DECREASED", ...) and changes."""
-    cmd = [sys.executable, "-m", "asv", "continuous", "--interleave-rounds", "--config", str(conf),
-           "--machine", "vpipe-aa", "--show-stderr", a, b]  # fmt: skip
+    cmd = [sys.executable, "-m", "asv", "continuous", "--interleave-rounds", "-a",
+           f"rounds={ROUNDS}", "--config", str(conf), "--machine", "vpipe-aa", "--show-stderr",
+           a, b]  # fmt: skip
     if busy:  # the busy loop runs while asv benchmarks commit b (asv names each commit)
         proc = subprocess.Popen(cmd, cwd=work, env=env, stdout=subprocess.PIPE, text=True,
                                 stderr=subprocess.STDOUT)  # fmt: skip

@@ -4,7 +4,7 @@
 Each benchmark tracks its CPU seconds over those of a fixed reference workload (Python dicts
 and lists, a numpy sort and cumulative sum: what the simulator's own work is made of), timed
 alternately with it in the same process, the median of :data:`REPEATS` of each (one sample
-per asv round: ``rounds``, as in benchmarks.py): a figure in
+per asv round, as in benchmarks.py): a figure in
 reference units that a host slower for the moment (another job sharing the core or its cache,
 a lower clock) leaves unchanged. CPU time alone was not enough: with one core kept busy,
 ``asv continuous`` reported the same code's ``lower`` 1.19x slower (204 vs 243 ms of CPU), and
@@ -14,7 +14,6 @@ prints the absolute wall and CPU seconds.
 
 from __future__ import annotations
 
-import os
 import time
 from collections.abc import Callable
 from functools import lru_cache
@@ -84,7 +83,6 @@ class ZBV64x1024:
     """simulate / lower / validate of zbv, P=64, M=1024, in reference units of CPU time."""
 
     timeout = 600
-    rounds = int(os.environ.get("VPIPE_ASV_ROUNDS", "7"))  # asv continuous --interleave-rounds
 
     def setup(self) -> None:
         self.schedule = _schedule()

@@ -12,16 +12,18 @@ reciprocal (samples/s as ``track_seconds_per_sample``). ``VPIPE_ASV_SCHEDULES`` 
 ``VPIPE_ASV_MICROBATCHES`` (comma-separated) narrow the parameter grid, e.g. for a quick smoke
 run.
 
-**Rounds across commits.** The class declares ``rounds`` (:data:`ROUNDS`, 7;
-``VPIPE_ASV_ROUNDS``). ``asv continuous --interleave-rounds`` (asv's default with its own
-environments) runs round 1 of both commits, then round 2 in the other order, and so on, each
-round a fresh process and so a fresh ``setup_cache`` launch: the two commits alternate in
-time, and whatever the host does meanwhile hits both. Each track returns its round's figure
-as asv's timing benchmarks return theirs (``{"samples": [value], "number": 1}``), so asv keeps
-one sample per round and compares the two commits' samples (Mann-Whitney U from 7 rounds:
-with 6 a complete separation cannot reach asv's p < 0.002) rather than the last round's value.
-Without interleaving (``asv run --python=same``) every round reads the same cache: only its
-first reading is a sample (a marker file in asv's cache directory remembers it).
+**Rounds across commits.** ``asv continuous --interleave-rounds -a rounds=7 A B`` (asv's
+default is to interleave when it makes its own environments) runs round 1 of both commits,
+then round 2 in the other order, and so on, each round a fresh process and so a fresh
+``setup_cache`` launch: the two commits alternate in time, and whatever the host does
+meanwhile hits both. The rounds come from the command line (:data:`ROUNDS` is the number the
+documentation gives): asv reads a ``rounds`` attribute from timing benchmarks only, and these
+are tracks. Each track returns its round's figure as asv's timing benchmarks return theirs
+(``{"samples": [value], "number": 1}``), so asv keeps one sample per round and compares the two
+commits' samples (Mann-Whitney U from 7 rounds: with 6 a complete separation cannot reach
+asv's p < 0.002) rather than the last round's value. Without interleaving (``asv run
+--python=same``) every round reads the same cache: only its first reading is a sample (a
+marker file in asv's cache directory remembers it).
 
 Across commits the host changes, so the step is tracked as ``track_normalised_step``: each
 config's median step time over the median time of the host-speed reference timed before
@@ -51,7 +53,7 @@ SIZES = {"d_model": 512, "d_hidden": 2048}
 SCHEDULES = parse_list(os.environ.get("VPIPE_ASV_SCHEDULES", ",".join(DEFAULT_SCHEDULES)))
 MICROBATCHES = [int(m) for m in parse_list(os.environ.get("VPIPE_ASV_MICROBATCHES", "4,8"))]
 BLOCKS = int(os.environ.get("VPIPE_ASV_BLOCKS", "1"))
-ROUNDS = int(os.environ.get("VPIPE_ASV_ROUNDS", "7"))
+ROUNDS = 7  # asv continuous --interleave-rounds -a rounds=7 (see the module's doc)
 INJECT_DELAY_MS = float(os.environ.get("VPIPE_ASV_INJECT_DELAY_MS", "0"))
 ALLOW_BUSY = os.environ.get("VPIPE_ASV_ALLOW_BUSY", "") not in ("", "0")
 BUSY = "host busy"
@@ -134,7 +136,6 @@ class PipelineCPU:
     params = (SCHEDULES, MICROBATCHES)
     param_names = ("schedule", "microbatches")
     timeout = 600
-    rounds = ROUNDS
 
     def setup_cache(self) -> dict:
         from vpipe.sweep.blocks import run_blocks
