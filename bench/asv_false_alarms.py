@@ -6,11 +6,12 @@
 In a scratch clone of this checkout's HEAD it makes two commits on top: one that changes only
 the README (benchmarked code identical: any "PERFORMANCE DECREASED" or "INCREASED" is a false
 alarm), and one that makes every pipeline step sleep ``--delay-ms`` longer (a sleep added to
-the harness's training step on every rank: a real slowdown, which asv must report). It then runs ``asv
-continuous`` (asv's own virtualenv, default factor 1.1) ``--tries`` times on the identical pair
-and once on the slowed pair, and prints each verdict and the wall time. ``--busy`` keeps one
-core busy (a pinned busy loop) while the second commit of each pair is benchmarked, so the
-identical pair is also compared across a busy and a quiet host. The pipeline grid is narrowed
+the harness's training step on every rank: a real slowdown, which asv must report). It then runs
+``asv continuous --interleave-rounds -a rounds=7`` (asv's own virtualenv, default factor 1.1; the suite's
+rounds alternate the two commits) ``--tries`` times on the identical pair and once on the
+slowed pair, and prints each verdict and the wall time. ``--busy`` keeps one core busy (a
+pinned busy loop) while the second commit's rounds are benchmarked, so the identical pair is
+also compared across a busy and a quiet host. The pipeline grid is narrowed
 by ``--schedules`` and ``--microbatches`` (VPIPE_ASV_SCHEDULES / VPIPE_ASV_MICROBATCHES).
 """
 
@@ -32,6 +33,7 @@ HARNESS = "vpipe/sweep/harness.py"
 # benchmarked code; a changed default of RankSpec.inject_delay_s would not do: the sweep passes
 # its own --inject-delay-ms explicitly)
 STEP_LINE = "        self.zero_grad()\n"
+ROUNDS = 7  # benchmarks.benchmarks.ROUNDS: the suite's rounds, given on asv's command line
 HOG = "import os\nos.sched_setaffinity(0, {0})\nwhile True: pass"  # one core kept busy
 
 
@@ -90,8 +92,9 @@ def continuous(
     conf: Path, work: Path, a: str, b: str, env: dict[str, str], busy: bool
 ) -> tuple[str, list[str]]:
     """asv continuous a b; its verdict line(s) ("PERFORMANCE DECREASED", ...) and changes."""
-    cmd = [sys.executable, "-m", "asv", "continuous", "--config", str(conf), "--machine", "vpipe-aa",
-           "--show-stderr", a, b]  # fmt: skip
+    cmd = [sys.executable, "-m", "asv", "continuous", "--interleave-rounds", "-a",
+           f"rounds={ROUNDS}", "--config", str(conf), "--machine", "vpipe-aa", "--show-stderr",
+           a, b]  # fmt: skip
     if busy:  # the busy loop runs while asv benchmarks commit b (asv names each commit)
         proc = subprocess.Popen(cmd, cwd=work, env=env, stdout=subprocess.PIPE, text=True,
                                 stderr=subprocess.STDOUT)  # fmt: skip
@@ -116,9 +119,9 @@ def continuous(
     # asv's table rows of changed benchmarks: "| + | before | after | ratio | name |"
     changes = [ln.strip() for ln in out.splitlines() if re.match(r"\s*\|?\s*[+-]\s*\|", ln)]
     words = [w for w in ("PERFORMANCE DECREASED", "PERFORMANCE INCREASED") if w in out]
-    skipped = out.count("asv: skipped")  # e.g. a sweep on a busy host records no figure
+    skipped = out.count("no sample this round")  # a sweep on a busy host gives no sample
     if skipped:
-        words.append(f"{skipped} benchmark runs skipped")
+        words.append(f"{skipped} benchmark readings without a sample (busy host)")
     if "Traceback" in out or "failed" in out.lower():
         words.append("BENCHMARK FAILED")
     return " and ".join(words) or "no change", changes

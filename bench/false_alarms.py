@@ -1,6 +1,7 @@
 """False alarms and detections of cross-run comparisons (``vpipe report A B``'s rules).
 
     python -m bench.false_alarms [--aa 20] [--delayed 10] [--blocks 5] [--delay-pct 15]
+    python -m bench.false_alarms --ab [...]   # vpipe ab sessions: bench/false_alarms_ab.py
 
 Runs a compute-bound sweep (two schedules, vpipe's runtime, an MLP whose actions take
 milliseconds) many times, each run being ``--blocks`` independent launches, interleaved so
@@ -144,8 +145,27 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--aa", type=int, default=20, help="A/A comparisons (default 20)")
     p.add_argument("--delayed", type=int, default=10, help="A/A' comparisons (default 10)")
     p.add_argument("--blocks", type=int, default=5, help="launches per run (default 5)")
-    p.add_argument("--delay-pct", type=float, default=15.0, help="injected delay, %% (default 15)")
+    p.add_argument(
+        "--delay-pct", type=float, default=None, help="injected delay, %% (default 15; --ab: 10)"
+    )
+    p.add_argument(
+        "--ab",
+        action="store_true",
+        help="measure vpipe ab sessions instead (bench/false_alarms_ab.py: A/A with a hog for "
+        "a random half of each session, and B slowed by --delay-pct, quiet and with the hog)",
+    )
+    p.add_argument("--pairs", type=int, default=8, help="--ab: vpipe ab --pairs (default 8)")
+    p.add_argument("--sweep", default=None, help="--ab: the sessions' vpipe bench options")
+    p.add_argument("--no-hog", action="store_true", help="--ab: no hog in any session")
+    p.add_argument("--seed", type=int, default=0, help="--ab: seed of the hog's timing")
     args = p.parse_args(argv)
+    if args.ab:
+        from bench import false_alarms_ab
+
+        args.delay_pct = 10.0 if args.delay_pct is None else args.delay_pct
+        args.sweep = args.sweep or false_alarms_ab.SWEEP
+        return false_alarms_ab.main(args)
+    args.delay_pct = 15.0 if args.delay_pct is None else args.delay_pct
     t0 = time.perf_counter()
     load0 = os.getloadavg()[0]
 

@@ -1,29 +1,41 @@
 """asv regression benchmarks: vpipe's runtime on a small CPU pipeline, per schedule and M.
 
-One launch per asv run: ``setup_cache`` (asv runs it once and shares its result among the
-benchmarks of the class, for every parameter combination) spawns the P ranks once and sweeps
-every (schedule, microbatches) parameter set inside that launch, interleaved in rounds as
-``vpipe bench`` does. The grid is ``vpipe bench``'s default sweep (the catalogue's), M = 4, 8.
-The ``track_`` methods are generated from the metric registry (:mod:`vpipe.metrics.catalogue`): one per
-metric with an asv :class:`~vpipe.metrics.catalogue.Track`, reading that metric from the sweep's runs
-table, with its unit. asv takes lower as better, so a higher-is-better metric is tracked
-through its reciprocal (samples/s as ``track_seconds_per_sample``). ``VPIPE_ASV_SCHEDULES`` /
+One launch per round: ``setup_cache`` (asv runs it once per benchmarking process and shares its
+result among the benchmarks of the class, for every parameter combination) spawns the P ranks
+once and sweeps every (schedule, microbatches) parameter set inside that launch, interleaved in
+rounds as ``vpipe bench`` does. The grid is ``vpipe bench``'s default sweep (the catalogue's),
+M = 4, 8. The ``track_`` methods are generated from the metric registry
+(:mod:`vpipe.metrics.catalogue`): one per metric with an asv
+:class:`~vpipe.metrics.catalogue.Track`, reading that metric from the sweep's runs table, with
+its unit. asv takes lower as better, so a higher-is-better metric is tracked through its
+reciprocal (samples/s as ``track_seconds_per_sample``). ``VPIPE_ASV_SCHEDULES`` /
 ``VPIPE_ASV_MICROBATCHES`` (comma-separated) narrow the parameter grid, e.g. for a quick smoke
 run; ``VPIPE_ASV_DTYPE`` sets the precision (``vpipe bench --dtype``).
+
+**Rounds across commits.** ``asv continuous --interleave-rounds -a rounds=7 A B`` (asv's
+default is to interleave when it makes its own environments) runs round 1 of both commits,
+then round 2 in the other order, and so on, each round a fresh process and so a fresh
+``setup_cache`` launch: the two commits alternate in time, and whatever the host does
+meanwhile hits both. The rounds come from the command line (:data:`ROUNDS` is the number the
+documentation gives): asv reads a ``rounds`` attribute from timing benchmarks only, and these
+are tracks. Each track returns its round's figure as asv's timing benchmarks return theirs
+(``{"samples": [value], "number": 1}``), so asv keeps one sample per round and compares the two
+commits' samples (Mann-Whitney U from 7 rounds: with 6 a complete separation cannot reach
+asv's p < 0.002) rather than the last round's value. Without interleaving (``asv run
+--python=same``) every round reads the same cache: only its first reading is a sample (a
+marker file in asv's cache directory remembers it).
 
 Across commits the host changes, so the step is tracked as
 ``track_normalised_step_in_ref_units`` (asv prints units only for seconds and bytes, so the
 name carries it): each
 config's median step time over the median time of the host-speed reference timed before
-every step (:mod:`vpipe.sweep.reference`), the median over ``VPIPE_ASV_BLOCKS`` independent
-launches (default 3), in units of the reference (a dimensionless figure that a uniformly
-slower host leaves unchanged); raw seconds and bubble ratios are in the reports, not tracked
-(asv compares one value per commit, and those move with the host). A sweep during which other
-processes kept more than half a core busy records no figure (asv shows the benchmarks as
-skipped, with the reason): the reference over-corrects for a busy core, so such a figure is
-not comparable (``VPIPE_ASV_ALLOW_BUSY=1`` records it anyway). ``VPIPE_ASV_INJECT_DELAY_MS``
-sleeps that long per step on rank 0 (``vpipe bench --inject-delay-ms``), to check that a real
-slowdown shows.
+every step (:mod:`vpipe.sweep.reference`), in units of the reference (a dimensionless figure
+that a uniformly slower host leaves unchanged), the median over ``VPIPE_ASV_BLOCKS`` launches
+per round (default 1); raw seconds and bubble ratios are in the reports, not tracked. A sweep
+during which other processes kept more than half a core busy gives no sample (the reason goes
+to stderr, which ``--show-stderr`` shows): the reference over-corrects for a busy core
+(``VPIPE_ASV_ALLOW_BUSY=1`` records it anyway). ``VPIPE_ASV_INJECT_DELAY_MS`` sleeps that long
+per step on rank 0 (``vpipe bench --inject-delay-ms``), to check that a real slowdown shows.
 """
 
 from __future__ import annotations
@@ -42,7 +54,8 @@ BATCH = 128
 SIZES = {"d_model": 512, "d_hidden": 2048}
 SCHEDULES = parse_list(os.environ.get("VPIPE_ASV_SCHEDULES", ",".join(DEFAULT_SCHEDULES)))
 MICROBATCHES = [int(m) for m in parse_list(os.environ.get("VPIPE_ASV_MICROBATCHES", "4,8"))]
-BLOCKS = int(os.environ.get("VPIPE_ASV_BLOCKS", "3"))
+BLOCKS = int(os.environ.get("VPIPE_ASV_BLOCKS", "1"))
+ROUNDS = 7  # asv continuous --interleave-rounds -a rounds=7 (see the module's doc)
 INJECT_DELAY_MS = float(os.environ.get("VPIPE_ASV_INJECT_DELAY_MS", "0"))
 DTYPE = os.environ.get("VPIPE_ASV_DTYPE") or None  # bf16, fp16, fp32 (default: fp32 on CPU)
 ALLOW_BUSY = os.environ.get("VPIPE_ASV_ALLOW_BUSY", "") not in ("", "0")
@@ -74,11 +87,39 @@ def make_tracks() -> dict[str, Callable[..., Any]]:
     return {f"track_{m.asv.name}": _track(m) for m in tracked()}
 
 
+def samples(values: list[float]) -> dict[str, Any]:
+    """A track's figures in the form asv keeps samples of (its timing benchmarks' result), so
+    that rounds add up instead of the last one replacing the others."""
+    return {"samples": values, "number": 1}
+
+
+def first_reading(key: str) -> bool:
+    """Whether this is the first time ``key`` is read from this round's cache (asv runs the
+    benchmarks in its cache directory): without interleaving, every round reads the same
+    launch, which must count once."""
+    import hashlib
+    from pathlib import Path
+
+    marker = Path(f"read-{hashlib.sha256(key.encode()).hexdigest()[:16]}")
+    if marker.exists():
+        return False
+    marker.touch()
+    return True
+
+
 def _track(metric: Metric) -> Callable[..., Any]:
     name = metric.asv.name
 
     def track(self: Any, cache: dict, schedule: str, microbatches: int) -> Any:
-        return cache[f"{schedule}/{microbatches}"][name]
+        key = f"{name}/{schedule}/{microbatches}"
+        if BUSY in cache:
+            import sys
+
+            print(f"no sample this round: {cache[BUSY]}", file=sys.stderr)
+            return samples([])
+        if not first_reading(key):
+            return samples([])
+        return samples([cache[f"{schedule}/{microbatches}"][name]])
 
     track.__name__ = track.__qualname__ = f"track_{name}"
     track.unit = metric.asv.unit
@@ -114,7 +155,7 @@ class PipelineCPU:
             impls=("vpipe",),
             warmup=2,
             steps=4,
-            rounds=5,  # 20 timed steps per config per launch
+            rounds=5,  # 20 timed steps per config per launch (vpipe bench's rounds)
             profile=False,  # no tracked figure needs a trace
             progress=False,
             blocks=BLOCKS,
@@ -137,8 +178,3 @@ class PipelineCPU:
         }
 
     setup_cache.timeout = 600
-
-    def setup(self, cache: dict, schedule: str, microbatches: int) -> None:
-        """Skip (asv shows n/a) when the sweep ran on a busy host."""
-        if BUSY in cache:
-            raise NotImplementedError(cache[BUSY])

@@ -116,3 +116,24 @@ def test_a_sweep_on_a_busy_host_records_no_figure():
     assert busy_host(quiet) is None and busy_host([]) is None
     why = busy_host(busy)
     assert why is not None and "0.85 cores" in why and "VPIPE_ASV_ALLOW_BUSY" in why
+
+
+def test_each_round_gives_one_sample_and_a_busy_round_none(tmp_path, monkeypatch, capsys):
+    """asv keeps samples across interleaved rounds (each a fresh cache); without interleaving
+    every round reads the same cache, which counts once; a busy sweep gives no sample."""
+    from benchmarks.benchmarks import BUSY, ROUNDS, PipelineCPU
+
+    assert ROUNDS >= 7  # Mann-Whitney can reach p < 0.002 from 7 rounds
+    monkeypatch.chdir(tmp_path)  # asv runs the benchmarks in the round's cache directory
+    cache = {"zbv/4": {"normalised_step_in_ref_units": 9.5, "peak_bytes_per_rank": 1.0}}
+    bench = PipelineCPU()
+    first = bench.track_normalised_step_in_ref_units(cache, "zbv", 4)
+    assert first == {"samples": [9.5], "number": 1}
+    assert bench.track_normalised_step_in_ref_units(cache, "zbv", 4) == {"samples": [], "number": 1}
+    assert bench.track_peak_bytes_per_rank(cache, "zbv", 4)["samples"] == [1.0]
+    monkeypatch.chdir(tmp_path / "..")
+    busy = bench.track_normalised_step_in_ref_units(
+        {BUSY: "other processes kept 0.90 cores busy"}, "zbv", 4
+    )
+    assert busy == {"samples": [], "number": 1}
+    assert "no sample this round: other processes kept 0.90 cores busy" in capsys.readouterr().err

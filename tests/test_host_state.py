@@ -67,7 +67,16 @@ def test_judge_hosts_names_what_differed_with_figures():
     assert judge_hosts(loaded, alike) == []
     slow_ref = {**quiet, "ref_s": 1.5e-3, "mhz": 2000}
     words = judge_hosts(quiet, slow_ref)
-    assert words == ["CPU MHz 2600 vs 2000", "reference time 0.001 s vs 0.0015 s"]
+    assert words == ["CPU MHz 2600 vs 2000", "reference time 0.001 s vs 0.0015 s (limit 10%)"]
+    # quiet runs' references stay within REF_Z x sqrt 2 x REF_RUN_SD (7%; the limit is 10%)
+    assert judge_hosts(quiet, {**quiet, "ref_s": 1.08e-3}) == []
+    # a run whose blocks spread more widens the limit for it
+    spread = summarise(
+        [{"block": b, "ref_s": r, "other_cores": 0.05} for b, r in enumerate((1e-3, 1.2e-3, 0.9e-3))]
+    )
+    assert spread["ref_spread"] == pytest.approx(0.144, abs=0.002)
+    assert judge_hosts(quiet, {**spread, "ref_s": 1.3e-3}) == []
+    assert judge_hosts(quiet, {**quiet, "ref_s": 1.3e-3}) != []
     # nothing recorded (an older store): nothing to judge
     assert judge_hosts(summarise([]), busy) == []
     assert summarise([{"other_cores": None}, {"other_cores": 0.2}])["other_cores"] == 0.2

@@ -72,9 +72,12 @@ def _runs(
     return pd.DataFrame(rows)
 
 
-def _timed(runs: pd.DataFrame, rounds: int = 3, steps: int = 3, seed: int = 0) -> pd.DataFrame:
+def _timed(
+    runs: pd.DataFrame, rounds: int = 3, steps: int = 3, seed: int = 0, refs: bool = True
+) -> pd.DataFrame:
     """Timed steps of every config of ``runs`` around its median: step k of round r is the
-    config's median times one machine-state factor per (r, k), as back-to-back configs see."""
+    config's median times one machine-state factor per (r, k), as back-to-back configs see;
+    with the host-speed reference before each (``refs``; a fixed 5 ms: the same host)."""
     noise = 1 + 0.02 * np.random.default_rng(seed).standard_normal((rounds, steps))
     return pd.DataFrame(
         [
@@ -85,12 +88,26 @@ def _timed(runs: pd.DataFrame, rounds: int = 3, steps: int = 3, seed: int = 0) -
                 round=r,
                 step=k,
                 step_time_s=row.step_time_s * noise[r, k],
+                **({"ref_s": 0.005} if refs else {}),
             )
             for row in runs.itertuples()
             for r in range(rounds)
             for k in range(steps)
         ]
     )
+
+
+def _host(rounds: int = 3, other: float = 0.05) -> pd.DataFrame:
+    """A quiet host's state per round, as vpipe bench records it."""
+    return pd.DataFrame(
+        [{"load1": 0.2, "mhz": 2600.0, "other_cores": other, "free_cores": 2 - other,
+          "steal": 0.0, "block": 0, "round": r, "ref_s": 0.005} for r in range(rounds)]
+    )  # fmt: skip
+
+
+def _sweep(label: str, runs: pd.DataFrame, seed: int) -> Sweep:
+    """A sweep whose host can be judged: timed steps, references and host state."""
+    return Sweep(label, runs, _timed(runs, seed=seed), _host())
 
 
 def _steps(rng: np.random.Generator) -> pd.DataFrame:
@@ -195,39 +212,84 @@ def test_impl_table_pairs_steps(tmp_path):
 
 def test_comparison_ratio_interval_and_verdict():
     base, fast = _runs(1.0, "aaaa"), _runs(0.5, "bbbb")
-    sweeps = [Sweep("aaaa", base, _timed(base, seed=1)), Sweep("bbbb", fast, _timed(fast, seed=2))]
+    sweeps = [_sweep("aaaa", base, 1), _sweep("bbbb", fast, 2)]
     table = comparison_table(sweeps)
     assert len(table) == 6
     assert all(abs(float(v) - 2.0) < 0.1 for v in table["speedup"])
-    assert (table["verdict"] == "faster").all() and (table["steps"] == 9).all()
+    assert (table["verdict"] == "faster").all() and (table["steps"] == "9+9").all()
+    assert set(table["to settle"]) == {""}  # every verdict is an answer
     assert all(float(ci.split("-")[0]) > 1.5 for ci in table["95% CI"])
-    same = comparison_table([sweeps[0], Sweep("again", base, _timed(base, seed=1))])
+    same = comparison_table([sweeps[0], _sweep("again", base, 1)])
     # one launch each of precise steps: the default launch spread (3%) and the runs' drift
     # (2%) leave +-13.5% at the 99.2% each of 6 configs needs (Bonferroni), wider than the
     # noise band's +-10%; the launch part shrinks with blocks: (0.112^2) / (0.10^2 - 0.075^2)
     # = 2.9 -> 3 each
     assert (same["verdict"] == "inconclusive").all()
-    assert set(same["to settle"]) == {"--blocks 3 (both runs)"}
+    assert set(same["to settle"]) == {"3 blocks per run (vpipe bench --blocks 3, both runs)"}
     assert set(same["speedup"]) == {"1.00"}
-    one = comparison_table([Sweep("aaaa", base.head(1), _timed(base.head(1), seed=1)),
-                            Sweep("again", base.head(1), _timed(base.head(1), seed=1))])  # fmt: skip
+    one = comparison_table([_sweep("aaaa", base.head(1), 1), _sweep("again", base.head(1), 1)])
     # one config alone: +-10.0% at 95% (launch 8.3%, drift 5.5%), just over the band
-    assert list(one["verdict"]) == ["inconclusive"] and list(one["to settle"]) == ["--blocks 2 (both runs)"]
+    assert list(one["verdict"]) == ["inconclusive"]
+    assert list(one["to settle"]) == ["2 blocks per run (vpipe bench --blocks 2, both runs)"]
     slower = base.assign(step_time_s=base.step_time_s * 1.06)
-    six = comparison_table([sweeps[0], Sweep("six", slower, _timed(slower, seed=1))])
+    six = comparison_table([sweeps[0], _sweep("six", slower, 1)])
     # a 6% difference inside +-13.5%: the runs' drift alone (2.64 x 0.02 x sqrt 2 = 7.5%)
-    # is wider than 6%, so neither rounds nor blocks can settle it
+    # is wider than 6%, so neither rounds nor blocks can settle it: only the same stretch of
+    # time can
     assert (six["verdict"] == "inconclusive").all()
-    assert set(six["to settle"]) == {"nothing: the runs' own drift alone is +-8%"}
+    assert set(six["to settle"]) == {
+        "vpipe ab aaaa aaaa [same options] (the runs' own drift alone is +-8%)"
+    }
     # runs tables only: the ratio of the recorded medians, no interval
     bare = comparison_table([Sweep("aaaa", base), Sweep("bbbb", fast)])
     assert set(bare["speedup"]) == {"2.00"} and set(bare["95% CI"]) == {""}
     assert set(bare["verdict"]) == {"no interval: runs table only"}
+    assert all("vpipe ab aaaa bbbb" in t for t in bare["to settle"])
     with pytest.raises(ReportError, match="at least two"):
         comparison_table([Sweep("aaaa", base)])
     other = base.assign(schedule="gpipe")
     with pytest.raises(ReportError, match="share no"):
         comparison_table([Sweep("aaaa", base), Sweep("x", other)])
+
+
+def test_runs_whose_host_cannot_be_judged_are_never_faster_or_slower():
+    """Sweeps from before vpipe recorded its host (no reference, no host state): a 2x ratio
+    with a tight interval is still no verdict, and the table says what would give one."""
+    base, fast = _runs(1.0, "aaaa"), _runs(0.5, "bbbb")
+    old = [Sweep("aaaa", base, _timed(base, seed=1, refs=False)), Sweep("bbbb", fast, _timed(fast, seed=2, refs=False))]
+    table = comparison_table(old)
+    assert set(table["verdict"]) == {"inconclusive"}
+    assert set(table["host"]) == {"no host state recorded for aaaa and bbbb"}
+    assert set(table["to settle"]) == {
+        "vpipe ab aaaa bbbb [same options] (no host state recorded for aaaa and bbbb: runs "
+        "made apart cannot be judged)"
+    }
+    half = comparison_table([old[0], _sweep("bbbb", fast, 2)])  # one side recorded
+    assert set(half["host"]) == {"no host state recorded for aaaa"}
+    assert not set(half["verdict"]) & {"faster", "slower", "within noise"}
+
+
+def test_few_precise_steps_decide_what_few_noisy_ones_cannot():
+    """The evidence a comparison needs follows the noise it measures: four steps spread 0.1%
+    give an interval as narrow as the runs' drift allows, four spread 20% one far wider, and
+    neither is "too few steps"."""
+    base = _runs(1.0, "aaaa").head(1)
+    widths = {}
+    for spread in (0.001, 0.2):
+        steps = []
+        for seed in (1, 2):
+            d = _timed(base, rounds=2, steps=2, seed=seed)
+            noise = np.exp(spread * np.random.default_rng(seed).standard_normal(len(d)))
+            steps.append(d.assign(step_time_s=0.1 * noise))
+        sweeps = [Sweep("a", base, steps[0], _host()), Sweep("b", base, steps[1], _host())]
+        row = comparison_table(sweeps).iloc[0]
+        assert row["steps"] == "4+4" and not row["verdict"].startswith("too few")
+        low, high = map(float, row["95% CI"].split("-"))
+        widths[spread] = np.log(high / low) / 2
+        assert (row["verdict"] in ("within noise", "inconclusive")) and (
+            row["to settle"] != "" or row["verdict"] == "within noise"
+        )
+    assert widths[0.001] < 0.11 < 0.25 < widths[0.2], widths
 
 
 def _store(path, runs: pd.DataFrame, steps: pd.DataFrame | None = None) -> None:
@@ -240,10 +302,13 @@ def _store(path, runs: pd.DataFrame, steps: pd.DataFrame | None = None) -> None:
         write_parquet(steps, path / "steps.parquet", {"table": "steps", "bench_id": bench_id})
 
 
-def _compare(tmp_path, a: pd.DataFrame, b: pd.DataFrame) -> tuple[str, str]:
-    """``vpipe report A B`` in-process on stores of ``a`` and ``b`` with their timed steps."""
-    _store(tmp_path / "a", a, _timed(a, seed=1))
-    _store(tmp_path / "b", b, _timed(b, seed=2))
+def _compare(tmp_path, a: pd.DataFrame, b: pd.DataFrame, judged: bool = True) -> tuple[str, str]:
+    """``vpipe report A B`` in-process on stores of ``a`` and ``b`` with their timed steps (and
+    reference timings and host state when ``judged``)."""
+    for name, runs, seed in (("a", a, 1), ("b", b, 2)):
+        _store(tmp_path / name, runs, _timed(runs, seed=seed, refs=judged))
+        if judged:
+            write_parquet(_host(), tmp_path / name / "host.parquet", {"table": "host"})
     out = tmp_path / "cmp.html"
     assert main(["report", str(tmp_path / "a"), str(tmp_path / "b"), "-o", str(out)]) == 0
     return out.read_text(), out.with_suffix(".md").read_text()
@@ -255,9 +320,13 @@ def test_report_cli_compares_two_stores(tmp_path, capsys):
     table = md.split("## Speedup over aaaa@h1")[1]
     assert "| speedup | 95% CI | verdict |" in table and "| faster |" in table
     assert "not a speedup" not in md and "runs table only" not in md
-    # stores from before the host-speed reference: compared raw, and said so
-    assert "normalisation unavailable: no reference timings in aaaa@h1 and bbbb@h1" in md
     assert md.split("## Verdict\n\n")[1].startswith("winner: bbbb@h1, faster than aaaa@h1")
+    assert "| timed steps per config |" in md and "| 9+9 |" in md  # the tables agree
+    # stores from before the host-speed reference: compared raw, said so, and no winner
+    _, old = _compare(tmp_path / "old", _runs(1.0, "aaaa", "h1"), _runs(0.8, "bbbb", "h1"), judged=False)
+    assert "normalisation unavailable: no reference timings in aaaa@h1 and bbbb@h1" in old
+    assert old.split("## Verdict\n\n")[1].startswith("no winner at this noise: 6 inconclusive")
+    assert "to settle: vpipe ab aaaa bbbb [same options]" in old
     # one run: its summary
     assert main(["report", str(tmp_path / "a"), "-o", str(tmp_path / "one.html")]) == 0
     assert "Summary" in (tmp_path / "one.html").read_text()

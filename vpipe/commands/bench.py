@@ -6,8 +6,12 @@ from __future__ import annotations
 import argparse
 import os
 import time
+from typing import TYPE_CHECKING
 
 from vpipe.commands._runtime_flags import add_runtime_flags, dp_fields
+
+if TYPE_CHECKING:
+    from vpipe.sweep.driver import SweepSpec
 
 
 def register(subparsers: argparse._SubParsersAction) -> None:
@@ -130,6 +134,13 @@ def register(subparsers: argparse._SubParsersAction) -> None:
         "before then keeps the old output)",
     )
     p.add_argument(
+        "--paced",
+        action="store_true",
+        help="run one block (a launch of the ranks) each time a line 'block' comes on stdin and "
+        "answer with its steps; 'end' writes every finished block to --out (vpipe ab's side "
+        "of a session; see docs/comparing.md)",
+    )
+    p.add_argument(
         "--verbose", action="store_true", help="show the profiler's own USDT/STAGE lines on stderr"
     )
     p.add_argument(
@@ -167,9 +178,10 @@ def run_bench(args: argparse.Namespace) -> int:
         raise KeyboardInterrupt(kept_note(Path(args.out))) from None
 
 
-def _sweep_and_write(args: argparse.Namespace) -> int:
-    started = time.time()
-    from vpipe.sweep.blocks import run_blocks
+def sweep_spec(args: argparse.Namespace) -> SweepSpec:
+    """The sweep ``vpipe bench``'s arguments ask for (``--quick``'s and the GPU's defaults where
+    a flag is not given), validated; a torch baseline that cannot run is left out, in one
+    printed line."""
     from vpipe.sweep.driver import (
         DEFAULT_BATCH,
         DEFAULT_MAX_MINUTES,
@@ -183,7 +195,6 @@ def _sweep_and_write(args: argparse.Namespace) -> int:
         GPU_SIZES,
         QUICK_SCHEDULES,
         SweepSpec,
-        new_run_id,
         parse_list,
         parse_sizes,
     )
@@ -240,6 +251,19 @@ def _sweep_and_write(args: argparse.Namespace) -> int:
     if left_out:
         print(left_out, flush=True)
     spec.validate()
+    return spec
+
+
+def _sweep_and_write(args: argparse.Namespace) -> int:
+    started = time.time()
+    from vpipe.sweep.blocks import run_blocks
+    from vpipe.sweep.driver import new_run_id
+
+    spec = sweep_spec(args)
+    if args.paced:  # vpipe ab's side of a paced session (vpipe.sweep.paced): rounds fixed
+        from vpipe.sweep.paced import serve
+
+        return serve(spec, args.out)
     from vpipe.outputs import check_output_dir, staged_dir
     from vpipe.runtime import launch
     from vpipe.sweep.results import collect

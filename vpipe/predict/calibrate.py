@@ -4,12 +4,10 @@ From a measured run's event table :func:`calibrate` takes, per stage, the median
 ``stat="mean"``, the mean) duration of F, I, W and B spans, per-action overheads, and the
 communication latency:
 
-- **I/W split**: the simulator's full backward costs ``b + w`` (I plus W). When the run has I
-  and W spans they give ``b`` and ``w``; when it has only B (1f1b, interleaved-1f1b) the split
-  is an assumption, ``w = w_share * B`` (default 0.5: the input- and weight-gradient matmuls of
-  a linear layer have equal FLOPs), except on stage 0, whose I has no input gradient to
-  compute (the batch needs none), so its whole backward is W (vpipe's runtime measures
-  I(0) at well under 1% of W(0)).
+- **I/W split**: I and W spans give ``b`` and ``w``, and a B beside them (dualpipev) keeps its
+  own cost; with only B (1f1b) the split is assumed, ``w = w_share * B`` (default 0.5: the
+  two matmuls of a linear layer have equal FLOPs), except on stage 0, whose I computes
+  nothing (the batch needs no gradient): all of it is W.
 - **Overhead**: a rank's step holds more than compute and waits. Posting a SEND or RECV
   occupies the rank: ``post`` is the mean SEND/RECV span (a total over many actions is what
   matters, and posting times are heavy-tailed). Between spans the executor's own work leaves
@@ -67,8 +65,7 @@ class Calibration:
     run_id: str = ""
     overlap: float = 1.0  # an overlap action's span over the sum of its parts' separate costs
     comm_handshake: float = 0.0  # added to a message whose receive is posted after its send
-    # a full backward's own time per stage where the run has B beside I and W (NaN elsewhere)
-    full_b: np.ndarray | None = None
+    full_b: np.ndarray | None = None  # B's own time where a stage also ran I and W, else NaN
 
     @property
     def n_stages(self) -> int:
@@ -113,8 +110,7 @@ class Calibration:
             "f_us": self.f.round(1).tolist(),
             "i_us": self.b.round(1).tolist(),
             "w_us": self.w.round(1).tolist(),
-            **({"b_full_us": [None if np.isnan(x) else round(float(x), 1) for x in self.full_b]}
-               if self.full_b is not None else {}),  # fmt: skip
+            "b_full_us": None if self.full_b is None else self.full_b.round(1).tolist(),
             "post_us": round(self.post, 1),
             "gap_us": round(self.gap, 1),
             "comm_latency_us": round(self.comm_latency, 1),

@@ -18,14 +18,16 @@ from pathlib import Path
 import pandas as pd
 
 from vpipe.errors import VpipeError
-from vpipe.report.crossrun import MIN_BLOCKS, RUN_SD, noise_threshold
 from vpipe.report.crossrun_table import (
     RunToRun,
     choose_normalisation,
+    comparison_note,
     config_blocks,
     cross_cells,
+    device_summary,
     headline,
     host_summary,
+    host_unknown,
     run_to_run_sd,
 )
 from vpipe.report.document import (
@@ -42,7 +44,8 @@ from vpipe.report.document import (
 )
 from vpipe.report.knobs import knob_differences, knob_text
 from vpipe.report.plots import schedule_order
-from vpipe.stats import CONFIDENCE, OUTLIER_FACTOR, RESAMPLES, SEED, Ratio
+from vpipe.stats import Ratio
+from vpipe.trace.device_state import judge_devices
 from vpipe.trace.host_state import judge_hosts
 
 
@@ -136,10 +139,19 @@ class CrossModel:
     spread: RunToRun
 
 
+def on_gpu(sweeps: Sequence[Sweep]) -> bool:
+    """Whether every sweep ran on GPUs (its step times are the device's)."""
+    return all(setting(s.runs, "device") == "cuda" for s in sweeps)
+
+
 def cross_model(sweeps: Sequence[Sweep]) -> CrossModel:
-    """The :class:`CrossModel` of ``sweeps`` (the first is the base)."""
+    """The :class:`CrossModel` of ``sweeps`` (the first is the base). On GPUs the figures are
+    raw (the device's time by CUDA events), and the device's reference and state judge it."""
     notes = frozenset(n for s in sweeps[1:] if (n := normalisation_note(sweeps[0], s)))
     steps = [s.steps for s in sweeps]
+    if on_gpu(sweeps):
+        why = "raw GPU step times (CUDA events); the device reference and NVML state judge the device"
+        return CrossModel(notes, False, why, run_to_run_sd(steps, False))
     normalise, why = choose_normalisation(steps, not notes)
     return CrossModel(notes, normalise, why, run_to_run_sd(steps, normalise))
 
@@ -165,7 +177,15 @@ def comparison_table(sweeps: Sequence[Sweep], model: CrossModel | None = None) -
         r = run.runs.set_index(CONFIG)
         comparable = not setup_differences(base, run)
         timed = base.steps is not None and run.steps is not None
-        hosts = judge_hosts(host_summary(base.host, base.steps), host_summary(run.host, run.steps))
+        if on_gpu([base, run]):  # the device decides; the CPU's state only describes the host
+            summaries = device_summary(base.host), device_summary(run.host)
+            hosts = judge_devices(*summaries)
+            lacking = [s.label for s, h in zip((base, run), summaries, strict=True) if not h]
+            unknown = f"no device state recorded for {' and '.join(lacking)}" if lacking else ""
+        else:
+            summaries = host_summary(base.host, base.steps), host_summary(run.host, run.steps)
+            hosts = judge_hosts(*summaries)
+            unknown = host_unknown(*summaries, (base.label, run.label))
         shared = b.index.intersection(r.index)
         for idx in shared:
             x, y = b.loc[idx], r.loc[idx]
@@ -179,9 +199,13 @@ def comparison_table(sweeps: Sequence[Sweep], model: CrossModel | None = None) -
                     host_differences=hosts,
                     rounds=int(run.meta_value("rounds", 3)),
                     configs=len(shared),
+                    host_unknown=unknown,
+                    ab_hint=ab_hint(base, run),
                 )
                 cells.pop("_ratio")
-                cells["host"] = "; ".join(hosts) if cells["verdict"] == "host differed" else ""
+                if cells["verdict"] == "host differed" and on_gpu([base, run]):
+                    cells["verdict"] = "device differed"
+                cells["host"] = "; ".join(hosts) if cells["verdict"].endswith("differed") else unknown
             else:  # the runs tables' medians, timed against timed or profiled against profiled
                 same_kind = pd.notna(x.get("step_time_s")) == pd.notna(y.get("step_time_s"))
                 value = _recorded_step(x) / _recorded_step(y) if same_kind else nan
@@ -190,8 +214,13 @@ def comparison_table(sweeps: Sequence[Sweep], model: CrossModel | None = None) -
                 cells["steps"] = cells.pop("pairs")
             if not timed:
                 cells.update({"verdict": "no interval: runs table only", OUTLIERS: "", "steps": ""})
+                cells["to settle"] = (
+                    f"compare vpipe bench output directories (their steps.parquet), or "
+                    f"{ab_hint(base, run)}"
+                )
             if not comparable:
                 cells["verdict"] = "not comparable: setup differs"
+                cells["to settle"] = "nothing: the ratio measures the setup (see the header)"
             rows.append(
                 {
                     "schedule": idx[0],
@@ -212,6 +241,22 @@ def comparison_table(sweeps: Sequence[Sweep], model: CrossModel | None = None) -
     order = {x: i for i, x in enumerate(schedule_order(df["schedule"].unique()))}
     df = df.assign(_o=df["schedule"].map(order)).sort_values(["run", "M", "impl", "_o"])
     return df.drop(columns="_o").reset_index(drop=True)
+
+
+def ab_hint(base: Sweep, run: Sweep) -> str:
+    """The ``vpipe ab`` command that compares two sweeps' versions in the same stretch of time
+    (their commits where recorded)."""
+    a, b = (setting(s.runs, "commit") or "A" for s in (base, run))
+    return f"vpipe ab {a} {b} [same options]"
+
+
+def steps_per_config(steps: pd.DataFrame | None) -> str:
+    """A sweep's timed steps per config (all blocks), as the comparison table counts them."""
+    if steps is None:
+        return "none: runs table only"
+    n = steps.groupby(["schedule", "microbatches", "impl"], observed=True).size()
+    low, high = int(n.min()), int(n.max())
+    return f"{low}" if low == high else f"{low}-{high}"
 
 
 def _delay(sweep: Sweep) -> str:
@@ -344,7 +389,7 @@ def comparison_report(paths: Sequence[str | Path]) -> tuple[str, str]:
                 "configs": len(s.runs),
                 "bench_id": s.runs["bench_id"].iloc[0] if "bench_id" in s.runs.columns else "",
                 **{col: setting(s.runs, col) or "" for col in SETUP},
-                "timed steps": "none: runs table only" if s.steps is None else len(s.steps),
+                "timed steps per config": steps_per_config(s.steps),
                 "runtime knobs": knob_text(s.meta),
             }
             for s in sweeps
@@ -412,41 +457,5 @@ def _num(v: float | None, fmt: str) -> str:
 
 def _comparison_note(sweeps: Sequence[Sweep], differs: str, model: CrossModel) -> str:
     """What the comparison table's figures mean, and why they are no speedup if so."""
-    words = (
-        [f"Not a speedup ({differs}): the ratio measures the setup as much as the code."]
-        if differs
-        else []
-    )
-    words.extend(f"Note: {n}." for n in sorted(model.notes))
-    words.append(f"Figure compared: {model.why}.")
-    spread = model.spread
-    words.append(
-        "ratio = base figure / the run's (> 1: the run is faster); the figure is a block's "
-        "median step time over its median reference time (normalised; raw when a sweep has no "
-        f"reference timings), averaged in log over blocks. {CONFIDENCE:.0%} interval, "
-        "simultaneous over a run's n configs (each at 1 - 5%/n, Bonferroni, so that the same "
-        "code compared with itself shows any false verdict at most 5% of the time): a "
-        f"hierarchical bootstrap (blocks, then steps; {RESAMPLES} resamples, seed {SEED}) when "
-        f"both sweeps have {MIN_BLOCKS}+ blocks, else estimate +- t x sd, where each block "
-        "adds its steps' sampling variance (bootstrap) and the launch-to-launch variance, "
-        f"sd {spread.sd:.3f} in log ({spread.source}), and each run the drift of a whole run "
-        f"that its back-to-back blocks cannot show (sd {RUN_SD}, measured by "
-        "bench.false_alarms). Verdict: faster/slower "
-        "only when the interval excludes 1 and the ratio is beyond the config's A/A noise band "
-        "(1.96 x sqrt 2 x the sd of one launch's figure, at least "
-        f"{noise_threshold(0.0):.0%}: two launches of the same code differ by less "
-'95% of the time); "host differed" whenever the hosts\' states differed (see Host): '
-        "then normalising may hide a change as well as invent one; \"within noise\" when the "
-        'ratio is inside the band and the interval inside twice the band; else '
-        '"inconclusive", with the rounds per block (vpipe bench --rounds N) or the blocks '
-        "per run (--blocks K) that would settle it. raw: the ratio of medians "
-        f"without normalisation. Steps over {OUTLIER_FACTOR:g}x their block's median are "
-        "outliers, counted and excluded."
-    )
     bare = [s.label for s in sweeps if s.steps is None]
-    if bare:
-        words.append(
-            f"{', '.join(bare)}: runs table only (no steps.parquet), so the ratio of its "
-            "configs is of the runs tables' medians, without interval or verdict."
-        )
-    return " ".join(words)
+    return comparison_note(differs, model.notes, model.why, model.spread, bare)

@@ -53,7 +53,7 @@ from statistics import NormalDist
 import numpy as np
 import numpy.typing as npt
 
-from vpipe.stats import CONFIDENCE, MIN_SAMPLES, RESAMPLES, SEED, outliers
+from vpipe.stats import CONFIDENCE, RESAMPLES, SEED, outliers
 
 # A percentile bootstrap over few blocks understates their spread (3 blocks: by a factor of
 # sqrt(2/3), with 10 distinct outcomes); below this many per side the interval is the
@@ -68,6 +68,10 @@ LAUNCH_SD = 0.03
 # estimated from the two runs being compared, so it is assumed for every comparison.
 RUN_SD = 0.02
 MIN_EFFECT = 0.02  # never call a difference under 2% (log) a speedup or a slowdown
+# A median's spread needs three steps; beyond that the evidence a comparison needs follows the
+# noise it measures (a block's sampling variance: :func:`_sampling_variances`): four steps
+# spread 0.1% (a GPU) decide what four steps spread 15% (a busy CPU) cannot
+MIN_STEPS = 3
 # "within noise" rules out effects this large at most (log ~10%): with a wider noise band the
 # honest answer is "inconclusive", not that nothing changed
 MAX_WITHIN_NOISE = 0.10
@@ -184,13 +188,35 @@ def _within_draws(block: Block, normalise: bool, rng: np.random.Generator) -> np
     return out
 
 
+def median_variance(values: np.ndarray) -> float:
+    """The variance of the log of the median of ``values`` from their robust spread: (1.2533
+    x sd)^2 / n, sd = 1.4826 x the median absolute deviation of their logs (normal errors)."""
+    logs = np.log(values)
+    sd = 1.4826 * float(np.median(np.abs(logs - np.median(logs))))
+    return (1.2533 * sd) ** 2 / max(logs.size, 1)
+
+
 def _sampling_variances(
     blocks: Sequence[Block], normalise: bool, rng: np.random.Generator
 ) -> tuple[np.ndarray, np.ndarray]:
     """Each block's bootstrap draws (blocks x RESAMPLES) and the variance of its log figure
-    from its own steps: the sampling noise of a median of that many steps."""
+    from its own steps: the sampling noise of a median of that many steps, never below what
+    the steps' robust spread says (:func:`median_variance`; a bootstrap of a few steps has
+    few distinct outcomes and understates it)."""
     draws = np.stack([_within_draws(b, normalise, rng) for b in blocks])
-    return draws, draws.var(axis=1)
+    floors = [
+        median_variance(b.steps)
+        + (median_variance(b.refs) if normalise and b.refs is not None else 0.0)
+        for b in blocks
+    ]
+    return draws, np.maximum(draws.var(axis=1), floors)
+
+
+def block_variances(blocks: Sequence[Block], normalise: bool) -> np.ndarray:
+    """Each block's sampling variance of its log figure (:func:`_sampling_variances`)."""
+    if not blocks:
+        return np.zeros(0)
+    return _sampling_variances(blocks, normalise, np.random.default_rng(SEED))[1]
 
 
 def cross_ratio(
@@ -222,7 +248,7 @@ def cross_ratio(
         return CrossRatio(nan, nan, nan, blocks, steps, normalise, dropped, nan, nan, False, nan)
     figures = [np.mean([b.log_figure(normalise) for b in s]) for s in sides]
     log_value = float(figures[0] - figures[1])
-    if min(steps) < MIN_SAMPLES:
+    if min(steps) < MIN_STEPS:
         return CrossRatio(
             math.exp(log_value), nan, nan, blocks, steps, normalise, dropped, nan, nan, False, nan
         )
@@ -358,7 +384,7 @@ def verdict(r: CrossRatio, threshold: float, host_differences: Sequence[str] = (
     "too few steps" without an interval.
     """
     if not r.has_interval:
-        return f"too few steps (< {MIN_SAMPLES})"
+        return f"too few steps (< {MIN_STEPS})"
     if host_differences:
         return "host differed"
     lo, hi, d = math.log(r.low), math.log(r.high), math.log(r.value)

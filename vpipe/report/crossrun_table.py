@@ -10,7 +10,7 @@ that normalisation is unavailable.
 from __future__ import annotations
 
 import math
-from collections.abc import Sequence
+from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -18,6 +18,8 @@ import pandas as pd
 
 from vpipe.report.crossrun import (
     LAUNCH_SD,
+    MIN_BLOCKS,
+    MIN_STEPS,
     RUN_SD,
     Block,
     CrossRatio,
@@ -31,9 +33,12 @@ from vpipe.report.crossrun import (
     rounds_to_settle,
     verdict,
 )
+from vpipe.stats import CONFIDENCE, OUTLIER_FACTOR, RESAMPLES, SEED
 from vpipe.trace.host_state import summarise
 
 DECIDED = ("faster", "slower")
+MAX_BLOCKS_HINT = 20  # beyond this many blocks per run, vpipe ab is the cheaper answer
+ANSWERS = (*DECIDED, "within noise")
 
 
 def config_blocks(steps: pd.DataFrame, schedule: str, m: int, impl: str) -> list[Block]:
@@ -106,6 +111,29 @@ def choose_normalisation(steps: Sequence[pd.DataFrame | None], available: bool) 
     return True, "normalised by the host-speed reference"
 
 
+def host_unknown(
+    base: dict[str, Any], run: dict[str, Any], labels: tuple[str, str]
+) -> str:
+    """Why two sweeps' hosts cannot be judged, in words: a sweep that recorded neither its
+    host's state nor a reference timing (older sweeps); empty when both did."""
+    lacking = [
+        label
+        for label, h in zip(labels, (base, run), strict=True)
+        if h.get("ref_s") is None or all(h.get(k) is None for k in ("other_cores", "load1"))
+    ]
+    if not lacking:
+        return ""
+    return f"no host state recorded for {' and '.join(lacking)}"
+
+
+def device_summary(host: pd.DataFrame | None) -> dict[str, Any]:
+    """A GPU sweep's device state (:func:`vpipe.trace.device_state.summarise`); empty for a
+    CPU sweep or one from before vpipe read it."""
+    from vpipe.trace.device_state import summarise as summarise_device
+
+    return summarise_device(host.to_dict("records") if host is not None and len(host) else [])
+
+
 def host_summary(host: pd.DataFrame | None, steps: pd.DataFrame | None) -> dict[str, Any]:
     """A sweep's host state (:func:`vpipe.trace.host_state.summarise`); the reference time from its
     steps when the host table lacks it; every figure None for an older sweep."""
@@ -127,11 +155,15 @@ def cross_cells(
     host_differences: Sequence[str],
     rounds: int,
     configs: int = 1,
+    host_unknown: str = "",
+    ab_hint: str = "vpipe ab A B",
 ) -> dict[str, Any]:
     """A config's cells: the ratio the verdict uses (normalised when both sides can be) with
-    its interval, the raw ratio, the verdict and, when inconclusive, the rounds per block
-    that would settle it. ``configs``: how many configs the comparison holds, for
-    :func:`vpipe.report.crossrun.family_confidence`."""
+    its interval, the raw ratio, the verdict and, for a verdict that is no answer, what would
+    give one. ``configs``: how many configs the comparison holds, for
+    :func:`vpipe.report.crossrun.family_confidence`. ``host_unknown``: why the hosts cannot be
+    judged (a sweep that recorded no host state or reference): then the verdict is never
+    faster, slower or within noise. ``ab_hint``: the ``vpipe ab`` command for these runs."""
     use = normalise and normalisable(base) and normalisable(run)
     model = {
         "launch_sd": spread.sd,
@@ -143,32 +175,46 @@ def cross_cells(
     raw = r if not use else cross_ratio(base, run, normalise=False, **model)
     threshold = noise_threshold(r.noise_sd)
     word = verdict(r, threshold, host_differences)
+    if host_unknown and word in ANSWERS:
+        word = "inconclusive"
+    if word in ANSWERS:
+        settle = ""
+    elif host_unknown:
+        settle = f"{ab_hint} ({host_unknown}: runs made apart cannot be judged)"
+    elif word == "host differed":
+        settle = f"{ab_hint} (the same stretch of time for both)"
+    elif not r.has_interval:
+        settle = f"at least {MIN_STEPS} timed steps per config (vpipe bench --rounds N)"
+    else:
+        settle = _settle(r, threshold, rounds, ab_hint)
     return {
         label: _fmt(r.value),
         "95% CI": r.interval_text(),
         "verdict": word,
-        "to settle": _settle(r, threshold, rounds) if word == "inconclusive" else "",
+        "to settle": settle,
         "raw": _fmt(raw.value),
         "raw CI": raw.interval_text(),
         "figure": "normalised" if r.normalised else "raw",
         "blocks": f"{r.blocks[0]}+{r.blocks[1]}",
-        "steps": r.steps[1],
+        "steps": f"{r.steps[0]}+{r.steps[1]}",
         "outliers (excluded)": r.outliers,
         "_ratio": r,
     }
 
 
-def _settle(r: CrossRatio, threshold: float, rounds: int) -> str:
+def _settle(r: CrossRatio, threshold: float, rounds: int, ab_hint: str) -> str:
     """What would settle an inconclusive ratio, whichever times fewer steps: more rounds per
-    block, or more blocks per run."""
+    block, or more blocks per run; or ``vpipe ab`` when the runs' own drift alone is too wide."""
     n = rounds_to_settle(r, threshold, rounds)
     k = blocks_to_settle(r, threshold)
     blocks_now = max(r.blocks)
     if n is not None and (k is None or n * blocks_now <= rounds * k):
-        return f"~{n} rounds"
+        return f"~{n} rounds per block (vpipe bench --rounds {n}, both runs)"
+    if k is not None and k <= MAX_BLOCKS_HINT:
+        return f"{k} blocks per run (vpipe bench --blocks {k}, both runs)"
     if k is not None:
-        return f"--blocks {k} (both runs)"
-    return f"nothing: the runs' own drift alone is +-{math.expm1(r.drift):.0%}"
+        return f"{ab_hint} (it would take {k} blocks per run)"
+    return f"{ab_hint} (the runs' own drift alone is +-{math.expm1(r.drift):.0%})"
 
 
 def _fmt(v: float) -> str:
@@ -195,7 +241,51 @@ def headline(table: pd.DataFrame, base_label: str, label: str) -> str:
         )
     counts = table["verdict"].value_counts()
     parts = [f"{int(c)} {v}" for v, c in counts.items()]
-    settle = [s for s in table.get("to settle", pd.Series(dtype=str)) if s]
+    settle = [  # vpipe ab once, whatever each config's reason
+        s.split(" (", 1)[0] if s.startswith("vpipe ab") else s
+        for s in table.get("to settle", pd.Series(dtype=str))
+        if s
+    ]
     more = f"; to settle: {', '.join(sorted(set(settle)))}" if settle else ""
     mixed = " (faster in some configs, slower in others)" if len(directions) > 1 else ""
     return f"no winner at this noise{mixed}: {', '.join(parts)} of {n} configs{more}"
+
+
+def comparison_note(
+    differs: str, notes: Iterable[str], why: str, spread: RunToRun, bare: Sequence[str]
+) -> str:
+    """What a cross-run comparison table's figures and verdicts mean: ``differs``, what of the
+    setups differs (empty: a speedup); ``notes``, why normalisation is unavailable; ``why``,
+    the figure compared; ``spread``, the launch spread used; ``bare``, the sweeps with a runs
+    table only."""
+    words = [f"Not a speedup ({differs}): the ratio measures the setup as much as the code."] if differs else []
+    words.extend(f"Note: {n}." for n in sorted(notes))
+    words.append(f"Figure compared: {why}.")
+    words.append(
+        "ratio = base figure / the run's (> 1: the run is faster); the figure is a block's "
+        "median step time over its median reference time (normalised; raw when a sweep has no "
+        f"reference timings, and on GPUs), averaged in log over blocks. {CONFIDENCE:.0%} "
+        "interval, simultaneous over a run's n configs (each at 1 - 5%/n, Bonferroni): a "
+        f"hierarchical bootstrap (blocks, then steps; {RESAMPLES} resamples, seed {SEED}) when "
+        f"both sweeps have {MIN_BLOCKS}+ blocks, else estimate +- t x sd, where each block "
+        "adds its steps' sampling variance (bootstrap, never below what their spread gives a "
+        f"median of that many) and the launch-to-launch variance, sd {spread.sd:.3f} in log "
+        f"({spread.source}), and each run the drift of a whole run that its back-to-back "
+        f"blocks cannot show (sd {RUN_SD}, measured by bench.false_alarms). Verdict: "
+        "faster/slower only when the interval excludes 1, the ratio is beyond the config's "
+        "A/A noise band (1.96 x sqrt 2 x the sd of one launch's figure, at least "
+        f"{noise_threshold(0.0):.0%}) and both hosts were judged alike; \"host differed\" "
+        "(\"device differed\" on GPUs) when their states differed (see Host); \"within "
+        "noise\" when the ratio is inside the band and the interval inside twice the band; "
+        "else \"inconclusive\". A sweep that recorded no host state or reference gets no "
+        "answer at all. Every verdict that is no answer says in \"to settle\" what would give "
+        "one: more rounds per block, more blocks per run, or vpipe ab (both versions in the "
+        f"same stretch of time). raw: the ratio of medians without normalisation. Steps over "
+        f"{OUTLIER_FACTOR:g}x their block's median are outliers, counted and excluded."
+    )
+    if bare:
+        words.append(
+            f"{', '.join(bare)}: runs table only (no steps.parquet), so the ratio of its "
+            "configs is of the runs tables' medians, without interval or verdict."
+        )
+    return " ".join(words)

@@ -97,6 +97,29 @@ def init_from_env(
     return rank, world, dev
 
 
+def fork_server(start: bool = False) -> Any:
+    """The forkserver context ranks start from: the fork server imports torch once, and every
+    later rank process forks from it, ready (symbolic_shapes, sympy, is what
+    torch.autograd.backward imports on its first call). ``start``: start the server now, with
+    SIGINT blocked as :func:`spawn` starts it (a paced side does so before its first launch,
+    so that launch does not pay for it)."""
+    import torch.multiprocessing as mp
+
+    ctx = mp.get_context("forkserver")
+    ctx.set_forkserver_preload(
+        ["torch", "torch.distributed", "torch.fx.experimental.symbolic_shapes", "vpipe.runtime"]
+    )
+    if start:
+        from multiprocessing import forkserver
+
+        blocked = signal.pthread_sigmask(signal.SIG_BLOCK, {signal.SIGINT})
+        try:
+            forkserver.ensure_running()
+        finally:
+            signal.pthread_sigmask(signal.SIG_SETMASK, blocked)
+    return ctx
+
+
 def spawn(
     fn: Callable[..., Any],
     n_ranks: int,
@@ -113,17 +136,11 @@ def spawn(
     run is also bounded by ``timeout_s``. ``pg_timeout_s`` bounds every collective/P2P wait.
     """
     import torch.distributed as dist
-    import torch.multiprocessing as mp
 
     if n_ranks < 1:
         raise PipelineError(f"n_ranks must be >= 1, got {n_ranks}")
     store = dist.TCPStore("127.0.0.1", 0, n_ranks + 1, True, timedelta(seconds=pg_timeout_s), False)
-    ctx = mp.get_context("forkserver")
-    # The fork server imports torch once; every later rank process forks from it, ready.
-    # symbolic_shapes (sympy) is what torch.autograd.backward imports on its first call.
-    ctx.set_forkserver_preload(
-        ["torch", "torch.distributed", "torch.fx.experimental.symbolic_shapes", "vpipe.runtime"]
-    )
+    ctx = fork_server()
     results_q = ctx.SimpleQueue()
     # Plain pickle, not torch's fd-sharing reductions: tensors in args and results travel as
     # bytes, so neither side has to outlive the transfer and no file descriptors pile up.

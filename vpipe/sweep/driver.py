@@ -37,22 +37,17 @@ from vpipe.sweep.harness import IMPLS, RankSpec
 # Fixed when this module is imported: families registered later join only when named.
 DEFAULT_SCHEDULES = catalogue.names(lambda f: f.default_sweep)
 QUICK_SCHEDULES = catalogue.names(lambda f: f.quick_sweep)
-# The default sweep sits in the compute-bound regime: MLP blocks 512 -> 1024 with 64-row
-# microbatches (batch 512, M = 8), where compute per action is well above the cost of posting
-# and completing a send/recv, so the schedule ranking says something about real hardware. Its
-# 8 blocks (the flops of the model's default 4 blocks of 512 -> 2048) split into every stage
-# count vpipe plan weighs at 2 ranks (up to 4 stages per rank) and into V-schedules at 4 ranks.
-# Its base rounds take about a minute on 2 cores; rounds are added within DEFAULT_MAX_MINUTES.
+# The default sweep is compute-bound: MLP blocks 512 -> 1024, 64-row microbatches (batch 512,
+# M = 8), so the ranking says something about real hardware; its 8 blocks split into every
+# stage count vpipe plan weighs at 2 ranks and into V-schedules at 4. Base rounds take about a
+# minute on 2 cores; rounds are added within DEFAULT_MAX_MINUTES.
 DEFAULT_MLP_SIZES = {"d_model": 512, "d_hidden": 1024, "n_blocks": 8}
 DEFAULT_MAX_MINUTES = 4.0
 DEFAULT_BATCH = 512
 DEFAULT_MICROBATCHES = (8,)
-# On GPUs (--device cuda) the default model is a GPT-style decoder sized so that one action's
-# compute dwarfs one message on an H100/H200-class GPU over NCCL: d_model 2048 and sequences of
-# 1024 tokens, 4 sequences per microbatch at M=8 (a layer's forward is ~0.45 TFLOP, about a
-# millisecond in bf16, against ~16 MB of activations per message). n_layers grows to the
-# largest stage count. Over gloo on one GPU every message goes through host copies, and the
-# report's regime section says the sweep is overhead-bound.
+# On GPUs (--device cuda) the default is a GPT sized to be compute-bound on an H100/H200-class
+# GPU over NCCL: a layer's forward ~0.45 TFLOP (about 1 ms in bf16) against ~16 MB per message,
+# 4 sequences of 1024 tokens per microbatch at M=8; n_layers grows to the largest stage count.
 GPU_MODEL = "gpt"
 GPU_SIZES = {"vocab": 32768, "d_model": 2048, "n_heads": 16, "seq_len": 1024}
 GPU_BATCH, GPU_QUICK_BATCH = 32, 16
@@ -324,7 +319,7 @@ def rank_worker(
 
     from vpipe.sweep.dp_bench import step_record
     from vpipe.sweep.harness import build
-    from vpipe.sweep.reference import Reference
+    from vpipe.sweep.reference import DeviceReference, Reference, device_round
     from vpipe.sweep.rounds import Rounds
 
     if world != spec.world_size:
@@ -346,13 +341,20 @@ def rank_worker(
             harnesses.append(h)
             progress.advance(f"warm up {cfg.key}")
         ref_shape = sweep_reference_shape(spec, rank_specs)
+        device = harnesses[0].device
+        # on a GPU the per-step reference runs on the CPU and describes the host side; the
+        # device's own reference and state are read once per round (vpipe.trace.device_state)
+        on_gpu = getattr(device, "type", "cpu") == "cuda"
+        reference = Reference(ref_shape, torch.device("cpu") if on_gpu else device)
+        device_reference = DeviceReference(device) if on_gpu else None
         dp_steps: list[dict[str, Any]] = []
 
         def record(i: int, index: int, h: Any) -> None:  # this rank's reductions in the step
             dp_steps.append(step_record(i, index, rank, spec.ranks, h))
 
-        timed = Rounds(spec, configs, harnesses, Reference(ref_shape, harnesses[0].device), rank,
-                       progress.advance, record if spec.dp > 1 else None)  # fmt: skip
+        timed = Rounds(spec, configs, harnesses, reference, rank, progress.advance,
+                       record if spec.dp > 1 else None,
+                       lambda: device_round(device_reference, device))  # fmt: skip
         traced: dict[str, list[Any]] = {cfg.key: [] for cfg in configs}
 
         def profile_round(r: int) -> None:  # interleaved with the timed rounds

@@ -69,3 +69,60 @@ class Reference:
 
         dist.barrier()
         return step_seconds(self.run, self.device)
+
+
+# The device reference on GPUs: a fixed matrix product, the same on every GPU and every sweep
+# (not sized like the model: it measures the device, not the workload), timed with CUDA events
+# once per round. 4096^3 x 2 flops x 4 products: about 9 ms in fp32 on an H200, far above the
+# microseconds of launch overhead, short enough to add little to a round.
+DEVICE_SHAPE = {"n": 4096, "repeats": 4}
+
+
+class DeviceReference:
+    """The device reference on one GPU: :data:`DEVICE_SHAPE`'s products, timed with CUDA
+    events (:func:`vpipe.timing.cuda_event_seconds`), so the figure is the GPU's own time."""
+
+    def __init__(self, device: Any, shape: Mapping[str, int] = DEVICE_SHAPE, seed: int = 0) -> None:
+        import torch
+
+        g = torch.Generator().manual_seed(seed)
+        n = shape["n"]
+        self.repeats = shape["repeats"]
+        self.device = device
+        self.a = torch.randn(n, n, generator=g).to(device)
+        self.b = torch.randn(n, n, generator=g).to(device)
+        self.out = torch.empty(n, n, device=device)
+
+    def run(self) -> None:
+        import torch
+
+        for _ in range(self.repeats):
+            torch.matmul(self.a, self.b, out=self.out)
+
+    def timed(self) -> float:
+        """Seconds of :meth:`run` on the GPU (CUDA events, after a synchronise)."""
+        from vpipe.timing import cuda_event_seconds
+
+        return cuda_event_seconds(self.run, self.device)
+
+
+def device_round(reference: DeviceReference | None, device: Any) -> dict[str, Any]:
+    """One round's device figures on a GPU: the device reference's time and NVML's readings
+    (:func:`vpipe.trace.device_state.sample`); empty on a CPU."""
+    if reference is None:
+        return {}
+    from vpipe.trace.device_state import sample
+
+    return {"device_ref_s": reference.timed(), **sample(nvml_index(device))}
+
+
+def nvml_index(device: Any) -> int:
+    """NVML's index of a CUDA device (CUDA_VISIBLE_DEVICES renumbers CUDA's, not NVML's)."""
+    import torch
+
+    index = device.index if device.index is not None else torch.cuda.current_device()
+    to_nvml = getattr(torch.cuda, "_get_nvml_device_index", None)
+    try:
+        return int(to_nvml(index)) if to_nvml else index
+    except Exception:  # no NVML there: CUDA's own index
+        return index

@@ -2,7 +2,8 @@
 the sweep's time budget, more rounds of the configs whose order is still open.
 
 A round runs ``steps`` timed steps of each of its configs in turn, each after a host-speed
-reference (:mod:`vpipe.sweep.reference`), and samples the host's state around it. After every
+reference (:mod:`vpipe.sweep.reference`), and samples the host's state around it (on a GPU also
+the device reference and the GPU's state, once at the round's start). After every
 round the step times are reduced to the slowest rank's, so every rank holds the same figures.
 After the base rounds (``--rounds``), rank 0 asks the verdict's rules which configs more rounds
 could still order (:func:`vpipe.report.winner.open_configs`: the open contenders of each group
@@ -39,9 +40,12 @@ class Rounds:
         rank: int,
         advance: Callable[[str], None],
         record: Callable[[int, int, Any], None] | None = None,
+        device_state: Callable[[], dict[str, Any]] | None = None,
     ) -> None:
         self.spec, self.configs, self.harnesses = spec, list(configs), list(harnesses)
         self.reference, self.rank, self.advance, self.record = reference, rank, advance, record
+        self.device_state = device_state  # on a GPU: the device reference and NVML per round
+        self.devices: list[dict[str, Any]] = []
         n = len(self.configs)
         self.times: list[list[float]] = [[] for _ in range(n)]
         self.refs: list[list[float]] = [[] for _ in range(n)]
@@ -60,6 +64,7 @@ class Rounds:
         from vpipe.trace import host_state
 
         steps = self.spec.steps
+        self.devices.append(self.device_state() if self.device_state is not None else {})
         t = torch.zeros(len(active), steps, dtype=torch.float64)
         ref = torch.zeros_like(t)
         before = host_state.sample()
@@ -145,6 +150,8 @@ class Rounds:
         cpu = torch.tensor(self.own_cpu, dtype=torch.float64)
         dist.all_reduce(cpu, op=dist.ReduceOp.SUM)
         return [
-            {**host_state.round_state(b, a, c), "round": r}
-            for (b, a), c, r in zip(self.samples, cpu.tolist(), self.labels, strict=True)
+            {**host_state.round_state(b, a, c), **d, "round": r}
+            for (b, a), c, d, r in zip(
+                self.samples, cpu.tolist(), self.devices, self.labels, strict=True
+            )
         ]

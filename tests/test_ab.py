@@ -1,0 +1,314 @@
+"""vpipe ab: the launch order and its pairs, the paired verdicts, the versions' environments, a
+side that fails, and Ctrl-C. The session logic runs against stand-in sides (a tiny program
+speaking the paced protocol, as ``python -m vpipe`` in a directory of its own), so that order,
+failure and interruption are exact and fast; one test runs two real sides end to end."""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+import signal
+import subprocess
+import sys
+import threading
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+from vpipe.report.ab_report import ab_report, session_pairs, session_table, settled
+from vpipe.report.pairs import Pair, confidence, paired_ratio, session_order, session_spread
+from vpipe.sweep.ab import run_session
+from vpipe.sweep.envs import EnvError, Version, prepare
+
+ROOT = Path(__file__).resolve().parents[1]
+CONFIGS = [["1f1b", 4, "vpipe"], ["zbv", 4, "vpipe"]]
+READY = {"configs": CONFIGS, "reference": {"rows": 32}, "device": "cpu", "ready": True}
+
+
+def test_launches_alternate_a_b_b_a():
+    assert "".join(session_order(10)) == "ABBAABBAAB"
+
+
+def _message(rng, scale: float, n: int = 9, other: float = 0.0, sd: float = 0.03) -> dict:
+    steps = [list(0.07 * scale * np.exp(sd * rng.standard_normal(n))) for _ in CONFIGS]
+    refs = [list(0.006 * np.exp(0.01 * rng.standard_normal(n))) for _ in CONFIGS]
+    host = [{"other_cores": other, "free_cores": 2 - other, "steal": 0.0, "mhz": 2600.0}] * 3
+    return {"block": 0, "wall_s": 1.0, "steps": steps, "refs": refs, "host": host}
+
+
+def _session(pairs: int, b_scale: float, seed: int = 0, hog_from: int | None = None) -> list:
+    rng = np.random.default_rng(seed)
+    out = []
+    for i, side in enumerate(session_order(2 * pairs)):
+        hogged = hog_from is not None and i >= hog_from
+        scale = (b_scale if side == "B" else 1.0) * (1.6 if hogged else 1.0)
+        out.append((side, _message(rng, scale, other=1.0 if hogged else 0.0)))
+    return out
+
+
+def test_pairs_are_adjacent_launches_and_a_host_change_leaves_one_out():
+    launches = _session(4, 1.0, hog_from=5)  # the hog starts in pair 3's second launch
+    pairs = session_pairs({"A": READY, "B": READY}, launches)
+    assert list(pairs) == [("1f1b", 4, "vpipe"), ("zbv", 4, "vpipe")]
+    left_out = [i for i, p in enumerate(pairs[("zbv", 4, "vpipe")]) if p.host_differences]
+    assert left_out == [2]
+    assert "other processes' CPU" in pairs[("zbv", 4, "vpipe")][2].host_differences[0]
+
+
+def _table(launches, pairs: int, delay: float = 0.0):
+    return session_table(
+        {"A": READY, "B": READY}, launches, looks=pairs - 1, labels={"A": "a", "B": "b"},
+        delay_b_ms=delay,
+    )  # fmt: skip
+
+
+def test_the_same_code_is_within_noise_and_a_10_percent_slowdown_is_slower():
+    same, _, _ = _table(_session(8, 1.0), 8)
+    assert list(same["verdict"]) == ["within noise", "within noise"] and settled(same)
+    slow, spread, why = _table(_session(8, 1.1), 8, delay=7.0)
+    assert list(slow["verdict"]) == ["slower", "slower"] and settled(slow)
+    for ratio in slow["speedup"].astype(float):
+        assert 0.87 < ratio < 0.95  # A/B: B is 10% slower
+    assert spread.dof is None and "normalised" in why  # the floor held, references shared
+    assert set(slow["delay ms (B)"]) == {"7"}
+
+
+def test_inconclusive_says_how_many_pairs_would_settle_it():
+    table, _, _ = _table(_session(2, 1.05), 8)
+    assert set(table["verdict"]) == {"inconclusive"} and not settled(table)
+    for text in table["to settle"]:
+        n = int(text.split("~")[1].split()[0])
+        assert n > 2 and f"--pairs {n}" in text
+
+
+def test_a_hogged_pair_counts_less_than_a_quiet_one():
+    rng = np.random.default_rng(3)
+    from vpipe.report.crossrun import Block
+
+    def block(scale, sd):
+        return Block.of(0.07 * scale * np.exp(sd * rng.standard_normal(12)))
+
+    quiet = [Pair(block(1.0, 0.02), block(1.1, 0.02)) for _ in range(4)]
+    noisy = [Pair(block(1.0, 0.4), block(0.8, 0.4))]  # a pair under a hog: far noisier
+    spread = session_spread([])
+    r = paired_ratio(quiet + noisy, False, spread, 0.95)
+    alone = paired_ratio(quiet, False, spread, 0.95)
+    assert abs(math.log(r.value) - math.log(alone.value)) < 0.03
+
+
+def test_confidence_is_shared_by_configs_and_looks():
+    assert confidence(2, 7) == pytest.approx(1 - 0.05 / 14)
+    launches = _session(3, 1.0)
+    wide = _table(launches, 20)[0]  # more planned looks: each one is stricter
+    narrow = _table(launches, 2)[0]
+    for w, n in zip(wide["95% CI"], narrow["95% CI"], strict=True):
+        lw, hw = map(float, w.split("-"))
+        ln, hn = map(float, n.split("-"))
+        assert lw < ln and hw > hn
+
+
+def test_the_report_has_a_verdict_column_and_the_session(tmp_path):
+    html, md, table = ab_report(
+        {"A": READY, "B": READY}, _session(3, 1.0, hog_from=3), looks=7,
+        labels={"A": "HEAD (abc)", "B": "HEAD (abc)"}, stopped="--pairs 3 done",
+    )  # fmt: skip
+    assert "| verdict |" in md.replace("verdict | to settle", "verdict |")
+    assert "Pairs left out" in md and "--pairs 3 done" in md and "<table" in html
+    assert list(table["pairs"]) == [2, 2] and list(table["left out"]) == [1, 1]
+
+
+# ---------------------------------------------------------------------------------------------
+# Stand-in sides: a program that speaks the paced protocol
+
+FAKE = r'''
+import json, os, signal, sys, time
+args = sys.argv[1:]
+out = args[args.index("--out") + 1]
+delay = float(args[args.index("--inject-delay-ms") + 1]) if "--inject-delay-ms" in args else 0
+side = os.path.basename(out)
+fail_at = int(os.environ.get(f"FAKE_FAIL_{side}", "-1"))
+block_s = float(os.environ.get("FAKE_BLOCK_S", "0.02"))
+log = open(os.environ["FAKE_LOG"], "a")
+def reply(m):
+    sys.stdout.write("vpipe-paced " + json.dumps(m) + "\n"); sys.stdout.flush()
+print("some rank's own output")
+reply({"ready": True, "configs": [["1f1b", 4, "vpipe"]], "reference": {"rows": 1}, "device": "cpu"})
+done = 0
+for line in sys.stdin:
+    word = line.strip()
+    if word == "end":
+        break
+    log.write(f"{side} {time.monotonic()}\n"); log.flush()
+    if done == fail_at:
+        reply({"failed": f"rank 1 failed: boom in {side}"}); continue
+    try:
+        time.sleep(block_s)
+    except KeyboardInterrupt:
+        reply({"aborted": done}); continue
+    scale = 1 + delay / 70
+    reply({"block": done, "wall_s": block_s, "steps": [[0.07 * scale] * 9], "refs": [[0.006] * 9], "host": []})
+    done += 1
+os.makedirs(out, exist_ok=True)
+open(os.path.join(out, "blocks"), "w").write(str(done))
+reply({"written": done, "out": out})
+'''
+
+
+@pytest.fixture
+def fake_versions(tmp_path, monkeypatch):
+    pkg = tmp_path / "fake" / "vpipe"
+    pkg.mkdir(parents=True)
+    (pkg / "__init__.py").write_text("")
+    (pkg / "__main__.py").write_text(FAKE)
+    log = tmp_path / "order.log"
+    monkeypatch.setenv("FAKE_LOG", str(log))
+    python = Path(sys.executable)
+    versions = {
+        k: Version(k, "HEAD", tmp_path / "fake", python, None, True) for k in ("A", "B")
+    }
+    return versions, log
+
+
+def _run(versions, out, **kw):
+    kw.setdefault("settled", lambda session: False)
+    return run_session(
+        versions, {"A": [], "B": ["--inject-delay-ms", "7"]}, out, pairs=kw.pop("pairs", 3),
+        max_minutes=5, progress=lambda line: None, **kw,
+    )  # fmt: skip
+
+
+def test_a_session_alternates_and_each_side_writes_its_blocks(tmp_path, fake_versions):
+    versions, log = fake_versions
+    session, wrote = _run(versions, tmp_path / "out")
+    order = [line.split()[0] for line in log.read_text().splitlines()]
+    assert "".join(order) == "ABBAAB" and session.stopped == "--pairs 3 done"
+    assert (tmp_path / "out" / "A" / "blocks").read_text() == "3"
+    assert wrote == [f"A: 3 blocks in {tmp_path / 'out' / 'A'}", f"B: 3 blocks in {tmp_path / 'out' / 'B'}"]
+    assert "some rank's own output" in (tmp_path / "out" / "A.log").read_text()
+    b = [m for k, m in session.launches if k == "B"]
+    assert b[0]["steps"][0][0] == pytest.approx(0.077)  # only B got the delay
+
+
+def test_the_session_stops_once_settled(tmp_path, fake_versions):
+    versions, _ = fake_versions
+    session, _ = _run(versions, tmp_path / "out", pairs=8, settled=lambda s: True)
+    assert session.stopped == "settled after 2 pairs" and len(session.launches) == 4
+
+
+def test_a_side_that_fails_is_one_line_and_the_other_side_keeps_its_blocks(
+    tmp_path, fake_versions, monkeypatch
+):
+    versions, _ = fake_versions
+    monkeypatch.setenv("FAKE_FAIL_B", "1")  # B's second launch (A B B) fails
+    session, wrote = _run(versions, tmp_path / "out")
+    assert session.error == "B = HEAD (" + str(tmp_path / "fake") + "): rank 1 failed: boom in B"
+    assert "\n" not in session.error and session.stopped.startswith("stopped after 1 pairs")
+    assert (tmp_path / "out" / "A" / "blocks").read_text() == "1"
+    assert (tmp_path / "out" / "B" / "blocks").read_text() == "1"
+
+
+def test_ctrl_c_stops_the_launch_in_progress_and_both_sides_keep_what_finished(
+    tmp_path, fake_versions, monkeypatch
+):
+    versions, log = fake_versions
+    monkeypatch.setenv("FAKE_BLOCK_S", "0.6")
+    timer = threading.Timer(2.0, lambda: os.kill(os.getpid(), signal.SIGINT))
+    timer.start()
+    try:
+        session, wrote = _run(versions, tmp_path / "out", pairs=6)
+    finally:
+        timer.cancel()
+    assert session.interrupted and session.stopped.startswith("interrupted after")
+    done = {k: int((tmp_path / "out" / k / "blocks").read_text()) for k in ("A", "B")}
+    started = log.read_text().count("\n")
+    assert sum(done.values()) == started - 1  # the launch in progress was dropped, no other
+    assert all(f"{k}: {done[k]} block" in w for k, w in zip("AB", wrote, strict=True))
+
+
+# ---------------------------------------------------------------------------------------------
+# Environments
+
+
+def _git(repo: Path, *args: str) -> str:
+    out = subprocess.run(
+        ["git", "-c", "user.name=t", "-c", "user.email=t@t", *args],
+        cwd=repo, capture_output=True, text=True, check=True,
+    )  # fmt: skip
+    return out.stdout.strip()
+
+
+def _tiny_repo(path: Path) -> Path:
+    (path / "vpipe").mkdir(parents=True)
+    (path / "vpipe" / "__init__.py").write_text("__version__ = '0'\n")
+    (path / "pyproject.toml").write_text(
+        '[build-system]\nrequires = ["setuptools>=64"]\nbuild-backend = "setuptools.build_meta"\n'
+        '[project]\nname = "vpipe"\nversion = "0"\n[tool.setuptools.packages.find]\n'
+        'include = ["vpipe*"]\n'
+    )
+    _git(path, "init", "-q")
+    _git(path, "add", "-A")
+    _git(path, "commit", "-qm", "good")
+    return path
+
+
+def test_a_revision_gets_a_worktree_and_an_environment_reused_while_unchanged(tmp_path):
+    repo = _tiny_repo(tmp_path / "repo")
+    cache = tmp_path / "cache"
+    a = prepare("A", "HEAD", repo, cache)
+    assert not a.reused and a.commit == _git(repo, "rev-parse", "HEAD")
+    where = subprocess.run(
+        [str(a.python), "-c", "import vpipe, numpy; print(vpipe.__file__)"],
+        cwd=tmp_path, capture_output=True, text=True, check=True,
+    ).stdout.strip()  # fmt: skip
+    assert Path(where).parent.parent == a.checkout  # its own checkout; numpy shared from here
+    again = prepare("B", "HEAD", repo, cache)
+    assert again.reused and again.python == a.python
+
+
+def test_a_revision_that_fails_to_install_is_one_line_and_the_other_is_kept(tmp_path):
+    repo = _tiny_repo(tmp_path / "repo")
+    cache = tmp_path / "cache"
+    good = prepare("A", "HEAD", repo, cache)
+    (repo / "pyproject.toml").write_text("[project\nname = broken\n")
+    _git(repo, "commit", "-qam", "broken")
+    with pytest.raises(EnvError) as e:
+        prepare("B", "HEAD", repo, cache)
+    message = str(e.value)
+    assert message.startswith("B (HEAD): install failed:") and "\n" not in message
+    assert prepare("A", "HEAD~1", repo, cache).reused and good.python.exists()
+
+
+def test_unknown_versions_are_one_line(tmp_path):
+    repo = _tiny_repo(tmp_path / "repo")
+    with pytest.raises(EnvError, match=r"^A \(nope\): neither a directory nor a git revision"):
+        prepare("A", "nope", repo, tmp_path / "cache")
+    (tmp_path / "empty").mkdir()
+    with pytest.raises(EnvError, match="not a vpipe checkout"):
+        prepare("B", str(tmp_path / "empty"), repo, tmp_path / "cache")
+
+
+# ---------------------------------------------------------------------------------------------
+# End to end
+
+
+def test_vpipe_ab_of_this_checkout_against_itself(tmp_path):
+    """Two real paced sides of this checkout (a directory version), a tiny sweep, two pairs."""
+    out = tmp_path / "session"
+    cmd = [sys.executable, "-m", "vpipe", "ab", str(ROOT), str(ROOT), "--schedules", "1f1b",
+           "--impl", "vpipe", "--microbatches", "2", "--batch", "8", "--sizes",
+           "d_model=32,d_hidden=64", "--rounds", "2", "--steps", "2", "--warmup", "1",
+           "--pairs", "2", "--out", str(out), "--cache", str(tmp_path / "cache")]  # fmt: skip
+    res = subprocess.run(cmd, cwd=tmp_path, capture_output=True, text=True, timeout=300)
+    assert res.returncode == 0, res.stdout + res.stderr
+    md = (out / "report.md").read_text()
+    assert "| verdict |" in md.replace("verdict | to settle", "verdict |")
+    record = json.loads((out / "session.json").read_text())
+    assert [x["side"] for x in record["launches"]] == ["A", "B", "B", "A"]
+    import pandas as pd
+
+    for side in ("A", "B"):
+        steps = pd.read_parquet(out / side / "steps.parquet")
+        assert sorted(steps["block"].unique()) == [0, 1] and steps["ref_s"].notna().all()
+    assert (out / "report.html").is_file() and "pair 2/2" in res.stdout

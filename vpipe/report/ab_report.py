@@ -1,0 +1,222 @@
+"""The table and report of a ``vpipe ab`` session, from what its two sides reported: their
+ready messages (configs, reference shape) and each launch's block message (timed steps,
+reference times, host rounds) in the order the launches ran (:mod:`vpipe.sweep.paced`). The
+statistics are :mod:`vpipe.report.pairs`'.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Mapping, Sequence
+from typing import Any
+
+import numpy as np
+import pandas as pd
+
+from vpipe.report.crossrun import Block
+from vpipe.report.crossrun_table import headline
+from vpipe.report.document import render_html, render_markdown, table_section, text_section
+from vpipe.report.pairs import (
+    PAIR_LAUNCH_SD,
+    Pair,
+    Spread,
+    busiest,
+    confidence,
+    differences,
+    make_pair,
+    pair_verdict,
+    paired_ratio,
+    session_spread,
+    settle_text,
+)
+
+SETTLED = ("faster", "slower", "within noise")
+Launch = tuple[str, Mapping[str, Any]]  # (side, block message)
+Config = tuple[str, int, str]
+
+
+def shared_configs(ready: Mapping[str, Mapping[str, Any]]) -> list[Config]:
+    """The configs both sides run, in A's order."""
+    b = {tuple(c) for c in ready["B"]["configs"]}
+    return [(s, int(m), i) for s, m, i in ready["A"]["configs"] if (s, m, i) in b]
+
+
+def _block(message: Mapping[str, Any], index: int) -> Block:
+    refs = message.get("refs")
+    row = refs[index] if refs else None
+    known = row is not None and all(x is not None and x > 0 for x in row)
+    return Block.of(message["steps"][index], row if known else None)
+
+
+def session_pairs(
+    ready: Mapping[str, Mapping[str, Any]], launches: Sequence[Launch]
+) -> dict[Config, list[Pair]]:
+    """Each shared config's pairs: launches 2i and 2i+1, A's block and B's, judged on their
+    hosts (an unfinished last pair is left out)."""
+    index = {k: {tuple(c): i for i, c in enumerate(r["configs"])} for k, r in ready.items()}
+    out: dict[Config, list[Pair]] = {c: [] for c in shared_configs(ready)}
+    for i in range(0, len(launches) - 1, 2):
+        by_side = dict(launches[i : i + 2])
+        a, b = by_side["A"], by_side["B"]
+        host_a, host_b = busiest(a.get("host", [])), busiest(b.get("host", []))
+        for c in out:
+            out[c].append(
+                make_pair(_block(a, index["A"][c]), _block(b, index["B"][c]), host_a, host_b)
+            )
+    return out
+
+
+def choose_figure(
+    ready: Mapping[str, Mapping[str, Any]], pairs: Mapping[Config, list[Pair]]
+) -> tuple[bool, str]:
+    """Whether to compare normalised figures, and why in words: when both sides timed the
+    same reference before every step, unless from three pairs on the pairs spread more
+    normalised than raw (the reference then follows the host worse than the steps do)."""
+    if ready["A"].get("reference") != ready["B"].get("reference"):
+        return False, "raw: the versions time different host-speed references"
+    every = [p for ps in pairs.values() for p in ps]
+    if not every or any(p.a.refs is None or p.b.refs is None for p in every):
+        return False, "raw: a side timed no host-speed reference"
+    if min(len(ps) for ps in pairs.values()) >= 3:
+        spread = {
+            n: sum(float(np.var(differences(ps, n)[0])) for ps in pairs.values())
+            for n in (True, False)
+        }
+        if spread[False] < spread[True]:
+            return False, (
+                f"raw: the pairs spread less raw than normalised (var {spread[False]:.4f} vs "
+                f"{spread[True]:.4f})"
+            )
+    return True, "normalised by the host-speed reference timed before every step"
+
+
+def session_table(
+    ready: Mapping[str, Mapping[str, Any]],
+    launches: Sequence[Launch],
+    *,
+    looks: int,
+    labels: Mapping[str, str],
+    delay_b_ms: float = 0.0,
+) -> tuple[pd.DataFrame, Spread, str]:
+    """One row per shared config: A's and B's median step, A/B with its interval (> 1: B is
+    faster), the verdict and what would settle it, the pairs used and left out; with the
+    spread the intervals used and the figure compared, in words."""
+    pairs = session_pairs(ready, launches)
+    normalise, why = choose_figure(ready, pairs)
+    kept = {c: [p for p in ps if not p.host_differences] for c, ps in pairs.items()}
+    spread = session_spread(differences(ps, normalise) for ps in kept.values() if ps)
+    level = confidence(len(pairs), looks)
+    rows = []
+    for (schedule, m, impl), ps in pairs.items():
+        r = paired_ratio(ps, normalise, spread, level)
+        word = pair_verdict(r)
+        left_out = len(ps) - r.blocks[0]
+        used = [p for p in ps if not p.host_differences]
+        rows.append(
+            {
+                "schedule": schedule,
+                "M": m,
+                "impl": impl,
+                "run": labels["B"],
+                "A ms": _ms([p.a for p in used]),
+                "B ms": _ms([p.b for p in used]),
+                "speedup": "" if math.isnan(r.value) else f"{r.value:.3f}",
+                "95% CI": r.interval_text(3),
+                "verdict": word,
+                "to settle": settle_text(r, word, left_out),
+                "pairs": r.blocks[0],
+                "left out": left_out,
+                "steps": f"{r.steps[0]}+{r.steps[1]}",
+                "outliers (excluded)": r.outliers,
+                "delay ms (B)": f"{delay_b_ms:g}" if delay_b_ms else "",
+            }
+        )
+    return pd.DataFrame(rows), spread, why
+
+
+def settled(table: pd.DataFrame) -> bool:
+    """Whether every config's verdict is an answer (faster, slower or within noise)."""
+    return bool(len(table)) and bool(table["verdict"].isin(SETTLED).all())
+
+
+def _ms(blocks: Sequence[Block]) -> str:
+    if not blocks:
+        return ""
+    return f"{np.median(np.concatenate([b.steps for b in blocks])) * 1e3:.2f}"
+
+
+def left_out_table(
+    ready: Mapping[str, Mapping[str, Any]], launches: Sequence[Launch]
+) -> pd.DataFrame:
+    """The pairs left out and why (the same for every config: they are judged per launch)."""
+    first = next(iter(session_pairs(ready, launches).values()), [])
+    return pd.DataFrame(
+        [{"pair": i + 1, "hosts differed": "; ".join(p.host_differences)}
+         for i, p in enumerate(first) if p.host_differences]  # fmt: skip
+    )
+
+
+def launch_table(launches: Sequence[Launch]) -> pd.DataFrame:
+    """Each launch in the order it ran: side, wall time, its busiest round's host state."""
+    rows = []
+    for i, (side, m) in enumerate(launches):
+        h = busiest(m.get("host", []))
+        rows.append(
+            {
+                "launch": i + 1,
+                "side": side,
+                "wall s": f"{m.get('wall_s', float('nan')):.1f}",
+                "other cores (max)": _num(h["other_cores"]),
+                "cores left (min)": _num(h["free_cores"]),
+                "steal (max)": _num(h["steal"], "{:.1%}"),
+            }
+        )
+    return pd.DataFrame(rows)
+
+
+def _num(v: float | None, fmt: str = "{:.2f}") -> str:
+    return "" if v is None else fmt.format(v)
+
+
+def ab_report(
+    ready: Mapping[str, Mapping[str, Any]],
+    launches: Sequence[Launch],
+    *,
+    looks: int,
+    labels: Mapping[str, str],
+    stopped: str,
+    delay_b_ms: float = 0.0,
+) -> tuple[str, str, pd.DataFrame]:
+    """HTML and Markdown of a session, headed by its one-line verdict, and its table."""
+    table, spread, why = session_table(
+        ready, launches, looks=looks, labels=labels, delay_b_ms=delay_b_ms
+    )
+    shown = table.drop(columns="run")
+    line = headline(table, labels["A"], "speedup") if len(table) else "no shared config"
+    versions = [f"A = {labels['A']}", f"B = {labels['B']}"]
+    delay = f" B was slowed by {delay_b_ms:g} ms per step (--inject-delay-ms-b)." if delay_b_ms else ""
+    note = (
+        f"speedup = A's figure / B's (> 1: B is faster), the inverse-variance weighted mean "
+        f"over the pairs of adjacent launches (A B B A ...) of log(A/B); figure: {why}. "
+        f"Interval: each pair's variance is its two launches' sampling variance (bootstrap of "
+        f"their steps) plus the launches' spread, {spread.source} (floor: launch sd "
+        f"{PAIR_LAUNCH_SD} per side); {confidence(len(table), looks):.4f} per config "
+        f"(5% shared by {len(table)} configs x {looks} looks, Bonferroni), "
+        f"{'the normal quantile' if spread.dof is None else f'Student t, {spread.dof} dof'}. "
+        "Verdict as in vpipe report: faster/slower when the interval excludes 1 and the ratio "
+        "is beyond the A/A noise band of one launch; within noise when the interval lies "
+        "inside twice that band (at most +-10%); else inconclusive, with the pairs that "
+        "would settle it. Pairs whose launches saw different hosts (a CPU hog that came or "
+        f"went) are left out and counted.{delay}"
+    )
+    sections = [
+        text_section("Verdict", [line, f"Session: {stopped}."]),
+        text_section("Versions", versions),
+        table_section("Paired comparison", shown, note),
+    ]
+    left = left_out_table(ready, launches)
+    if len(left):
+        sections.append(table_section("Pairs left out", left))
+    sections.append(table_section("Launches", launch_table(launches)))
+    title = "vpipe ab"
+    return render_html(title, sections), render_markdown(title, sections), table

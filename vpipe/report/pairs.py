@@ -1,0 +1,213 @@
+"""Paired comparisons of two versions launched alternately (``vpipe ab``): the ratio of each
+config's figure with an interval from the pairs, and the verdict of :mod:`vpipe.report.crossrun`.
+
+A session launches the two versions in the order A B B A A B ..., each launch one block of
+the same sweep (:mod:`vpipe.sweep.ab`). Launch 2i and 2i+1 form pair i, so each pair's two
+launches ran one after the other, and a host that drifts over the session moves both; the
+order alternates so that a steady drift favours neither side.
+
+- **Pair**: its difference d = log(A's figure) - log(B's figure) per config, a figure being a
+  launch's median step time over its median reference time (normalised), or the median step
+  (raw) where the versions timed different references or none. Its sampling variance v is
+  the two launches' (:func:`vpipe.report.crossrun.block_variances`).
+- **Left out**: a pair whose two launches saw different hosts (other processes' CPU, the cores
+  left to the sweep, steal or MHz beyond :data:`vpipe.trace.host_state.LIMITS`, judged on each
+  launch's busiest round): a CPU hog that started between them, or in one of them. Counted.
+- **Interval** (:func:`paired_ratio`): a random-effects model: d_i = delta + launch effects +
+  sampling noise, with variance v_i + tau^2, tau^2 the pairs' spread beyond their sampling
+  noise (:func:`pair_spread`, pooled over configs, never below two launches'
+  :data:`PAIR_LAUNCH_SD`). delta is the inverse-variance weighted mean (a
+  noisy pair, such as one under a hog, counts less) and its interval delta +- q x its sd, q the
+  normal quantile while the floor holds and Student's t for the pooled degrees of freedom
+  when the pairs spread more. The host's slow drift is what the pairs cancel, so no run drift
+  is added (it is in :mod:`vpipe.report.crossrun` for runs made apart).
+- **Confidence**: simultaneous over the configs and over every look the session takes at its
+  verdicts (Bonferroni: each config at 1 - 5% / (configs x looks)), so stopping when the
+  verdict is settled does not raise the false-alarm rate.
+- **Verdict**: :func:`vpipe.report.crossrun.verdict`, with the A/A noise band of one launch;
+  "inconclusive" says how many pairs would settle it (:func:`pairs_to_settle`).
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Iterable, Mapping, Sequence
+from dataclasses import dataclass
+from typing import Any
+
+import numpy as np
+
+from vpipe.report.crossrun import (
+    Block,
+    CrossRatio,
+    _within_noise_band,
+    block_variances,
+    noise_threshold,
+    t_quantile,
+    verdict,
+)
+from vpipe.stats import CONFIDENCE
+from vpipe.trace.host_state import LIMITS, judge_hosts
+
+MIN_PAIRS = 2  # A B B A: the first look at the verdicts
+# The floor of a launch's effect beyond its steps' sampling noise, per side of a pair:
+# adjacent launches showed none (python -m bench.false_alarms --ab: 0.000 pooled over 30, 66
+# and 42 degrees of freedom in three runs on this 2-core host, quiet to loaded), blocks
+# launched back to back 0.024 (bench.false_alarms, 160 dof); the floor keeps that margin
+PAIR_LAUNCH_SD = 0.02
+PAIR_LIMITS = {**LIMITS, "ref_ratio": math.inf}  # the reference's moves are what normalising undoes
+
+
+def session_order(launches: int) -> list[str]:
+    """The sides of a session's first ``launches`` launches: A B B A A B B A ..."""
+    return [("A", "B")[(i + 1) // 2 % 2] for i in range(launches)]
+
+
+def busiest(rounds: Iterable[Mapping[str, Any]]) -> dict[str, float | None]:
+    """A launch's host state for the pair check: its busiest round's other processes' CPU,
+    cores left and steal, and its median MHz (None where not recorded)."""
+    rows = list(rounds)
+
+    def values(key: str) -> list[float]:
+        return [float(r[key]) for r in rows if r.get(key) is not None and r[key] == r[key]]
+
+    other, free, steal, mhz = (values(k) for k in ("other_cores", "free_cores", "steal", "mhz"))
+    return {
+        "other_cores": max(other) if other else None,
+        "free_cores": min(free) if free else None,
+        "steal": max(steal) if steal else None,
+        "mhz": float(np.median(mhz)) if mhz else None,
+    }
+
+
+@dataclass(frozen=True)
+class Pair:
+    """One config's two launches of a pair: A's block and B's, and what differed between the
+    hosts they saw (empty: nothing)."""
+
+    a: Block
+    b: Block
+    host_differences: tuple[str, ...] = ()
+
+
+def make_pair(
+    a: Block, b: Block, host_a: Mapping[str, Any], host_b: Mapping[str, Any]
+) -> Pair:
+    """A pair of blocks with the host judgement of its launches (:data:`PAIR_LIMITS`)."""
+    return Pair(a, b, tuple(judge_hosts(host_a, host_b, PAIR_LIMITS)))
+
+
+def differences(pairs: Sequence[Pair], normalise: bool) -> tuple[np.ndarray, np.ndarray]:
+    """Each pair's log(A/B) of the figures and its sampling variance."""
+    if not pairs:
+        return np.zeros(0), np.zeros(0)
+    a = [p.a.cleaned()[0] for p in pairs]
+    b = [p.b.cleaned()[0] for p in pairs]
+    d = np.array([x.log_figure(normalise) - y.log_figure(normalise) for x, y in zip(a, b, strict=True)])
+    return d, block_variances(a, normalise) + block_variances(b, normalise)
+
+
+def pair_spread(configs: Iterable[tuple[np.ndarray, np.ndarray]]) -> tuple[float, int] | None:
+    """tau^2, the variance of a pair's difference beyond its sampling noise, pooled over
+    configs (each: differences and their sampling variances) by the method of moments: the
+    squared deviations from each config's mean less what the sampling variances explain, at
+    least 0; with its degrees of freedom. None without a config of two pairs."""
+    excess, dof = 0.0, 0
+    for d, v in configs:
+        n = d.size
+        if n < 2:
+            continue
+        excess += float(((d - d.mean()) ** 2).sum()) - (n - 1) / n * float(v.sum())
+        dof += n - 1
+    return (max(excess, 0.0) / dof, dof) if dof else None
+
+
+@dataclass(frozen=True)
+class Spread:
+    """The pairs' spread beyond sampling noise a session uses: tau^2, its degrees of freedom
+    (None: the floor, taken as known) and where it came from, in words."""
+
+    tau2: float
+    dof: int | None
+    source: str
+
+
+def session_spread(configs: Iterable[tuple[np.ndarray, np.ndarray]]) -> Spread:
+    """tau^2 for a session's intervals: measured from its pairs (:func:`pair_spread`) when it
+    exceeds the floor of two launches' :data:`PAIR_LAUNCH_SD`, else the floor (with the
+    normal quantile: a spread measured from a few pairs can come out far too small by chance)."""
+    floor = 2 * PAIR_LAUNCH_SD**2
+    measured = pair_spread(configs)
+    if measured is None or measured[0] <= floor:
+        seen = "" if measured is None else f"; the pairs showed sd {math.sqrt(measured[0]):.3f}"
+        return Spread(floor, None, f"the floor, launch sd {PAIR_LAUNCH_SD} per side{seen}")
+    tau2, dof = measured
+    return Spread(tau2, dof, f"measured from the pairs, sd {math.sqrt(tau2):.3f}, {dof} dof")
+
+
+def confidence(configs: int, looks: int) -> float:
+    """Each config's interval level: 1 - 5% / (configs x looks) (Bonferroni over both)."""
+    return 1 - (1 - CONFIDENCE) / max(configs, 1) / max(looks, 1)
+
+
+def paired_ratio(pairs: Sequence[Pair], normalise: bool, spread: Spread, level: float) -> CrossRatio:
+    """A/B of a config's figure from its pairs (left-out pairs dropped) with its interval at
+    ``level``, as a :class:`vpipe.report.crossrun.CrossRatio` (``blocks``: pairs used per side;
+    ``within``/``between``: the half-width's parts from sampling noise and from the launches'
+    spread; ``noise_sd``: the sd of one launch's figure)."""
+    kept = [p for p in pairs if not p.host_differences]
+    steps = (sum(p.a.steps.size for p in kept), sum(p.b.steps.size for p in kept))
+    dropped = sum(p.a.cleaned()[1] + p.b.cleaned()[1] for p in kept)
+    nan = float("nan")
+    if not kept:
+        return CrossRatio(nan, nan, nan, (0, 0), steps, normalise, dropped, nan, nan, False)
+    d, v = differences(kept, normalise)
+    w = 1 / (v + spread.tau2)
+    estimate = float((w * d).sum() / w.sum())
+    q = t_quantile(spread.dof, level)
+    half = q / math.sqrt(float(w.sum()))
+    share = float(v.mean()) / (float(v.mean()) + spread.tau2)  # sampling's part of the variance
+    noise_sd = math.sqrt((spread.tau2 + float(v.mean())) / 2)
+    return CrossRatio(
+        math.exp(estimate),
+        math.exp(estimate - half),
+        math.exp(estimate + half),
+        (len(kept), len(kept)),
+        steps,
+        normalise,
+        dropped,
+        half * math.sqrt(share),
+        half * math.sqrt(1 - share),
+        False,
+        noise_sd,
+    )
+
+
+def pair_verdict(r: CrossRatio) -> str:
+    """The verdict of a paired ratio (:func:`vpipe.report.crossrun.verdict`, no host
+    judgement: the pairs that saw different hosts are left out)."""
+    if not r.has_interval:
+        return "inconclusive"
+    return verdict(r, noise_threshold(r.noise_sd))
+
+
+def pairs_to_settle(r: CrossRatio) -> int | None:
+    """Pairs that would make an inconclusive interval decide (exclude 1, or fit inside twice
+    the noise band), the half-width shrinking as 1/sqrt(pairs); None without an interval."""
+    if not r.has_interval or r.blocks[0] < 1:
+        return None
+    d = abs(math.log(r.value))
+    target = max(d, _within_noise_band(noise_threshold(r.noise_sd)) - d)
+    half = math.hypot(r.within, r.between)
+    return max(r.blocks[0] + 1, math.ceil(r.blocks[0] * (half / target) ** 2))
+
+
+def settle_text(r: CrossRatio, word: str, left_out: int) -> str:
+    """What would settle a verdict that is no answer, in words."""
+    if word in ("faster", "slower", "within noise"):
+        return ""
+    if not r.has_interval:
+        why = f"all {left_out} pairs saw different hosts" if left_out else "no pair yet"
+        return f"{why}: more pairs on a steadier host (vpipe ab --pairs N)"
+    n = pairs_to_settle(r)
+    return f"~{n} pairs (vpipe ab --pairs {n})" if n else "more pairs (vpipe ab --pairs N)"

@@ -1,0 +1,269 @@
+"""``vpipe ab``: two versions of vpipe compared in the same stretch of time.
+
+Each version (:mod:`vpipe.sweep.envs`: a git revision or a checkout, with its own environment)
+runs as one paced ``vpipe bench`` process (:mod:`vpipe.sweep.paced`) with the same sweep
+options. Both start together; then their launches alternate A B B A A B ... (one block each),
+so whatever the host does in the meantime hits both, and each adjacent pair of launches gives
+a ratio per config (:mod:`vpipe.report.pairs`). After each pair from the second on, the
+session looks at its verdicts and stops once every config's is settled (faster, slower or
+within noise), or when ``pairs`` pairs are done or ``max_minutes`` have passed. Each side
+then writes its finished blocks as one store (``DIR/A``, ``DIR/B``: ``vpipe bench
+--blocks K`` outputs, which ``vpipe report`` also reads), and the session its report
+(``DIR/report.md`` with a ``verdict`` column, ``DIR/report.html``, ``DIR/session.json``).
+
+Ctrl-C stops the launch in progress (that block is dropped), and both sides still write what
+finished; a side that fails to start or to launch is reported in one line, and the other side's
+finished blocks are written all the same.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import queue
+import signal
+import subprocess
+import threading
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import IO, Any
+
+from vpipe.errors import VpipeError
+from vpipe.sweep.envs import Version
+from vpipe.sweep.paced import PREFIX, parse_reply
+
+FORBIDDEN = ("--out", "--append", "--force", "--blocks", "--traces", "--paced", "--profile-steps")
+READY_TIMEOUT_S = 600.0
+BLOCK_TIMEOUT_S = 1800.0
+
+
+class AbError(VpipeError, RuntimeError):
+    """A session that cannot go on: which side, and why, in one line."""
+
+
+def check_bench_args(args: list[str]) -> None:
+    """Refuse sweep options that the session sets itself."""
+    for a in args:
+        flag = a.split("=", 1)[0]
+        if flag in FORBIDDEN:
+            raise AbError(f"{flag}: vpipe ab sets it itself (each side's store is DIR/A, DIR/B)")
+
+
+@dataclass
+class SideProcess:
+    """One version's paced ``vpipe bench``: its process, the protocol messages read from its
+    stdout (a reader thread; other output goes to its log) and its log file."""
+
+    version: Version
+    proc: subprocess.Popen[str]
+    log: IO[str]
+    messages: queue.Queue[dict[str, Any] | None] = field(default_factory=queue.Queue)
+
+    @staticmethod
+    def start(version: Version, bench_args: list[str], out: Path, log_path: Path) -> SideProcess:
+        """Start the side in its own session (a Ctrl-C at the terminal reaches only vpipe ab,
+        which decides what each side does), from its checkout, without PYTHONPATH."""
+        log = log_path.open("w", encoding="utf-8")
+        env = {k: v for k, v in os.environ.items() if k != "PYTHONPATH"}
+        cmd = [str(version.python), "-m", "vpipe", "bench", *bench_args, "--no-profile",
+               "--out", str(out), "--paced"]  # fmt: skip
+        log.write(" ".join(cmd) + "\n")
+        log.flush()
+        proc = subprocess.Popen(
+            cmd, cwd=version.checkout, env=env, stdin=subprocess.PIPE, stdout=subprocess.PIPE,
+            stderr=log, text=True, start_new_session=True,
+        )  # fmt: skip
+        side = SideProcess(version, proc, log)
+        threading.Thread(target=side._read, daemon=True).start()
+        return side
+
+    def _read(self) -> None:
+        assert self.proc.stdout is not None
+        for line in self.proc.stdout:
+            message = parse_reply(line) if line.startswith(PREFIX) else None
+            if message is None:
+                self.log.write(line)
+                self.log.flush()
+            else:
+                self.messages.put(message)
+        self.messages.put(None)  # end of output: the side exited
+
+    def expect(self, key: str, timeout_s: float) -> dict[str, Any]:
+        """The next message, which must hold ``key``; AbError naming the side otherwise."""
+        try:
+            message = self.messages.get(timeout=timeout_s)
+        except queue.Empty:
+            raise AbError(f"{self.version.describe}: no answer in {timeout_s:.0f} s") from None
+        if message is None:
+            raise AbError(f"{self.version.describe}: {self.exit_reason()}")
+        if key not in message:
+            what = message.get("failed") or (
+                "the launch was interrupted" if "aborted" in message else message
+            )
+            raise AbError(f"{self.version.describe}: {what}")
+        return message
+
+    def exit_reason(self) -> str:
+        """Why the side's process ended: the last line of its log (its one-line error)."""
+        code = self.proc.wait(timeout=30)
+        self.log.flush()
+        text = Path(self.log.name).read_text(encoding="utf-8", errors="replace").strip()
+        last = text.splitlines()[-1] if text else ""
+        return f"exited with status {code}: {last}" if last else f"exited with status {code}"
+
+    def send(self, word: str) -> None:
+        assert self.proc.stdin is not None
+        try:
+            self.proc.stdin.write(word + "\n")
+            self.proc.stdin.flush()
+        except (BrokenPipeError, ValueError):
+            pass  # it exited; expect() says why
+
+    def block(self) -> dict[str, Any]:
+        """One launch of this side; its block message."""
+        self.send("block")
+        return self.expect("block", BLOCK_TIMEOUT_S)
+
+    def interrupt(self) -> None:
+        """Stop the launch in progress (its block is dropped; the side keeps the others)."""
+        if self.proc.poll() is None:
+            os.kill(self.proc.pid, signal.SIGINT)
+
+    def finish(self) -> str:
+        """Ask the side to write its finished blocks; what it wrote, in words."""
+        if self.proc.poll() is not None and self.messages.empty():
+            return f"{self.version.label}: nothing written ({self.exit_reason()})"
+        self.send("end")
+        if self.proc.stdin is not None:
+            self.proc.stdin.close()
+        try:
+            while True:  # skip the answer to an interrupted launch
+                message = self.messages.get(timeout=READY_TIMEOUT_S)
+                if message is None:
+                    return f"{self.version.label}: nothing written ({self.exit_reason()})"
+                if "written" in message:
+                    break
+        except queue.Empty:
+            return f"{self.version.label}: no answer while writing"
+        finally:
+            self.proc.wait(timeout=60)
+            self.log.close()
+        n = message["written"]
+        return f"{self.version.label}: {n} block{'s' * (n != 1)} in {message['out']}"
+
+    def kill(self) -> None:
+        if self.proc.poll() is None:
+            os.killpg(self.proc.pid, signal.SIGTERM)
+            try:
+                self.proc.wait(timeout=10)
+            except subprocess.TimeoutExpired:
+                os.killpg(self.proc.pid, signal.SIGKILL)
+
+
+@dataclass
+class Session:
+    """What a session measured: each side's ready message and its launches' messages in the
+    order they ran, why it stopped, and the error that stopped it or whether Ctrl-C did."""
+
+    ready: dict[str, dict[str, Any]]
+    launches: list[tuple[str, dict[str, Any]]] = field(default_factory=list)
+    stopped: str = ""
+    wall_s: float = 0.0
+    error: str | None = None
+    interrupted: bool = False
+
+    def pairs_done(self) -> int:
+        return len(self.launches) // 2
+
+
+def run_session(
+    versions: dict[str, Version],
+    bench_args: dict[str, list[str]],
+    out: Path,
+    *,
+    pairs: int,
+    max_minutes: float,
+    settled: Callable[[Session], bool],
+    progress: Callable[[str], object] = print,
+) -> tuple[Session, list[str]]:
+    """Start both sides, alternate their launches until ``settled(session)`` says so (checked
+    after every pair from the second) or a limit is reached, then have both write their
+    stores. Returns the session and what each side wrote. A side that fails, or Ctrl-C, ends
+    the session early (``session.error``, ``session.interrupted``; the launch in progress is
+    dropped), and both sides still write what finished."""
+    from vpipe.report.pairs import MIN_PAIRS, session_order
+
+    session = Session(ready={})
+    t0 = time.monotonic()
+    sides: dict[str, SideProcess] = {}
+    running: SideProcess | None = None
+    out.mkdir(parents=True, exist_ok=True)
+    try:
+        for k, v in versions.items():
+            sides[k] = SideProcess.start(v, bench_args[k], out / k, out / f"{k}.log")
+        for k, side in sides.items():
+            session.ready[k] = side.expect("ready", READY_TIMEOUT_S)
+        order = session_order(2 * pairs)
+        session.stopped = f"--pairs {pairs} done"
+        for i, k in enumerate(order):
+            running = sides[k]
+            message = running.block()
+            running = None
+            session.launches.append((k, message))
+            if i % 2 == 0:
+                continue
+            n = session.pairs_done()
+            seconds = time.monotonic() - t0
+            progress(f"pair {n}/{pairs} done at {seconds:.0f} s")
+            if n >= MIN_PAIRS and settled(session):
+                session.stopped = f"settled after {n} pairs"
+                break
+            if seconds >= max_minutes * 60 and i + 1 < len(order):
+                session.stopped = f"--max-minutes {max_minutes:g} reached after {n} pairs"
+                break
+    except KeyboardInterrupt:
+        session.interrupted = True
+        session.stopped = f"interrupted after {session.pairs_done()} pairs"
+        if running is not None:
+            running.interrupt()
+    except AbError as e:
+        session.error = str(e)
+        session.stopped = f"stopped after {session.pairs_done()} pairs: {e}"
+    wrote = _finish(sides)
+    session.wall_s = time.monotonic() - t0
+    return session, wrote
+
+
+def _finish(sides: dict[str, SideProcess]) -> list[str]:
+    """Every side writes its finished blocks (a second Ctrl-C meanwhile is held); then none is
+    left running."""
+    from vpipe.outputs import sigint_held
+
+    with sigint_held():
+        try:
+            return [side.finish() for side in sides.values()]
+        finally:
+            for side in sides.values():
+                side.kill()
+
+
+def session_record(session: Session, versions: dict[str, Version], args: list[str]) -> str:
+    """``session.json``: the versions, the sweep options, the sides' ready messages, every
+    launch's message (steps, reference times, host rounds) in the order they ran, and why the
+    session stopped: enough to compute the report again."""
+    return json.dumps(
+        {
+            "versions": {
+                k: {"name": v.name, "commit": v.commit, "checkout": str(v.checkout)}
+                for k, v in versions.items()
+            },
+            "bench_args": args,
+            "ready": session.ready,
+            "launches": [{"side": k, **m} for k, m in session.launches],
+            "stopped": session.stopped,
+            "wall_s": round(session.wall_s, 1),
+        },
+        indent=1,
+    )

@@ -1,0 +1,129 @@
+"""One side of a paced session (``vpipe bench --paced``): the sweep's blocks run one at a time,
+each when asked, so that another process can alternate two versions' launches (``vpipe ab``,
+:mod:`vpipe.sweep.ab`).
+
+The protocol is line-based. After validating the sweep the side prints ``ready`` with its
+configs and reference shape, then reads commands from stdin:
+
+- ``block``: launch the ranks once (a block: warm-up and every config's timed rounds, no
+  profiling), print ``block`` with its timed steps, reference times and host rounds;
+- ``end`` (or end of input): write every finished block to ``--out`` as one sweep of that many
+  blocks (``vpipe bench --blocks K``'s layout, so ``vpipe report`` reads it), print
+  ``written``, exit.
+
+A Ctrl-C (SIGINT) during a block abandons that block only (its ranks are stopped, the finished
+blocks are kept) and prints ``aborted``; a block that fails prints ``failed`` with the one-line
+error; either way the side waits for the next command. Every reply is one line,
+``vpipe-paced {json}``, so that anything else a rank prints on stdout is ignored by the reader.
+The side starts the ranks from one fork server, so a block costs its steps, not a new
+interpreter and a torch import.
+"""
+
+from __future__ import annotations
+
+import json
+import sys
+import time
+from dataclasses import replace
+from pathlib import Path
+from typing import IO, Any
+
+from vpipe.sweep.driver import SweepSpec
+
+PREFIX = "vpipe-paced "
+
+
+def reply(message: dict[str, Any], out: IO[str] | None = None) -> None:
+    """One protocol line on stdout."""
+    stream = out or sys.stdout
+    stream.write(PREFIX + json.dumps(message) + "\n")
+    stream.flush()
+
+
+def parse_reply(line: str) -> dict[str, Any] | None:
+    """The message of a protocol line; None for any other output."""
+    if not line.startswith(PREFIX):
+        return None
+    return json.loads(line[len(PREFIX) :])
+
+
+def block_message(results: list[dict[str, Any]], index: int, wall_s: float) -> dict[str, Any]:
+    """What ``block`` reports: per config (in sweep order) its timed steps and reference times
+    (the slowest rank's, as the sweep records them), the host's rounds and the block's wall time."""
+    r0 = min(results, key=lambda r: r["rank"])
+    return {
+        "block": index,
+        "wall_s": round(wall_s, 3),
+        "steps": r0["times"],
+        "refs": r0.get("refs"),
+        "host": r0.get("host_rounds", []),
+    }
+
+
+def serve(spec: SweepSpec, out: str | Path, commands: IO[str] | None = None) -> int:
+    """Run ``spec``'s blocks as asked on ``commands`` (stdin), then write the finished ones to
+    ``out``; see the module's doc. Returns the exit status."""
+    from vpipe.errors import VpipeError, one_line
+    from vpipe.outputs import check_output_dir
+    from vpipe.runtime import launch
+    from vpipe.sweep.driver import BenchError, new_run_id, run_sweep, sweep_reference_shape
+
+    commands = commands or sys.stdin
+    target = check_output_dir(out, append=False, force=True)
+    once = replace(spec, blocks=1, profile=False, progress=False)
+    bench_id = new_run_id()
+    if launch.in_torchrun():
+        raise BenchError("--paced launches its own ranks: run it without torchrun")
+    launch.fork_server(start=True)
+    reply(
+        {
+            "ready": True,
+            "configs": [[c.schedule, c.microbatches, c.impl] for c in spec.configs()],
+            "reference": sweep_reference_shape(spec, spec.rank_specs()),
+            "device": spec.device,
+        }
+    )
+    blocks: list[list[dict[str, Any]]] = []
+    sweep_s = 0.0
+    for line in commands:
+        word = line.strip()
+        if word == "end":
+            break
+        if word != "block":
+            reply({"failed": f"unknown command {word!r} (expected block or end)"})
+            continue
+        t0 = time.perf_counter()
+        try:
+            results = run_sweep(once, bench_id)
+        except KeyboardInterrupt:
+            reply({"aborted": len(blocks)})
+            continue
+        except (VpipeError, OSError, RuntimeError) as e:
+            reply({"failed": one_line(e)})
+            continue
+        wall = time.perf_counter() - t0
+        sweep_s += wall
+        blocks.append(results)
+        reply(block_message(results, len(blocks) - 1, wall))
+    reply({"written": write_blocks(spec, blocks, bench_id, target, sweep_s), "out": str(target)})
+    return 0
+
+
+def write_blocks(
+    spec: SweepSpec, blocks: list[list[dict[str, Any]]], bench_id: str, out: Path, sweep_s: float
+) -> int:
+    """Every finished block written to ``out`` as one sweep of that many blocks (swapped in
+    whole, as ``vpipe bench --force`` does); nothing is written without a block. Returns how
+    many blocks were written."""
+    if not blocks:
+        return 0
+    from vpipe.outputs import staged_dir
+    from vpipe.sweep.blocks import merge_blocks
+    from vpipe.sweep.results import collect
+    from vpipe.sweep.write import write_outputs
+
+    done = replace(spec, blocks=len(blocks), profile=False, progress=False)
+    with staged_dir(out) as staging:
+        res = collect(done, merge_blocks(blocks), bench_id, sweep_s, simulate=False)
+        write_outputs(res, staging)
+    return len(blocks)
