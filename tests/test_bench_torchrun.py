@@ -5,9 +5,11 @@ over the process group (no shared files) and writes the store and report."""
 from __future__ import annotations
 
 import os
+import signal
 import socket
 import subprocess
 import sys
+import time
 
 import pytest
 
@@ -69,26 +71,40 @@ def test_two_node_torchrun_on_loopback(tmp_path):
             "--out",
             str(out),
         ]
+        log = open(tmp_path / f"node{node}.log", "w")  # noqa: SIM115 (closed below)
         procs.append(
-            subprocess.Popen(
-                cmd,
-                env=env,
-                cwd=tmp_path,
-                stdout=subprocess.PIPE,
-                stderr=subprocess.STDOUT,
-                text=True,
+            (
+                subprocess.Popen(
+                    cmd,
+                    env=env,
+                    cwd=tmp_path,
+                    stdout=log,
+                    stderr=subprocess.STDOUT,
+                    start_new_session=True,  # so a stop reaches the launcher's worker too
+                ),
+                log,
             )
         )
-    logs = []
+    # Wait on both nodes together: when one fails the other would wait at the rendezvous, so
+    # it is stopped at once and both logs are shown; a hang shows both logs too.
+    deadline = time.monotonic() + 240
     try:
-        for p in procs:
-            logs.append(p.communicate(timeout=150)[0])
+        while any(p.poll() is None for p, _ in procs):
+            failed = [p for p, _ in procs if p.poll() not in (None, 0)]
+            if failed or time.monotonic() > deadline:
+                break
+            time.sleep(0.2)
     finally:
-        for p in procs:
+        for p, log in procs:
             if p.poll() is None:
-                p.kill()
-    for p, log in zip(procs, logs, strict=True):
-        assert p.returncode == 0, log[-3000:]
+                os.killpg(p.pid, signal.SIGKILL)
+                p.wait()
+            log.close()
+    logs = "\n".join(
+        f"--- node{n} (exit {p.returncode}) ---\n{(tmp_path / f'node{n}.log').read_text()[-2500:]}"
+        for n, (p, _) in enumerate(procs)
+    )
+    assert all(p.returncode == 0 for p, _ in procs), logs
 
     from vpipe.trace.store import Store
 

@@ -22,17 +22,22 @@ from typing import Any
 # where the scheduler favours the woken rank over a CPU hog, and did not slow at all.
 TARGET_FLOPS = 2e8
 MIN_REPEATS = 4
+# A tiny shape never reaches TARGET_FLOPS in reasonable time: its products are launch-bound
+# (about 3.4 us a repeat on one core of a 2-core CPU host, measured 2026-12-05 for rows 2,
+# 16 x 32), so the repeats stop here, about 14 ms of work, instead of 164 ms at 48829 repeats.
+MAX_REPEATS = 4096
 
 
 def reference_shape(sizes: Mapping[str, int], batch: int, microbatches: int) -> dict[str, int]:
     """The reference's shape for a sweep: one microbatch's rows (of the largest microbatch
     count's), the model's width and hidden width (defaults where the model has none), and as
-    many repeats as make :data:`TARGET_FLOPS` (fixed by the shape, so every run of the same
+    many repeats as make :data:`TARGET_FLOPS`, at most :data:`MAX_REPEATS` (fixed by the shape, so every run of the same
     sweep does the same work)."""
     d_in = int(sizes.get("d_model", 256))
     d_out = int(sizes.get("d_hidden", 4 * d_in))
     rows = max(batch // max(microbatches, 1), 1)
-    repeats = max(MIN_REPEATS, math.ceil(TARGET_FLOPS / (4 * rows * d_in * d_out)))
+    repeats = math.ceil(TARGET_FLOPS / (4 * rows * d_in * d_out))
+    repeats = min(max(MIN_REPEATS, repeats), MAX_REPEATS)
     return {"rows": rows, "d_in": d_in, "d_out": d_out, "repeats": repeats}
 
 
