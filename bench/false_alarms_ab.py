@@ -4,16 +4,18 @@
                                       [--sweep "--impl vpipe ..."] [--no-hog]
 
 In a scratch clone of this checkout's HEAD (so the session's worktrees and environments are
-the clone's), it times two plain ``vpipe bench`` sweeps of the workload (the time budget of a
-session: twice theirs), then runs ``vpipe ab HEAD HEAD`` sessions:
+the clone's), it times two plain ``vpipe bench`` sweeps of the workload with fixed rounds
+(``--max-minutes 0``; the time budget of a session: twice theirs), then runs ``vpipe ab HEAD
+HEAD`` sessions, the quiet ones first:
 
-- **A/A with a hog** (``--aa``): the same commit on both sides; a busy loop pinned to one core
-  starts at a random point of the session (between 5% and 50% of its expected length, never at
-  its start) and runs for half of it (the expected length: the plain sweeps' budget). Any
-  "faster"/"slower" verdict is a false alarm.
 - **A/A'** (``--delayed``, each quiet and with the hog): B slowed by ``--delay-pct`` of the
   fastest config's median step (``--inject-delay-ms-b``), so every config is slowed by at least
   that share. A session that calls every config "slower" detects it.
+- **A/A with a hog** (``--aa``): the same commit on both sides; a busy loop pinned to one core
+  starts at a random point of the session (between 5% and 50% of its expected length, never at
+  its start) and runs for half of it. The expected length is the median wall time of the
+  sessions so far (the quiet ones run first), so the hog lands inside the session. Any
+  "faster"/"slower" verdict is a false alarm.
 
 Prints every session's verdicts with ratio and interval, pairs used and left out, wall time
 against the budget and the host's load; then the false-alarm and detection counts, the
@@ -40,7 +42,9 @@ from typing import Any
 ROOT = Path(__file__).resolve().parents[1]
 # The workload: compute-bound actions of milliseconds (bench.false_alarms' sizes), two schedules
 SWEEP = "--impl vpipe --schedules 1f1b,zbv --microbatches 4 --sizes d_model=512,d_hidden=2048 --batch 128"
-HOG = "import os\nif hasattr(os, 'sched_setaffinity'): os.sched_setaffinity(0, {0})\nwhile True: pass"
+HOG = (
+    "import os\nif hasattr(os, 'sched_setaffinity'): os.sched_setaffinity(0, {0})\nwhile True: pass"
+)
 
 
 def vpipe_command() -> list[str]:
@@ -54,7 +58,8 @@ def plain_sweep(repo: Path, sweep: str, out: Path) -> tuple[float, float]:
     """Wall seconds of one plain ``vpipe bench`` of the workload, and its fastest config's
     median step (s)."""
     t0 = time.perf_counter()
-    cmd = [*vpipe_command(), "bench", *shlex.split(sweep), "--out", str(out), "--force"]
+    cmd = [*vpipe_command(), "bench", *shlex.split(sweep), "--max-minutes", "0", "--out",
+           str(out), "--force"]  # fmt: skip
     subprocess.run(cmd, cwd=repo, check=True, capture_output=True)
     wall = time.perf_counter() - t0
     import pandas as pd
@@ -127,7 +132,11 @@ def describe(kind: str, i: int, result: dict[str, Any], budget: float, hog: Time
         f"{r['schedule']} {r['verdict']} {r['speedup']} ({r['95% CI']}) {r['pairs']}+{r['left out']}p"
         for r in rows
     )
-    hogged = f", hog {hog.start_s:.0f}-{hog.start_s + hog.length_s:.0f} s ran {hog.ran_s:.0f} s" if hog else ""
+    hogged = (
+        f", hog {hog.start_s:.0f}-{hog.start_s + hog.length_s:.0f} s ran {hog.ran_s:.0f} s"
+        if hog
+        else ""
+    )
     return (
         f"{kind} {i:2d}: {cells}; {result['record']['stopped']}; wall {result['wall']:.0f} s "
         f"({result['wall'] / budget:.2f}x the budget){hogged}; load {os.getloadavg()[0]:.2f}"
@@ -167,22 +176,27 @@ def main(args: Any) -> int:
               f"a session; fastest config's step {min(fastest) * 1e3:.2f} ms: B's delay "
               f"{delay_ms} ms ({args.delay_pct:g}%)", flush=True)  # fmt: skip
 
+        walls_so_far: list[float] = []
+
         def hog() -> TimedHog | None:
             if args.no_hog:
                 return None
-            length = budget  # half of the expected session (the budget: twice two sweeps)
-            return TimedHog(rng.uniform(0.05, 0.5) * 2 * budget, length)
+            # the expected session: the median of those so far (before any, the budget)
+            expected = sorted(walls_so_far)[len(walls_so_far) // 2] if walls_so_far else 2 * budget
+            return TimedHog(rng.uniform(0.05, 0.5) * expected, expected / 2)
 
         aa = "A/A quiet" if args.no_hog else "A/A hog"
         kinds: dict[str, list[dict[str, Any]]] = {aa: [], "A/A' quiet": [], "A/A' hog": []}
         delayed = ("A/A' quiet",) if args.no_hog else ("A/A' quiet", "A/A' hog")
-        plan = [(aa, i, 0.0) for i in range(args.aa)]
-        plan += [(k, i, delay_ms) for i in range(args.delayed) for k in delayed]
+        plan = [(delayed[0], i, delay_ms) for i in range(args.delayed)]  # quiet first
+        plan += [(aa, i, 0.0) for i in range(args.aa)]
+        plan += [(k, i, delay_ms) for i in range(args.delayed) for k in delayed[1:]]
         for kind, i, delay in plan:
             h = hog() if kind.endswith("hog") else None
             out = work / f"s{len(sum(kinds.values(), []))}"
             res = session(repo, out, args.sweep, args.pairs, delay, h)
             kinds[kind].append(res)
+            walls_so_far.append(res["wall"])
             print(describe(kind, i + 1, res, 2 * budget, h), flush=True)
             shutil.rmtree(out, ignore_errors=True)
 
