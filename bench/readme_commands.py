@@ -188,8 +188,9 @@ def main(argv: list[str] | None = None) -> int:
         for c in commands:
             note = "  (transcript: not run)" if c.transcript else ""
             print(f"{c.where}: {c.kind}: {c.shown()}{note}")
-        pages = dict.fromkeys(c.file for c in commands)
-        print(f"{len(commands)} commands from {len(pages)} pages: {', '.join(pages)}")
+        pages = [p.relative_to(repo).as_posix() for p in doc_pages(repo)]
+        pages = [p for p in pages if not args.page or p in args.page]
+        print(f"{len(commands)} commands from {len(pages)} page(s): {', '.join(pages)}")
         return 0
     work = Path(tempfile.mkdtemp(prefix="vpipe-readme-"))
     clone = work / "vpipe"
