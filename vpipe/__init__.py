@@ -6,7 +6,7 @@ The public API is this module's names: the IR (``Action``, ``Kind``, ``Schedule`
 Imports are lazy so that the schedule IR, passes and simulator work without importing torch.
 The layers, lowest first: ``ir`` -> ``schedules`` -> ``sim`` | ``models`` | ``runtime`` |
 ``baselines`` -> ``metrics`` -> ``trace`` -> ``predict`` -> ``report`` -> ``sweep`` ->
-``commands`` (README, "Where things live").
+``commands`` (docs/design.md).
 """
 
 from __future__ import annotations

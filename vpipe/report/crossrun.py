@@ -60,12 +60,13 @@ from vpipe.stats import CONFIDENCE, RESAMPLES, SEED, outliers
 # analytic one, with Student's t for the spread's degrees of freedom.
 MIN_BLOCKS = 8
 # Launch-to-launch sd (log) beyond the blocks' own sampling noise: assumed when the sweeps have
-# no repeated blocks, and the floor of a measured one; measured by bench.false_alarms (README).
+# no repeated blocks, and the floor of a measured one; measured by bench.false_alarms
+# (docs/comparing.md).
 LAUNCH_SD = 0.03
 # Drift of a whole run's figure (log sd) beyond what its blocks' spread shows: blocks are
 # launched back to back, so a host that is a little slower for that quarter of an hour moves
-# all of them together. Quiet runs of bench.false_alarms measured it (README); it cannot be
-# estimated from the two runs being compared, so it is assumed for every comparison.
+# all of them together. Quiet runs of bench.false_alarms measured it (docs/comparing.md); it
+# cannot be estimated from the two runs being compared, so it is assumed for every comparison.
 RUN_SD = 0.02
 MIN_EFFECT = 0.02  # never call a difference under 2% (log) a speedup or a slowdown
 # A median's spread needs three steps; beyond that the evidence a comparison needs follows the
