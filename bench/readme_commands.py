@@ -16,8 +16,8 @@ commands read, such as ``zbv.csv``); ``RUN`` is a vpipe run id of the store the 
 A fenced line starting with ``$ vpipe`` is a transcript, shown with its output: it is listed,
 not run. Left out, and said so: ``make`` (it installs), ``torchrun`` (GPUs, several nodes;
 its ``-m vpipe`` commands are listed), ``asv`` (it builds environments), ``tensorboard``, and
-commands with ``--device cuda`` on a machine without CUDA. The clone is made from the repository's HEAD commit (``git clone``), so
-uncommitted changes are not tried. ``tests/test_doc_commands.py`` parses every command this
+commands with ``--device cuda`` on a machine without CUDA. The clone is made from the
+repository's HEAD commit (``git clone``), so uncommitted changes are not tried. ``tests/test_doc_commands.py`` parses every command this
 module finds with vpipe's own argument parser, without running it.
 """
 
@@ -56,15 +56,23 @@ class Command:
     def where(self) -> str:
         return f"{self.file}:{self.line}"
 
+    def split_env(self) -> tuple[dict[str, str], list[str]]:
+        """The leading ``KEY=value`` assignments of a shell command, and its words from
+        ``vpipe`` on (optional parts included)."""
+        words = shlex.split(as_written(self.text))
+        env: dict[str, str] = {}
+        while words and "=" in words[0] and not words[0].startswith("-"):
+            key, _, value = words.pop(0).partition("=")
+            env[key] = value
+        return env, words
+
     def vpipe_words(self) -> list[str]:
         """The words of the ``vpipe`` command itself (after ``vpipe``, or after torchrun's
         ``-m vpipe``), optional parts included, environment assignments dropped."""
-        words = shlex.split(as_written(self.text))
         if self.kind == "torchrun":
+            words = shlex.split(as_written(self.text))
             return words[words.index("-m") + 2 :]
-        while words and "=" in words[0] and not words[0].startswith("-"):
-            words.pop(0)
-        return words[1:]
+        return self.split_env()[1][1:]
 
     def shown(self) -> str:
         if self.kind == "python":
@@ -213,11 +221,8 @@ def main(argv: list[str] | None = None) -> int:
         if c.kind == "python":
             argv_, shown, extra = [sys.executable, "-c", c.text], "python: " + c.shown(), ""
         else:
-            words = shlex.split(as_written(c.text))
-            extra = ""
-            while words and "=" in words[0] and not words[0].startswith("-"):
-                key, _, value = words.pop(0).partition("=")
-                extra = value if key == "PYTHONPATH" else extra
+            assigned, words = c.split_env()
+            extra = assigned.get("PYTHONPATH", "")
             if "RUN" in words:
                 words[words.index("RUN")] = _a_run_id(clone, words, env)
             shown = " ".join(words)

@@ -158,10 +158,14 @@ def _flags(parser: argparse.ArgumentParser) -> set[str]:
     return set(parser._option_string_actions)
 
 
+def _subcommands(parser: argparse.ArgumentParser) -> dict[str, argparse.ArgumentParser]:
+    return next(a for a in parser._actions if isinstance(a, argparse._SubParsersAction)).choices
+
+
 @pytest.mark.parametrize("where,span", SPANS, ids=[w for w, _ in SPANS])
 def test_inline_flags_exist(where: str, span: str) -> None:
     parser = build_parser()
-    sub = next(a for a in parser._actions if isinstance(a, argparse._SubParsersAction))
+    sub = _subcommands(parser)
     try:
         words = shlex.split(as_written(span))
     except ValueError:
@@ -172,10 +176,10 @@ def test_inline_flags_exist(where: str, span: str) -> None:
     if command.startswith("-"):
         assert command in _flags(parser), f"{where}: `{span}`: vpipe has no {command}"
         return
-    assert command in sub.choices, f"{where}: `{span}`: vpipe has no command {command!r}"
-    known = _flags(sub.choices[command])
+    assert command in sub, f"{where}: `{span}`: vpipe has no command {command!r}"
+    known = _flags(sub[command])
     if command == "ab":
-        known |= _flags(own_options()) | _flags(sub.choices["bench"])
+        known |= _flags(own_options()) | _flags(sub["bench"])
     for w in words[2:]:
         flag = w.split("=", 1)[0]
         if flag.startswith("--") and flag != "--":
@@ -236,15 +240,15 @@ def _command_sections() -> list[tuple[str, list[str], str]]:
 
 
 def test_every_command_has_a_section() -> None:
-    sub = next(a for a in build_parser()._actions if isinstance(a, argparse._SubParsersAction))
+    sub = _subcommands(build_parser())
     documented = {c for _, commands, _ in _command_sections() for c in commands}
-    assert set(sub.choices) <= documented, f"no section for {set(sub.choices) - documented}"
+    assert set(sub) <= documented, f"no section for {set(sub) - documented}"
 
 
 def test_option_tables_name_real_flags() -> None:
     """In docs/commands.md, every flag an option table lists belongs to a command its section
     (or the row's own `commands` column) names."""
-    sub = next(a for a in build_parser()._actions if isinstance(a, argparse._SubParsersAction))
+    sub = _subcommands(build_parser())
     checked = 0
     for heading, commands, body in _command_sections():
         for row in body.splitlines():
@@ -259,7 +263,7 @@ def test_option_tables_name_real_flags() -> None:
             if len(cells) > 2 and re.fullmatch(r"[a-z, ]+", cells[1]):  # a `commands` column
                 names = [c.strip() for c in cells[1].split(",")]
             for flag in re.findall(r"(?<![\w-])(--?[a-z][a-z-]*)", cells[0]):
-                owners = [c for c in names if flag in _flags(sub.choices[c])]
+                owners = [c for c in names if flag in _flags(sub[c])]
                 assert owners, f"docs/commands.md ({heading}): {flag} is not an option of {names}"
                 checked += 1
     assert checked > 50

@@ -31,8 +31,8 @@ MAX_REPEATS = 4096
 def reference_shape(sizes: Mapping[str, int], batch: int, microbatches: int) -> dict[str, int]:
     """The reference's shape for a sweep: one microbatch's rows (of the largest microbatch
     count's), the model's width and hidden width (defaults where the model has none), and as
-    many repeats as make :data:`TARGET_FLOPS`, at most :data:`MAX_REPEATS` (fixed by the shape, so every run of the same
-    sweep does the same work)."""
+    many repeats as make :data:`TARGET_FLOPS`, at most :data:`MAX_REPEATS` (fixed by the
+    shape, so every run of the same sweep does the same work)."""
     d_in = int(sizes.get("d_model", 256))
     d_out = int(sizes.get("d_hidden", 4 * d_in))
     rows = max(batch // max(microbatches, 1), 1)
