@@ -1,5 +1,5 @@
 """Where a pipeline step's time goes, vpipe against torch.distributed.pipelining, in an
-overhead-bound and a compute-bound configuration (issue "Runtime overhead toward zero").
+overhead-bound and a compute-bound configuration.
 
 For each regime one launch sweeps zbv, interleaved-1f1b and dualpipev with both implementations,
 interleaved in rounds, then profiles 3 steps per config. Per implementation and schedule it
