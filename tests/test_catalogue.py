@@ -15,8 +15,7 @@ from vpipe.cli import main
 from vpipe.errors import ScheduleError
 from vpipe.ir import Schedule, loop_placement
 from vpipe.ir.lowering import lower, validate
-from vpipe.report.document import v_vs_baseline, vpipe_only_note
-from vpipe.report.plots import BASELINE, schedule_order
+from vpipe.report.document import BASELINE, v_vs_baseline, vpipe_only_note
 from vpipe.schedules import GENERATORS, catalogue, make_schedule, schedule_names
 from vpipe.schedules._common import B, F, build, check_counts, resolve_stages_per_rank
 from vpipe.schedules.load import load_schedule
@@ -178,7 +177,7 @@ def test_unknown_sweep_schedule_lists_registered_families(toy):
 
 
 def test_plots_order_registered_families_by_their_display_order(toy):
-    assert schedule_order(["custom", "1f1b", TOY, "gpipe"]) == ["gpipe", TOY, "1f1b", "custom"]
+    assert catalogue.display_order(["custom", "1f1b", TOY, "gpipe"]) == ["gpipe", TOY, "1f1b", "custom"]
 
 
 def test_report_v_schedules_include_registered_v_families(toy_v_family):

@@ -26,9 +26,9 @@ from vpipe.report.gantt import plot_gantt, plot_memory_timeline
 from vpipe.report.plots import (
     plot_memory,
     plot_throughput,
-    schedule_order,
     to_png,
 )
+from vpipe.schedules.catalogue import display_order
 from vpipe.trace.store import Store, write_parquet
 
 
@@ -157,8 +157,8 @@ def _events() -> pd.DataFrame:
     return events_frame(rows)
 
 
-def test_schedule_order_puts_baselines_first():
-    assert schedule_order(["zbv", "custom", "interleaved-1f1b", "1f1b"]) == [
+def test_display_order_puts_baselines_first():
+    assert display_order(["zbv", "custom", "interleaved-1f1b", "1f1b"]) == [
         "1f1b",
         "interleaved-1f1b",
         "zbv",

@@ -43,7 +43,7 @@ from vpipe.report.document import (
     text_section,
 )
 from vpipe.report.knobs import knob_differences, knob_text
-from vpipe.report.plots import schedule_order
+from vpipe.schedules.catalogue import display_order
 from vpipe.stats import Ratio
 from vpipe.trace.device_state import judge_devices
 from vpipe.trace.host_state import judge_hosts
@@ -238,7 +238,7 @@ def comparison_table(sweeps: Sequence[Sweep], model: CrossModel | None = None) -
             f"the runs share no (schedule, microbatches, impl) config with {base.label}"
         )
     df = pd.DataFrame(rows)
-    order = {x: i for i, x in enumerate(schedule_order(df["schedule"].unique()))}
+    order = {x: i for i, x in enumerate(display_order(df["schedule"].unique()))}
     df = df.assign(_o=df["schedule"].map(order)).sort_values(["run", "M", "impl", "_o"])
     return df.drop(columns="_o").reset_index(drop=True)
 

@@ -18,7 +18,6 @@ import pandas as pd
 
 from vpipe.errors import VpipeError
 from vpipe.metrics.catalogue import Metric, registry
-from vpipe.report.plots import BASELINE, schedule_order
 from vpipe.schedules import catalogue
 from vpipe.stats import (
     CONFIDENCE,
@@ -29,6 +28,8 @@ from vpipe.stats import (
     Ratio,
     paired_ratio,
 )
+
+BASELINE = catalogue.baseline()  # the family every other is compared with
 
 CSS = """
 body{font-family:system-ui,-apple-system,Segoe UI,Helvetica,Arial,sans-serif;margin:2em auto;
@@ -142,7 +143,7 @@ def summary_table(runs: pd.DataFrame) -> pd.DataFrame:
     implementation and microbatch count."""
     rows = []
     base = runs[runs["schedule"] == BASELINE].set_index(["impl", "microbatches"])
-    order = {s: i for i, s in enumerate(schedule_order(runs["schedule"].unique()))}
+    order = {s: i for i, s in enumerate(catalogue.display_order(runs["schedule"].unique()))}
     d = runs.assign(_o=runs["schedule"].map(order)).sort_values(["microbatches", "impl", "_o"])
     shown = [m for m in registry() if m.show and m.show.table]
     for r in d.to_dict("records"):
@@ -195,7 +196,7 @@ def vpipe_only_note(schedules: Sequence[str], impls: Sequence[str]) -> str:
     if "torch" not in impls:
         return ""
     vpipe_only = catalogue.names(lambda f: f.torch_class is None)
-    missing = [s for s in schedule_order(schedules) if s in vpipe_only]
+    missing = [s for s in catalogue.display_order(schedules) if s in vpipe_only]
     return "".join(
         f" {s}: torch.distributed.pipelining has no class for it; vpipe only." for s in missing
     )
@@ -252,7 +253,7 @@ def impl_table(steps: pd.DataFrame) -> pd.DataFrame:
     df = pd.DataFrame(rows)
     if df.empty:
         return df
-    order = {s: i for i, s in enumerate(schedule_order(df["schedule"].unique()))}
+    order = {s: i for i, s in enumerate(catalogue.display_order(df["schedule"].unique()))}
     return df.assign(_o=df["schedule"].map(order)).sort_values(["M", "_o"]).drop(columns="_o")
 
 

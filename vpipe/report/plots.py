@@ -51,13 +51,6 @@ KIND_COLORS = {
 }
 
 
-def schedule_order(names: Sequence[str]) -> list[str]:
-    """Catalogued schedules in display order (baselines first), unknown ones after, sorted."""
-    present = set(names)
-    known = [s for s in catalogue.names() if s in present]
-    return known + sorted(present - set(known))
-
-
 def _impl_order(names: Sequence[str]) -> list[str]:
     present = set(names)
     return [i for i in IMPL_ORDER if i in present] + sorted(present - set(IMPL_ORDER))
@@ -169,7 +162,7 @@ def plot_throughput(steps: pd.DataFrame) -> Figure:
     (turned upright only when even a full-width panel is too narrow).
     """
     mbs = sorted(steps["microbatches"].unique())
-    order = schedule_order(steps["schedule"].unique())
+    order = catalogue.display_order(steps["schedule"].unique())
     impls = _impl_order(steps["impl"].unique())
     n_bars = len(order) * len(impls)
     fig, axes = _facets(len(mbs), _bars_width(n_bars), 3.4)
@@ -201,7 +194,7 @@ def plot_throughput(steps: pd.DataFrame) -> Figure:
 def plot_memory(ranks: pd.DataFrame, column: str = "peak_bytes") -> Figure:
     """Peak memory per schedule: bars are the maximum over ranks, dots each rank's peak."""
     mbs = sorted(ranks["microbatches"].unique())
-    order = schedule_order(ranks["schedule"].unique())
+    order = catalogue.display_order(ranks["schedule"].unique())
     impls = _impl_order(ranks["impl"].unique())
     unit, div = _bytes_unit(float(ranks[column].max()))
     d_all = ranks.assign(value=ranks[column].astype(float) / div)

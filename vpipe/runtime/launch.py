@@ -100,15 +100,17 @@ def init_from_env(
 def fork_server(start: bool = False) -> Any:
     """The forkserver context ranks start from: the fork server imports torch once, and every
     later rank process forks from it, ready (symbolic_shapes, sympy, is what
-    torch.autograd.backward imports on its first call). ``start``: start the server now, with
+    torch.autograd.backward imports on its first call; pandas is what every sweep rank
+    imports, 0.2 s a rank and launch otherwise). ``start``: start the server now, with
     SIGINT blocked as :func:`spawn` starts it (a paced side does so before its first launch,
     so that launch does not pay for it)."""
     import torch.multiprocessing as mp
 
     ctx = mp.get_context("forkserver")
     ctx.set_forkserver_preload(
-        ["torch", "torch.distributed", "torch.fx.experimental.symbolic_shapes", "vpipe.runtime"]
-    )
+        ["torch", "torch.distributed", "torch.fx.experimental.symbolic_shapes", "pandas",
+         "vpipe.runtime"]
+    )  # fmt: skip
     if start:
         from multiprocessing import forkserver
 

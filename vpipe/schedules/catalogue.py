@@ -10,7 +10,7 @@ reports alike.
 
 from __future__ import annotations
 
-from collections.abc import Callable, Iterator, Mapping
+from collections.abc import Callable, Iterable, Iterator, Mapping
 from dataclasses import dataclass
 from typing import Generic, TypeVar
 
@@ -155,6 +155,14 @@ def canonical(name: str) -> str:
         return get(name).name
     except ScheduleError:
         return name
+
+
+def display_order(present: Iterable[str]) -> list[str]:
+    """The given schedule names in display order: catalogued families as :func:`names` orders
+    them (baselines first), unknown names after them, sorted."""
+    present = set(present)
+    known = [s for s in names() if s in present]
+    return known + sorted(present - set(known))
 
 
 def baseline() -> str:

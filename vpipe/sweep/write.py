@@ -230,7 +230,8 @@ def plan_sections(res: BenchResults, top: int = 10) -> list[Section]:
 
 def _timeline_sections(res: BenchResults) -> list[Section]:
     from vpipe.report.gantt import plot_gantt, plot_memory_timeline
-    from vpipe.report.plots import schedule_order, to_png
+    from vpipe.report.plots import to_png
+    from vpipe.schedules.catalogue import display_order
 
     runs = res.measured
     if not res.events or runs.empty:
@@ -244,7 +245,7 @@ def _timeline_sections(res: BenchResults) -> list[Section]:
     )
     mem = Section(f"Memory over time (M={m})")
     mems = []
-    for sched in schedule_order(runs["schedule"].unique()):
+    for sched in display_order(runs["schedule"].unique()):
         panels = []
         for impl in ("vpipe", "torch"):
             ev = res.events.get(Config(sched, m, impl).run_id(res.bench_id))
