@@ -154,7 +154,19 @@ def main(argv: list[str] | None = None) -> int:
         help="measure vpipe ab sessions instead (bench/false_alarms_ab.py: A/A with a hog for "
         "a random half of each session, and B slowed by --delay-pct, quiet and with the hog)",
     )
-    p.add_argument("--pairs", type=int, default=8, help="--ab: vpipe ab --pairs (default 8)")
+    p.add_argument(
+        "--pairs",
+        type=int,
+        default=20,
+        help="--ab: vpipe ab --pairs (default 20: the time budget, each session's --max-minutes, "
+        "is what ends a session that does not settle)",
+    )
+    p.add_argument(
+        "--fixed-delay",
+        action="store_true",
+        help="--ab: B's delay a fixed sleep (--inject-delay-ms-b) of --delay-pct of the fastest "
+        "config's quiet step, not --delay-pct of its own step (--inject-delay-pct-b)",
+    )
     p.add_argument("--sweep", default=None, help="--ab: the sessions' vpipe bench options")
     p.add_argument("--no-hog", action="store_true", help="--ab: no hog in any session")
     p.add_argument("--seed", type=int, default=0, help="--ab: seed of the hog's timing")

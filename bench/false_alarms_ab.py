@@ -1,16 +1,19 @@
 """False alarms and detections of ``vpipe ab`` (``python -m bench.false_alarms --ab``).
 
-    python -m bench.false_alarms --ab [--aa 20] [--delayed 10] [--delay-pct 10] [--pairs 8]
-                                      [--sweep "--impl vpipe ..."] [--no-hog]
+    python -m bench.false_alarms --ab [--aa 20] [--delayed 10] [--delay-pct 10] [--pairs 20]
+                                      [--sweep "--impl vpipe ..."] [--no-hog] [--fixed-delay]
 
 In a scratch clone of this checkout's HEAD (so the session's worktrees and environments are
 the clone's), it times two plain ``vpipe bench`` sweeps of the workload with fixed rounds
-(``--max-minutes 0``; the time budget of a session: twice theirs), then runs ``vpipe ab HEAD
-HEAD`` sessions, the quiet ones first:
+(``--max-minutes 0``; the time budget of a session: twice theirs, given to every session as
+its ``--max-minutes``), then runs ``vpipe ab HEAD HEAD`` sessions, the quiet ones first:
 
-- **A/A'** (``--delayed``, each quiet and with the hog): B slowed by ``--delay-pct`` of the
-  fastest config's median step (``--inject-delay-ms-b``), so every config is slowed by at least
-  that share. A session that calls every config "slower" detects it.
+- **A/A'** (``--delayed``, each quiet and with the hog): B slowed by ``--delay-pct`` of its
+  step (``--inject-delay-pct-b``: a sleep of that share of its previous step, so B stays that
+  much slower under the hog, as it would with extra work); with ``--fixed-delay``, a fixed
+  sleep of that share of the fastest config's quiet median step (``--inject-delay-ms-b``; a
+  smaller share of a step the hog slows). A session that calls every config "slower" detects
+  it.
 - **A/A with a hog** (``--aa``): the same commit on both sides; a busy loop pinned to one core
   starts at a random point of the session (between 5% and 50% of its expected length, never at
   its start) and runs for half of it. The expected length is the median wall time of the
@@ -99,13 +102,13 @@ class TimedHog:
 
 
 def session(
-    repo: Path, out: Path, sweep: str, pairs: int, delay_ms: float, hog: TimedHog | None
-) -> dict[str, Any]:
-    """One ``vpipe ab HEAD HEAD`` session; its table rows, wall time and session record."""
+    repo: Path, out: Path, sweep: str, pairs: int, minutes: float, delay: list[str],
+    hog: TimedHog | None,
+) -> dict[str, Any]:  # fmt: skip
+    """One ``vpipe ab HEAD HEAD`` session (``delay``: B's injected delay option and value, or
+    none); its table rows, wall time and session record."""
     cmd = [*vpipe_command(), "ab", "HEAD", "HEAD", *shlex.split(sweep), "--out", str(out),
-           "--pairs", str(pairs)]  # fmt: skip
-    if delay_ms:
-        cmd += ["--inject-delay-ms-b", f"{delay_ms:g}"]
+           "--pairs", str(pairs), "--max-minutes", f"{minutes:.4f}", *delay]  # fmt: skip
     t0 = time.perf_counter()
     if hog is None:
         done = subprocess.run(cmd, cwd=repo, capture_output=True, text=True)
@@ -117,12 +120,12 @@ def session(
         raise SystemExit(f"vpipe ab failed: {done.stderr.strip().splitlines()[-1:]}")
     record = json.loads((out / "session.json").read_text())
     from vpipe.report.ab_report import session_table
+    from vpipe.report.pairs import report_alpha
 
     labels = {"A": "A", "B": "B"}
     launches = [(x["side"], x) for x in record["launches"]]
-    table, _, _ = session_table(
-        record["ready"], launches, looks=pairs - 1, labels=labels, delay_b_ms=delay_ms
-    )
+    alpha = report_alpha(record["looks"])
+    table, _, _ = session_table(record["ready"], launches, alpha=alpha, labels=labels)
     return {"rows": table.to_dict("records"), "wall": wall, "record": record}
 
 
@@ -168,13 +171,22 @@ def main(args: Any) -> int:
         work = Path(tmp)
         repo = work / "repo"
         subprocess.run(["git", "clone", "-q", str(ROOT), str(repo)], check=True)
+        from vpipe.sweep.envs import CACHE, prepare
+
+        prepare("A", "HEAD", repo, repo / CACHE)  # made now, so no session's time includes it
         plain = [plain_sweep(repo, args.sweep, work / f"plain{i}") for i in (0, 1)]
         walls, fastest = [w for w, _ in plain], [f for _, f in plain]
         budget = sum(walls)
-        delay_ms = round(min(fastest) * args.delay_pct / 100 * 1e3, 3)
+        if args.fixed_delay:
+            delay_ms = round(min(fastest) * args.delay_pct / 100 * 1e3, 3)
+            delay = ["--inject-delay-ms-b", f"{delay_ms:g}"]
+            what = f"{delay_ms} ms ({args.delay_pct:g}% of the fastest config's step)"
+        else:
+            delay = ["--inject-delay-pct-b", f"{args.delay_pct:g}"]
+            what = f"{args.delay_pct:g}% of its step"
         print(f"two plain sweeps {walls[0]:.1f} + {walls[1]:.1f} s: budget {2 * budget:.0f} s "
-              f"a session; fastest config's step {min(fastest) * 1e3:.2f} ms: B's delay "
-              f"{delay_ms} ms ({args.delay_pct:g}%)", flush=True)  # fmt: skip
+              f"a session (its --max-minutes); fastest config's step {min(fastest) * 1e3:.2f} "
+              f"ms; B's delay {what}", flush=True)  # fmt: skip
 
         walls_so_far: list[float] = []
 
@@ -188,13 +200,13 @@ def main(args: Any) -> int:
         aa = "A/A quiet" if args.no_hog else "A/A hog"
         kinds: dict[str, list[dict[str, Any]]] = {aa: [], "A/A' quiet": [], "A/A' hog": []}
         delayed = ("A/A' quiet",) if args.no_hog else ("A/A' quiet", "A/A' hog")
-        plan = [(delayed[0], i, delay_ms) for i in range(args.delayed)]  # quiet first
-        plan += [(aa, i, 0.0) for i in range(args.aa)]
-        plan += [(k, i, delay_ms) for i in range(args.delayed) for k in delayed[1:]]
-        for kind, i, delay in plan:
+        plan = [(delayed[0], i, delay) for i in range(args.delayed)]  # quiet first
+        plan += [(aa, i, []) for i in range(args.aa)]
+        plan += [(k, i, delay) for i in range(args.delayed) for k in delayed[1:]]
+        for kind, i, slow_b in plan:
             h = hog() if kind.endswith("hog") else None
             out = work / f"s{len(sum(kinds.values(), []))}"
-            res = session(repo, out, args.sweep, args.pairs, delay, h)
+            res = session(repo, out, args.sweep, args.pairs, 2 * budget / 60, slow_b, h)
             kinds[kind].append(res)
             walls_so_far.append(res["wall"])
             print(describe(kind, i + 1, res, 2 * budget, h), flush=True)

@@ -18,8 +18,17 @@ import numpy as np
 import pytest
 
 from vpipe.report.ab_report import ab_report, session_pairs, session_table, settled
-from vpipe.report.pairs import Pair, confidence, paired_ratio, session_order, session_spread
-from vpipe.sweep.ab import run_session
+from vpipe.report.pairs import (
+    ALPHA,
+    FINAL_SHARE,
+    Pair,
+    look_alpha,
+    paired_ratio,
+    report_alpha,
+    session_order,
+    session_spread,
+)
+from vpipe.sweep.ab import pairs_that_fit, run_session
 from vpipe.sweep.envs import EnvError, Version, prepare
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -57,26 +66,29 @@ def test_pairs_are_adjacent_launches_and_a_host_change_leaves_one_out():
     assert "other processes' CPU" in pairs[("zbv", 4, "vpipe")][2].host_differences[0]
 
 
-def _table(launches, pairs: int, delay: float = 0.0):
+def _table(launches, alpha: float = ALPHA * FINAL_SHARE, delay: str = ""):
+    """The session's table at a look spending ``alpha`` (default: the last look of a session
+    that looked before it)."""
     return session_table(
-        {"A": READY, "B": READY}, launches, looks=pairs - 1, labels={"A": "a", "B": "b"},
-        delay_b_ms=delay,
+        {"A": READY, "B": READY}, launches, alpha=alpha, labels={"A": "a", "B": "b"},
+        delay_b=delay,
     )  # fmt: skip
 
 
 def test_the_same_code_is_within_noise_and_a_10_percent_slowdown_is_slower():
-    same, _, _ = _table(_session(8, 1.0), 8)
+    same, _, _ = _table(_session(8, 1.0))
     assert list(same["verdict"]) == ["within noise", "within noise"] and settled(same)
-    slow, spread, why = _table(_session(8, 1.1), 8, delay=7.0)
+    slow, spread, why = _table(_session(8, 1.1), delay="7 ms")
     assert list(slow["verdict"]) == ["slower", "slower"] and settled(slow)
     for ratio in slow["speedup"].astype(float):
         assert 0.87 < ratio < 0.95  # A/B: B is 10% slower
     assert spread.dof is None and "normalised" in why  # the floor held, references shared
-    assert set(slow["delay ms (B)"]) == {"7"}
+    assert set(slow["injected delay (B)"]) == {"7 ms"}
 
 
 def test_inconclusive_says_how_many_pairs_would_settle_it():
-    table, _, _ = _table(_session(2, 1.05), 8)
+    first_look = ALPHA * (1 - FINAL_SHARE) / 6  # after 2 of 8 pairs
+    table, _, _ = _table(_session(2, 1.05), first_look)
     assert set(table["verdict"]) == {"inconclusive"} and not settled(table)
     for text in table["to settle"]:
         n = int(text.split("~")[1].split()[0])
@@ -98,11 +110,48 @@ def test_a_hogged_pair_counts_less_than_a_quiet_one():
     assert abs(math.log(r.value) - math.log(alone.value)) < 0.03
 
 
-def test_confidence_is_shared_by_configs_and_looks():
-    assert confidence(2, 7) == pytest.approx(1 - 0.05 / 14)
+def _spend(expected_last: list[int]) -> list[float]:
+    """What the looks at pairs 2, 3, ... spend when, at each, the last pair is expected to be
+    ``expected_last[i]`` (a look is the last when that is its own pair)."""
+    spent: list[float] = []
+    for i, last in enumerate(expected_last):
+        n = 2 + i
+        spent.append(look_alpha(sum(spent), last - n))
+        if last == n:
+            break
+    return spent
+
+
+def test_the_looks_spend_5_percent_half_of_it_at_the_last():
+    spent = _spend([8] * 7)  # --pairs 8, no time limit in sight: looks at pairs 2..8
+    assert spent[:-1] == pytest.approx([ALPHA * (1 - FINAL_SHARE) / 6] * 6)
+    assert spent[-1] == pytest.approx(ALPHA * FINAL_SHARE) and sum(spent) == pytest.approx(ALPHA)
+    # a time limit draws nearer: the last look comes sooner, the shares grow, never past 5%
+    sooner = _spend([8, 8, 6, 5, 5])
+    assert len(sooner) == 4 and sum(sooner) == pytest.approx(ALPHA)
+    assert sooner[2] > sooner[1] and sooner[-1] >= ALPHA * FINAL_SHARE
+    assert _spend([2]) == [ALPHA]  # one look: all of it
+
+
+def test_the_report_spends_what_the_session_left():
+    interim = {"alpha": 0.004, "last": False, "settled": False}
+    assert report_alpha([]) == ALPHA  # no look yet
+    assert report_alpha([interim, {"alpha": 0.03, "last": True, "settled": False}]) == 0.03
+    assert report_alpha([{**interim, "settled": True}]) == 0.004  # settled there: its verdicts
+    assert report_alpha([interim, interim]) == pytest.approx(ALPHA - 0.008)  # interrupted
+
+
+def test_a_pair_starts_only_if_it_ends_in_time():
+    assert pairs_that_fit(60.0, []) == 0
+    assert pairs_that_fit(60.0, [5.0, 5.0]) == 11  # 3 s kept for writing the stores
+    assert pairs_that_fit(60.0, [5.0, 9.0]) == 6  # the slower of the last two
+    assert pairs_that_fit(2.0, [5.0]) == 0
+
+
+def test_a_stricter_look_has_a_wider_interval():
     launches = _session(3, 1.0)
-    wide = _table(launches, 20)[0]  # more planned looks: each one is stricter
-    narrow = _table(launches, 2)[0]
+    wide = _table(launches, 0.002)[0]
+    narrow = _table(launches, 0.05)[0]
     for w, n in zip(wide["95% CI"], narrow["95% CI"], strict=True):
         lw, hw = map(float, w.split("-"))
         ln, hn = map(float, n.split("-"))
@@ -111,7 +160,7 @@ def test_confidence_is_shared_by_configs_and_looks():
 
 def test_the_report_has_a_verdict_column_and_the_session(tmp_path):
     html, md, table = ab_report(
-        {"A": READY, "B": READY}, _session(3, 1.0, hog_from=3), looks=7,
+        {"A": READY, "B": READY}, _session(3, 1.0, hog_from=3), alpha=0.025,
         labels={"A": "HEAD (abc)", "B": "HEAD (abc)"}, stopped="--pairs 3 done",
     )  # fmt: skip
     assert "| verdict |" in md.replace("verdict | to settle", "verdict |")
@@ -172,10 +221,10 @@ def fake_versions(tmp_path, monkeypatch):
 
 
 def _run(versions, out, **kw):
-    kw.setdefault("settled", lambda session: False)
+    kw.setdefault("settled", lambda session, alpha: False)
     return run_session(
         versions, {"A": [], "B": ["--inject-delay-ms", "7"]}, out, pairs=kw.pop("pairs", 3),
-        max_minutes=5, progress=lambda line: None, **kw,
+        max_minutes=kw.pop("max_minutes", 5), progress=lambda line: None, **kw,
     )  # fmt: skip
 
 
@@ -193,8 +242,27 @@ def test_a_session_alternates_and_each_side_writes_its_blocks(tmp_path, fake_ver
 
 def test_the_session_stops_once_settled(tmp_path, fake_versions):
     versions, _ = fake_versions
-    session, _ = _run(versions, tmp_path / "out", pairs=8, settled=lambda s: True)
-    assert session.stopped == "settled after 2 pairs" and len(session.launches) == 4
+    seen = []
+
+    def settled(session, alpha):
+        seen.append(alpha)
+        return len(seen) == 2
+
+    session, _ = _run(versions, tmp_path / "out", pairs=8, settled=settled)
+    assert session.stopped == "settled after 3 pairs" and len(session.launches) == 6
+    assert seen == pytest.approx([ALPHA * (1 - FINAL_SHARE) / 6] * 2)
+    assert [x["settled"] for x in session.looks] == [False, True]
+
+
+def test_the_session_ends_on_a_last_look_when_another_pair_would_not_fit(
+    tmp_path, fake_versions, monkeypatch
+):
+    versions, log = fake_versions
+    monkeypatch.setenv("FAKE_BLOCK_S", "1.0")  # a pair: 2 s; the limit: 6 s, 3 s kept to write
+    session, _ = _run(versions, tmp_path / "out", pairs=8, max_minutes=0.1)
+    assert session.stopped == "--max-minutes 0.1: another pair would not end in time, after 2 pairs"
+    assert session.looks[-1]["last"] and session.looks[-1]["alpha"] == pytest.approx(ALPHA)
+    assert log.read_text().count("\n") == 4 and session.wall_s < 8
 
 
 def test_a_side_that_fails_is_one_line_and_the_other_side_keeps_its_blocks(
@@ -213,13 +281,23 @@ def test_ctrl_c_stops_the_launch_in_progress_and_both_sides_keep_what_finished(
     tmp_path, fake_versions, monkeypatch
 ):
     versions, log = fake_versions
-    monkeypatch.setenv("FAKE_BLOCK_S", "0.6")
-    timer = threading.Timer(2.0, lambda: os.kill(os.getpid(), signal.SIGINT))
-    timer.start()
+    monkeypatch.setenv("FAKE_BLOCK_S", "1.0")
+    stop = threading.Event()
+
+    def ctrl_c_in_the_third_launch():  # not on a fixed timer: a loaded host starts sides late
+        while not stop.wait(0.02):
+            if log.exists() and log.read_text().count("\n") >= 3:
+                stop.wait(0.1)
+                os.kill(os.getpid(), signal.SIGINT)
+                return
+
+    watcher = threading.Thread(target=ctrl_c_in_the_third_launch, daemon=True)
+    watcher.start()
     try:
         session, wrote = _run(versions, tmp_path / "out", pairs=6)
     finally:
-        timer.cancel()
+        stop.set()
+        watcher.join()
     assert session.interrupted and session.stopped.startswith("interrupted after")
     done = {k: int((tmp_path / "out" / k / "blocks").read_text()) for k in ("A", "B")}
     started = log.read_text().count("\n")

@@ -26,6 +26,7 @@ from vpipe.sweep.harness import SavedTensorMeter
         (["--max-minutes", "-1"], "--max-minutes must be >= 0"),
         (["--blocks", "2", "--max-minutes", "3"], "give --max-minutes 0 with --blocks"),
         (["--inject-delay-ms", "-1"], "--inject-delay-ms must be >= 0"),
+        (["--inject-delay-pct", "-5"], "--inject-delay-pct must be >= 0"),
         (["--inject-delay-rank", "2"], "--inject-delay-rank 2 is not a rank of 2"),
         (["--model", "cnn"], "unknown model 'cnn'"),
         (["--sizes", "depth=3"], "model 'mlp' has no size 'depth'"),
@@ -44,6 +45,43 @@ def test_sweep_configs_cover_the_grid():
     assert len(keys) == len(set(keys)) == 8
     assert "zbv-m2-torch" in keys and spec.backend == "gloo"
     assert SweepSpec(device="cuda").backend == "nccl"
+
+
+def test_a_proportional_delay_sleeps_its_share_of_the_previous_step(monkeypatch):
+    """--inject-delay-pct: the delaying rank sleeps that share of its own previous step (plus
+    --inject-delay-ms), the other ranks do not; the step it measures excludes the sleep."""
+    import threading
+    from types import SimpleNamespace
+
+    import vpipe.sweep.harness as harness
+
+    slept: list[float] = []
+    monkeypatch.setattr(harness.time, "sleep", slept.append)
+    step_s = iter([0.03, 0.06, 0.01] * 2)
+
+    def pipe_step(inputs, targets):  # a pipeline step of a known length, no sleep of its own
+        threading.Event().wait(next(step_s))
+        return []
+
+    def rank(r: int) -> harness.RankHarness:
+        h = harness.RankHarness.__new__(harness.RankHarness)
+        h.spec = SimpleNamespace(inject_delay_s=0.002, inject_delay_share=0.5, inject_delay_rank=0)
+        h.rank, h.params, h.inputs, h.targets = r, [], None, None
+        h.pipe, h.last_step_s = SimpleNamespace(step=pipe_step), 0.0
+        return h
+
+    delaying = rank(0)
+    lengths = []
+    for _ in range(3):
+        delaying.step()
+        lengths.append(delaying.last_step_s)
+    assert slept[0] == pytest.approx(0.002)  # no step before the first: the fixed part only
+    assert slept[1:] == pytest.approx([0.002 + 0.5 * x for x in lengths[:2]])
+    assert lengths[0] >= 0.03 and lengths[1] >= 0.06
+    other = rank(1)
+    for _ in range(3):
+        other.step()
+    assert len(slept) == 3
 
 
 def test_saved_tensor_meter_counts_activations_until_backward():

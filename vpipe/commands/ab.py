@@ -5,6 +5,11 @@ from __future__ import annotations
 
 import argparse
 import time
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+if TYPE_CHECKING:
+    from vpipe.sweep.ab import Session
 
 
 def register(subparsers: argparse._SubParsersAction) -> None:
@@ -25,12 +30,18 @@ def register(subparsers: argparse._SubParsersAction) -> None:
 
 
 def own_options() -> argparse.ArgumentParser:
-    """vpipe ab's own options, taken out of the arguments that follow A and B."""
-    p = argparse.ArgumentParser(prog="vpipe ab", add_help=False)
+    """vpipe ab's own options, taken out of the arguments that follow A and B (whole names
+    only: --inject-delay-ms is vpipe bench's, for both sides, not --inject-delay-ms-b)."""
+    p = argparse.ArgumentParser(prog="vpipe ab", add_help=False, allow_abbrev=False)
     p.add_argument("--out", required=True, metavar="DIR", help="where the session goes")
     p.add_argument("--pairs", type=int, default=8, help="at most this many pairs (default 8)")
     p.add_argument(
-        "--max-minutes", type=float, default=20.0, help="stop after this long (default 20)"
+        "--max-minutes",
+        type=float,
+        default=20.0,
+        help="the session's time limit, from when both environments are ready: no pair starts "
+        "that would not end within it, judged by the pairs so far (default 20; the first two "
+        "pairs always run)",
     )
     p.add_argument(
         "--inject-delay-ms-b",
@@ -38,6 +49,14 @@ def own_options() -> argparse.ArgumentParser:
         default=0.0,
         metavar="MS",
         help="slow B alone by MS per step (a known slowdown, to check that one is caught)",
+    )
+    p.add_argument(
+        "--inject-delay-pct-b",
+        type=float,
+        default=0.0,
+        metavar="PCT",
+        help="slow B alone by PCT%% of its step (a sleep of PCT%% of the previous step, so the "
+        "slowdown stays that share of the step under any load, as extra work would)",
     )
     p.add_argument("--force", action="store_true", help="empty DIR first if it holds anything")
     p.add_argument(
@@ -51,7 +70,6 @@ def own_options() -> argparse.ArgumentParser:
 
 def run_ab(args: argparse.Namespace) -> int:
     import shutil
-    from pathlib import Path
 
     from vpipe.outputs import atomic_write, check_output_dir
     from vpipe.sweep.ab import AbError, check_bench_args, run_session, session_record
@@ -59,10 +77,19 @@ def run_ab(args: argparse.Namespace) -> int:
 
     mine, bench = own_options().parse_known_args(args.bench)
     check_bench_args(bench)
-    if mine.pairs < 2 or mine.max_minutes <= 0 or mine.inject_delay_ms_b < 0:
-        raise AbError("--pairs must be >= 2, --max-minutes and --inject-delay-ms-b positive")
-    if mine.inject_delay_ms_b and any(a.startswith("--inject-delay-ms") for a in bench):
-        raise AbError("give --inject-delay-ms (both sides) or --inject-delay-ms-b, not both")
+    if mine.pairs < 2 or mine.max_minutes <= 0:
+        raise AbError("--pairs must be >= 2 and --max-minutes positive")
+    if min(mine.inject_delay_ms_b, mine.inject_delay_pct_b) < 0:
+        raise AbError("--inject-delay-ms-b and --inject-delay-pct-b must be >= 0")
+    delay, delay_b = [], []
+    for flag, value, unit in (("--inject-delay-ms", mine.inject_delay_ms_b, " ms"),
+                              ("--inject-delay-pct", mine.inject_delay_pct_b, "% of the step")):  # fmt: skip
+        if not value:
+            continue
+        if any(a.split("=", 1)[0] == flag for a in bench):
+            raise AbError(f"give {flag} (both sides) or {flag}-b, not both")
+        delay += [flag, f"{value:g}"]
+        delay_b.append(f"{value:g}{unit}")
     out = check_output_dir(mine.out, append=False, force=mine.force)
     if mine.force and out.exists():
         shutil.rmtree(out)
@@ -79,21 +106,19 @@ def run_ab(args: argparse.Namespace) -> int:
         print(f"{v.describe}: environment {how}", flush=True)
         versions[label] = v
     out.mkdir(parents=True, exist_ok=True)
-    delay = ["--inject-delay-ms", f"{mine.inject_delay_ms_b:g}"] if mine.inject_delay_ms_b else []
-    looks = mine.pairs - 1  # a look after every pair from the second
 
-    def table_of(session: object) -> object:
+    def table_of(session: Session, alpha: float) -> Any:
         from vpipe.report.ab_report import session_table
 
         return session_table(
-            session.ready, session.launches, looks=looks, labels=labels,
-            delay_b_ms=mine.inject_delay_ms_b,
+            session.ready, session.launches, alpha=alpha, labels=labels,
+            delay_b=" + ".join(delay_b),
         )[0]  # fmt: skip
 
-    def settled(session: object) -> bool:
+    def settled(session: Session, alpha: float) -> bool:
         from vpipe.report.ab_report import settled as all_settled
 
-        return all_settled(table_of(session))
+        return all_settled(table_of(session, alpha))
 
     labels = {k: v.describe.split(" = ", 1)[1] for k, v in versions.items()}
     session, wrote = run_session(
@@ -105,7 +130,7 @@ def run_ab(args: argparse.Namespace) -> int:
         settled=settled,
         progress=lambda line: print(line, flush=True),
     )
-    line = write_report(out, session, labels, looks, mine.inject_delay_ms_b)
+    line = write_report(out, session, labels, " + ".join(delay_b))
     atomic_write(out / "session.json", lambda p: p.write_text(session_record(session, versions, bench)))
     print(line)
     print(f"{session.stopped}; {'; '.join(wrote)}; {session.wall_s:.0f} s; report: {out / 'report.html'}")
@@ -116,16 +141,18 @@ def run_ab(args: argparse.Namespace) -> int:
     return 0
 
 
-def write_report(out, session, labels, looks, delay_b_ms) -> str:  # noqa: ANN001
-    """report.html and report.md of the session's finished pairs; its one-line verdict."""
+def write_report(out: Path, session: Session, labels: dict[str, str], delay_b: str) -> str:
+    """report.html and report.md of the session's finished pairs, at the error rate of the look
+    that ended it (:func:`vpipe.report.pairs.report_alpha`); its one-line verdict."""
     from vpipe.outputs import atomic_write
     from vpipe.report.ab_report import ab_report
+    from vpipe.report.pairs import report_alpha
 
     if len(session.ready) < 2:
         return "no verdict: a side did not start"
     html, md, _ = ab_report(
-        session.ready, session.launches, looks=looks, labels=labels, stopped=session.stopped,
-        delay_b_ms=delay_b_ms,
+        session.ready, session.launches, alpha=report_alpha(session.looks), labels=labels,
+        stopped=session.stopped, delay_b=delay_b,
     )  # fmt: skip
     atomic_write(out / "report.html", lambda p: p.write_text(html, encoding="utf-8"))
     atomic_write(out / "report.md", lambda p: p.write_text(md, encoding="utf-8"))

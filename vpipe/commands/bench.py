@@ -100,6 +100,14 @@ def register(subparsers: argparse._SubParsersAction) -> None:
         "check that comparisons catch one; default 0)",
     )
     p.add_argument(
+        "--inject-delay-pct",
+        type=float,
+        default=0.0,
+        metavar="PCT",
+        help="sleep PCT%% of its previous step per step on one rank: a slowdown in proportion "
+        "to the step, as extra work would be, whatever the host's load (host clock; default 0)",
+    )
+    p.add_argument(
         "--inject-delay-rank", type=int, default=0, help="the rank that sleeps (default 0)"
     )
     add_runtime_flags(p)
@@ -244,6 +252,7 @@ def sweep_spec(args: argparse.Namespace) -> SweepSpec:
         blocks=args.blocks,
         max_minutes=opts["max_minutes"],
         inject_delay_ms=args.inject_delay_ms,
+        inject_delay_pct=args.inject_delay_pct,
         inject_delay_rank=args.inject_delay_rank,
         **dp,
     )

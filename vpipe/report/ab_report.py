@@ -21,7 +21,7 @@ from vpipe.report.pairs import (
     Pair,
     Spread,
     busiest,
-    confidence,
+    config_level,
     differences,
     make_pair,
     pair_verdict,
@@ -94,18 +94,20 @@ def session_table(
     ready: Mapping[str, Mapping[str, Any]],
     launches: Sequence[Launch],
     *,
-    looks: int,
+    alpha: float,
     labels: Mapping[str, str],
-    delay_b_ms: float = 0.0,
+    delay_b: str = "",
 ) -> tuple[pd.DataFrame, Spread, str]:
     """One row per shared config: A's and B's median step, A/B with its interval (> 1: B is
     faster), the verdict and what would settle it, the pairs used and left out; with the
-    spread the intervals used and the figure compared, in words."""
+    spread the intervals used and the figure compared, in words. ``alpha``: the error rate this
+    look spends over all configs (:func:`vpipe.report.pairs.look_alpha`); ``delay_b``: the
+    delay injected into B alone, in words (e.g. "7 ms"), if any."""
     pairs = session_pairs(ready, launches)
     normalise, why = choose_figure(ready, pairs)
     kept = {c: [p for p in ps if not p.host_differences] for c, ps in pairs.items()}
     spread = session_spread(differences(ps, normalise) for ps in kept.values() if ps)
-    level = confidence(len(pairs), looks)
+    level = config_level(alpha, len(pairs))
     rows = []
     for (schedule, m, impl), ps in pairs.items():
         r = paired_ratio(ps, normalise, spread, level)
@@ -128,7 +130,7 @@ def session_table(
                 "left out": left_out,
                 "steps": f"{r.steps[0]}+{r.steps[1]}",
                 "outliers (excluded)": r.outliers,
-                "delay ms (B)": f"{delay_b_ms:g}" if delay_b_ms else "",
+                "injected delay (B)": delay_b,
             }
         )
     return pd.DataFrame(rows), spread, why
@@ -182,26 +184,28 @@ def ab_report(
     ready: Mapping[str, Mapping[str, Any]],
     launches: Sequence[Launch],
     *,
-    looks: int,
+    alpha: float,
     labels: Mapping[str, str],
     stopped: str,
-    delay_b_ms: float = 0.0,
+    delay_b: str = "",
 ) -> tuple[str, str, pd.DataFrame]:
     """HTML and Markdown of a session, headed by its one-line verdict, and its table."""
     table, spread, why = session_table(
-        ready, launches, looks=looks, labels=labels, delay_b_ms=delay_b_ms
+        ready, launches, alpha=alpha, labels=labels, delay_b=delay_b
     )
     shown = table.drop(columns="run")
     line = headline(table, labels["A"], "speedup") if len(table) else "no shared config"
     versions = [f"A = {labels['A']}", f"B = {labels['B']}"]
-    delay = f" B was slowed by {delay_b_ms:g} ms per step (--inject-delay-ms-b)." if delay_b_ms else ""
+    delay = f" B alone was slowed by {delay_b} per step (an injected delay)." if delay_b else ""
     note = (
         f"speedup = A's figure / B's (> 1: B is faster), the inverse-variance weighted mean "
         f"over the pairs of adjacent launches (A B B A ...) of log(A/B); figure: {why}. "
         f"Interval: each pair's variance is its two launches' sampling variance (bootstrap of "
         f"their steps) plus the launches' spread, {spread.source} (floor: launch sd "
-        f"{PAIR_LAUNCH_SD} per side); {confidence(len(table), looks):.4f} per config "
-        f"(5% shared by {len(table)} configs x {looks} looks, Bonferroni), "
+        f"{PAIR_LAUNCH_SD} per side); {config_level(alpha, len(table)):.4f} per config "
+        f"({alpha:.4f} of the session's 5% spent at this look, shared by {len(table)} "
+        f"configs; half of the 5% is kept for the last look, the rest shared by the looks "
+        f"before it), "
         f"{'the normal quantile' if spread.dof is None else f'Student t, {spread.dof} dof'}. "
         "Verdict as in vpipe report: faster/slower when the interval excludes 1 and the ratio "
         "is beyond the A/A noise band of one launch; within noise when the interval lies "

@@ -229,7 +229,7 @@ def comparison_table(sweeps: Sequence[Sweep], model: CrossModel | None = None) -
                     "run": run.label,
                     f"{base.label} ms": _ms(_recorded_step(x)),
                     "run ms": _ms(_recorded_step(y)),
-                    "delay ms": _delay(run),
+                    "injected delay": _delay(run),
                     **cells,
                 }
             )
@@ -260,9 +260,11 @@ def steps_per_config(steps: pd.DataFrame | None) -> str:
 
 
 def _delay(sweep: Sweep) -> str:
-    """The delay injected per step in a sweep (``vpipe bench --inject-delay-ms``), if any."""
+    """The delay injected per step in a sweep (``vpipe bench --inject-delay-ms``, in ms, and
+    ``--inject-delay-pct``, in % of the step), if any."""
     ms = float(sweep.meta_value("inject_delay_ms", 0.0) or 0.0)
-    return f"{ms:g}" if ms else ""
+    pct = float(sweep.meta_value("inject_delay_pct", 0.0) or 0.0)
+    return " + ".join(([f"{ms:g} ms"] if ms else []) + ([f"{pct:g}% of the step"] if pct else []))
 
 
 def normalisation_note(base: Sweep, run: Sweep) -> str | None:
@@ -445,7 +447,7 @@ def host_table(sweeps: Sequence[Sweep]) -> pd.DataFrame:
                 "MHz": _num(h["mhz"], "{:.0f}"),
                 "reference ms": _num(h["ref_s"] and h["ref_s"] * 1e3, "{:.3f}"),
                 "blocks": s.meta_value("blocks", 1),
-                "delay ms": _delay(s),
+                "injected delay": _delay(s),
             }
         )
     return pd.DataFrame(rows)

@@ -22,8 +22,12 @@ order alternates so that a steady drift favours neither side.
   when the pairs spread more. The host's slow drift is what the pairs cancel, so no run drift
   is added (it is in :mod:`vpipe.report.crossrun` for runs made apart).
 - **Confidence**: simultaneous over the configs and over every look the session takes at its
-  verdicts (Bonferroni: each config at 1 - 5% / (configs x looks)), so stopping when the
-  verdict is settled does not raise the false-alarm rate.
+  verdicts, so stopping when the verdict is settled does not raise the false-alarm rate: the
+  session's 5% is spent over its looks (:func:`look_alpha`; their union bounds the false
+  alarms whatever the looks' correlation), half of it kept for the last look (the one a
+  session that has not settled early ends on, where the most pairs are), the other half shared
+  evenly by the looks expected before it, and at each look split evenly over the configs
+  (Bonferroni: each config at 1 - alpha / configs).
 - **Verdict**: :func:`vpipe.report.crossrun.verdict`, with the A/A noise band of one launch;
   "inconclusive" says how many pairs would settle it (:func:`pairs_to_settle`).
 """
@@ -145,9 +149,39 @@ def session_spread(configs: Iterable[tuple[np.ndarray, np.ndarray]]) -> Spread:
     return Spread(tau2, dof, f"measured from the pairs, sd {math.sqrt(tau2):.3f}, {dof} dof")
 
 
-def confidence(configs: int, looks: int) -> float:
-    """Each config's interval level: 1 - 5% / (configs x looks) (Bonferroni over both)."""
-    return 1 - (1 - CONFIDENCE) / max(configs, 1) / max(looks, 1)
+ALPHA = 1 - CONFIDENCE  # a session's false-alarm rate over all its configs and looks
+# The share of ALPHA kept for a session's last look. A session that settles early does so on a
+# clear difference, where a stricter look costs a pair or two; one that runs to its limit (a
+# small difference, or a hog) ends on the last look, whose interval this share narrows (2
+# configs, 8 pairs: z = 2.50 at the last look, 3.08 at the 6 before it; 2.91 at every look
+# when 7 looks share 5% evenly)
+FINAL_SHARE = 0.5
+
+
+def look_alpha(spent: float, interim_left: int) -> float:
+    """The error rate (over all configs) a look spends, ``spent`` having gone to the looks
+    before it: the last look (``interim_left`` 0) takes all of :data:`ALPHA` that is left; an
+    earlier one an even share of what is left of the rest, (1 - FINAL_SHARE) x ALPHA, over
+    the ``interim_left`` looks now expected before the last, itself included (the expectation
+    may change between looks, as a time limit draws nearer; the shares never exceed the rest)."""
+    if interim_left <= 0:
+        return max(ALPHA - spent, 0.0)
+    return max((1 - FINAL_SHARE) * ALPHA - spent, 0.0) / interim_left
+
+
+def config_level(alpha: float, configs: int) -> float:
+    """Each config's interval level at a look spending ``alpha``: 1 - alpha / configs."""
+    return 1 - alpha / max(configs, 1)
+
+
+def report_alpha(looks: Sequence[Mapping[str, Any]]) -> float:
+    """The error rate of a session's report, from its looks (each: its ``alpha``, whether it
+    was the ``last`` and whether it ``settled``): the look that ended the session (settled, or
+    the last); after an interruption, a new last look taking what is left; without a look
+    (fewer than :data:`MIN_PAIRS` pairs), all of :data:`ALPHA`."""
+    if looks and (looks[-1]["last"] or looks[-1]["settled"]):
+        return float(looks[-1]["alpha"])
+    return look_alpha(sum(float(x["alpha"]) for x in looks), 0)
 
 
 def paired_ratio(pairs: Sequence[Pair], normalise: bool, spread: Spread, level: float) -> CrossRatio:

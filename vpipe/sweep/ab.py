@@ -6,7 +6,8 @@ options. Both start together; then their launches alternate A B B A A B ... (one
 so whatever the host does in the meantime hits both, and each adjacent pair of launches gives
 a ratio per config (:mod:`vpipe.report.pairs`). After each pair from the second on, the
 session looks at its verdicts and stops once every config's is settled (faster, slower or
-within noise), or when ``pairs`` pairs are done or ``max_minutes`` have passed. Each side
+within noise), or at its last look: when ``pairs`` pairs are done, or when another pair would
+not end within ``max_minutes`` (the session's time limit, start and writing included). Each side
 then writes its finished blocks as one store (``DIR/A``, ``DIR/B``: ``vpipe bench
 --blocks K`` outputs, which ``vpipe report`` also reads), and the session its report
 (``DIR/report.md`` with a ``verdict`` column, ``DIR/report.html``, ``DIR/session.json``).
@@ -19,6 +20,7 @@ finished blocks are written all the same.
 from __future__ import annotations
 
 import json
+import math
 import os
 import queue
 import signal
@@ -37,6 +39,7 @@ from vpipe.sweep.paced import PREFIX, parse_reply
 FORBIDDEN = ("--out", "--append", "--force", "--blocks", "--traces", "--paced", "--profile-steps")
 READY_TIMEOUT_S = 600.0
 BLOCK_TIMEOUT_S = 1800.0
+FINISH_RESERVE_S = 3.0  # both sides writing their stores at once (about 2 s on 2 cores)
 
 
 class AbError(VpipeError, RuntimeError):
@@ -131,13 +134,21 @@ class SideProcess:
         if self.proc.poll() is None:
             os.kill(self.proc.pid, signal.SIGINT)
 
+    def end(self) -> None:
+        """Ask the side to write its finished blocks (and exit); :meth:`finish` waits for it."""
+        if self.proc.stdin is not None and not self.proc.stdin.closed:
+            self.send("end")
+            try:
+                self.proc.stdin.close()
+            except BrokenPipeError:
+                pass  # it exited; finish() says why
+
     def finish(self) -> str:
-        """Ask the side to write its finished blocks; what it wrote, in words."""
+        """Have the side write its finished blocks (:meth:`end`, unless asked already) and wait
+        for it; what it wrote, in words."""
         if self.proc.poll() is not None and self.messages.empty():
             return f"{self.version.label}: nothing written ({self.exit_reason()})"
-        self.send("end")
-        if self.proc.stdin is not None:
-            self.proc.stdin.close()
+        self.end()
         try:
             while True:  # skip the answer to an interrupted launch
                 message = self.messages.get(timeout=READY_TIMEOUT_S)
@@ -164,11 +175,15 @@ class SideProcess:
 
 @dataclass
 class Session:
-    """What a session measured: each side's ready message and its launches' messages in the
-    order they ran, why it stopped, and the error that stopped it or whether Ctrl-C did."""
+    """What a session measured: each side's ready message, its launches' messages in the
+    order they ran and its looks, why it stopped, and the error that stopped it or whether
+    Ctrl-C did."""
 
     ready: dict[str, dict[str, Any]]
     launches: list[tuple[str, dict[str, Any]]] = field(default_factory=list)
+    # each look at the verdicts: pairs done, the error rate it spent (vpipe.report.pairs), and
+    # whether it was the last the session could take and whether every verdict had settled
+    looks: list[dict[str, Any]] = field(default_factory=list)
     stopped: str = ""
     wall_s: float = 0.0
     error: str | None = None
@@ -178,6 +193,16 @@ class Session:
         return len(self.launches) // 2
 
 
+def pairs_that_fit(seconds_left: float, pair_seconds: list[float]) -> int:
+    """How many more pairs end within ``seconds_left``, keeping :data:`FINISH_RESERVE_S` for
+    the sides to write their stores: a pair is expected to take as long as the slower of the
+    last two (a host that slows down, a hog that starts, shows there first)."""
+    if not pair_seconds:
+        return 0
+    expected = max(pair_seconds[-2:])
+    return max(0, math.floor((seconds_left - FINISH_RESERVE_S) / expected))
+
+
 def run_session(
     versions: dict[str, Version],
     bench_args: dict[str, list[str]],
@@ -185,15 +210,18 @@ def run_session(
     *,
     pairs: int,
     max_minutes: float,
-    settled: Callable[[Session], bool],
+    settled: Callable[[Session, float], bool],
     progress: Callable[[str], object] = print,
 ) -> tuple[Session, list[str]]:
-    """Start both sides, alternate their launches until ``settled(session)`` says so (checked
-    after every pair from the second) or a limit is reached, then have both write their
-    stores. Returns the session and what each side wrote. A side that fails, or Ctrl-C, ends
-    the session early (``session.error``, ``session.interrupted``; the launch in progress is
-    dropped), and both sides still write what finished."""
-    from vpipe.report.pairs import MIN_PAIRS, session_order
+    """Start both sides, alternate their launches, and after every pair from the
+    :data:`~vpipe.report.pairs.MIN_PAIRS`-th look at the verdicts (``settled(session, alpha)``,
+    alpha the error rate the look spends: :func:`vpipe.report.pairs.look_alpha`). The session
+    ends at a look that settles, or at the last look: after ``pairs`` pairs, or when another
+    pair would not end within ``max_minutes`` of the start (:func:`pairs_that_fit`); then both
+    sides write their stores. Returns the session and what each side wrote. A side that fails,
+    or Ctrl-C, ends the session early (``session.error``, ``session.interrupted``; the launch
+    in progress is dropped), and both sides still write what finished."""
+    from vpipe.report.pairs import MIN_PAIRS, look_alpha, session_order
 
     session = Session(ready={})
     t0 = time.monotonic()
@@ -206,7 +234,8 @@ def run_session(
         for k, side in sides.items():
             session.ready[k] = side.expect("ready", READY_TIMEOUT_S)
         order = session_order(2 * pairs)
-        session.stopped = f"--pairs {pairs} done"
+        pair_seconds: list[float] = []
+        pair_start = time.monotonic()
         for i, k in enumerate(order):
             running = sides[k]
             message = running.block()
@@ -214,14 +243,25 @@ def run_session(
             session.launches.append((k, message))
             if i % 2 == 0:
                 continue
+            now = time.monotonic()
+            pair_seconds.append(now - pair_start)
+            pair_start = now
             n = session.pairs_done()
-            seconds = time.monotonic() - t0
-            progress(f"pair {n}/{pairs} done at {seconds:.0f} s")
-            if n >= MIN_PAIRS and settled(session):
+            progress(f"pair {n}/{pairs} done at {now - t0:.0f} s")
+            if n < MIN_PAIRS:
+                continue
+            last = min(pairs, n + pairs_that_fit(max_minutes * 60 - (now - t0), pair_seconds))
+            alpha = look_alpha(sum(x["alpha"] for x in session.looks), last - n)
+            done = settled(session, alpha)
+            session.looks.append({"pairs": n, "alpha": alpha, "last": last == n, "settled": done})
+            if done:
                 session.stopped = f"settled after {n} pairs"
                 break
-            if seconds >= max_minutes * 60 and i + 1 < len(order):
-                session.stopped = f"--max-minutes {max_minutes:g} reached after {n} pairs"
+            if last == n:
+                session.stopped = (
+                    f"--pairs {pairs} done" if n == pairs else f"--max-minutes {max_minutes:g}: "
+                    f"another pair would not end in time, after {n} pairs"
+                )
                 break
     except KeyboardInterrupt:
         session.interrupted = True
@@ -243,6 +283,9 @@ def _finish(sides: dict[str, SideProcess]) -> list[str]:
 
     with sigint_held():
         try:
+            for side in sides.values():  # both write at once
+                if side.proc.poll() is None:
+                    side.end()
             return [side.finish() for side in sides.values()]
         finally:
             for side in sides.values():
@@ -251,8 +294,8 @@ def _finish(sides: dict[str, SideProcess]) -> list[str]:
 
 def session_record(session: Session, versions: dict[str, Version], args: list[str]) -> str:
     """``session.json``: the versions, the sweep options, the sides' ready messages, every
-    launch's message (steps, reference times, host rounds) in the order they ran, and why the
-    session stopped: enough to compute the report again."""
+    launch's message (steps, reference times, host rounds) in the order they ran, its looks
+    and why the session stopped: enough to compute the report again."""
     return json.dumps(
         {
             "versions": {
@@ -262,6 +305,7 @@ def session_record(session: Session, versions: dict[str, Version], args: list[st
             "bench_args": args,
             "ready": session.ready,
             "launches": [{"side": k, **m} for k, m in session.launches],
+            "looks": session.looks,
             "stopped": session.stopped,
             "wall_s": round(session.wall_s, 1),
         },

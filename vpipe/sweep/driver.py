@@ -106,6 +106,7 @@ class SweepSpec:
     # cross-run comparisons (vpipe.report.crossrun): independent launches, a known injected delay
     blocks: int = 1
     inject_delay_ms: float = 0.0  # extra sleep per step on rank inject_delay_rank
+    inject_delay_pct: float = 0.0  # and this % of that rank's previous step
     inject_delay_rank: int = 0
     # data parallel (vpipe.sweep.dp_bench): replicas of the pipeline, ranks x dp processes
     dp: int = 1
@@ -168,6 +169,7 @@ class SweepSpec:
             ("profile-steps", self.profile_steps, 1),
             ("blocks", self.blocks, 1),
             ("inject-delay-ms", self.inject_delay_ms, 0),
+            ("inject-delay-pct", self.inject_delay_pct, 0),
             ("dp", self.dp, 1),
             ("max-minutes", self.max_minutes, 0),
         ):
@@ -247,6 +249,7 @@ class SweepSpec:
                 recv_lookahead=self.recv_lookahead,
                 post_thread=self.post_thread,
                 inject_delay_s=self.inject_delay_ms / 1e3,
+                inject_delay_share=self.inject_delay_pct / 100,
                 inject_delay_rank=self.inject_delay_rank,
                 dp=self.dp,
                 dp_bucket_bytes=self.dp_bucket_bytes,

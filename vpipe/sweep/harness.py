@@ -91,8 +91,11 @@ class RankSpec:
     comm_channels: bool | None = None  # one process group per direction (None: on NCCL)
     post_thread: bool | None = None  # post communication off the compute thread (None: gloo)
     time_actions: bool = False  # CUDA events per action, in stats["action_times"] (CUDA only)
-    # a known slowdown to check that comparisons catch one: seconds slept per step on one rank
+    # a known slowdown to check that comparisons catch one: seconds slept per step on one rank,
+    # plus a share of that rank's previous step (a slowdown in proportion to the step, as extra
+    # work would be, whatever the host's load)
     inject_delay_s: float = 0.0
+    inject_delay_share: float = 0.0
     inject_delay_rank: int = 0
     # data parallel: replicas of the pipeline (world = ranks x dp; vpipe.runtime.data_parallel),
     # each on its own shard of the batch, gradients all-reduced in buckets of dp_bucket_bytes
@@ -197,6 +200,7 @@ class RankHarness:
         self.pipe = _make_pipeline(spec, modules, self.model.loss_fn, self.device, self.mesh)
         self.cuda = self.device.type == "cuda"
         self.losses: list[Any] | None = None  # the last step's, on the loss rank
+        self.last_step_s = 0.0  # this rank's last step, without an injected delay (host clock)
 
     @property
     def n_stages(self) -> int:
@@ -218,9 +222,13 @@ class RankHarness:
     def step(self) -> Any:
         """One training step from zeroed gradients; the losses on the loss rank, else None."""
         self.zero_grad()
-        if self.spec.inject_delay_s and self.rank == self.spec.inject_delay_rank:
-            time.sleep(self.spec.inject_delay_s)
+        if self.rank == self.spec.inject_delay_rank:
+            delay = self.spec.inject_delay_s + self.spec.inject_delay_share * self.last_step_s
+            if delay:
+                time.sleep(delay)
+        t0 = time.perf_counter()
         self.losses = self.pipe.step(self.inputs, self.targets)
+        self.last_step_s = time.perf_counter() - t0
         return self.losses
 
     def timed_step(self) -> float:

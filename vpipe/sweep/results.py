@@ -189,6 +189,7 @@ def collect(
         "threads": r0["threads"],
         "blocks": spec.blocks,
         "inject_delay_ms": spec.inject_delay_ms,
+        "inject_delay_pct": spec.inject_delay_pct,
         **({"dp": spec.dp} if spec.dp > 1 else {}),
     }
     dp_records = [x for r in everyone for x in r.get("dp_steps", [])]
