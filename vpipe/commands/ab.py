@@ -121,6 +121,8 @@ def run_ab(args: argparse.Namespace) -> int:
         return all_settled(table_of(session, alpha))
 
     labels = {k: v.describe.split(" = ", 1)[1] for k, v in versions.items()}
+    if labels["A"] == labels["B"]:  # the same version twice: the verdict names the side
+        labels = {k: f"{k}: {v}" for k, v in labels.items()}
     session, wrote = run_session(
         versions,
         {"A": bench, "B": bench + delay},
