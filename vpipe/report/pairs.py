@@ -163,7 +163,8 @@ def look_alpha(spent: float, interim_left: int) -> float:
     before it: the last look (``interim_left`` 0) takes all of :data:`ALPHA` that is left; an
     earlier one an even share of what is left of the rest, (1 - FINAL_SHARE) x ALPHA, over
     the ``interim_left`` looks now expected before the last, itself included (the expectation
-    may change between looks, as a time limit draws nearer; the shares never exceed the rest)."""
+    may change between looks, as a time limit draws nearer; the shares never exceed the rest,
+    and once it is spent an earlier look gets 0: no look is taken until the last)."""
     if interim_left <= 0:
         return max(ALPHA - spent, 0.0)
     return max((1 - FINAL_SHARE) * ALPHA - spent, 0.0) / interim_left

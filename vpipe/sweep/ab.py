@@ -252,6 +252,8 @@ def run_session(
                 continue
             last = min(pairs, n + pairs_that_fit(max_minutes * 60 - (now - t0), pair_seconds))
             alpha = look_alpha(sum(x["alpha"] for x in session.looks), last - n)
+            if alpha <= 0:  # the looks before the last spent their share (the time limit had
+                continue  # seemed nearer than it is): none until the last
             done = settled(session, alpha)
             session.looks.append({"pairs": n, "alpha": alpha, "last": last == n, "settled": done})
             if done:
