@@ -11,7 +11,7 @@ import pytest
 
 from vpipe.cli import main
 from vpipe.sweep.driver import SweepSpec
-from vpipe.sweep.harness import SavedTensorMeter
+from vpipe.sweep.memory_meter import SavedTensorMeter
 
 
 @pytest.mark.parametrize(

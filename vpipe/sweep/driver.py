@@ -22,7 +22,6 @@ from __future__ import annotations
 import os
 import shutil
 import socket
-import sys
 import tempfile
 import time
 from collections.abc import Sequence
@@ -33,6 +32,7 @@ from typing import Any
 from vpipe.errors import VpipeError
 from vpipe.schedules import catalogue
 from vpipe.sweep.harness import IMPLS, RankSpec
+from vpipe.sweep.progress import Progress
 
 # Fixed when this module is imported: families registered later join only when named.
 DEFAULT_SCHEDULES = catalogue.names(lambda f: f.default_sweep)
@@ -259,52 +259,6 @@ class SweepSpec:
 
 
 # ---------------------------------------------------------------------------------------------
-# Progress (rank 0 only)
-
-
-class _Progress:
-    """A rich progress bar on a terminal, plain lines otherwise (logs, CI, pytest)."""
-
-    def __init__(self, total: int, enabled: bool) -> None:
-        self.total, self.done, self.enabled = total, 0, enabled
-        self._t0 = time.perf_counter()
-        self._bar: Any = None
-        if enabled and sys.stdout.isatty():
-            from rich.progress import BarColumn, Progress, TextColumn, TimeElapsedColumn
-
-            self._bar = Progress(
-                TextColumn("{task.description:<34}"),
-                BarColumn(),
-                TextColumn("{task.completed}/{task.total}"),
-                TimeElapsedColumn(),
-            )
-            self._task = self._bar.add_task("starting", total=total)
-            self._bar.start()
-
-    def extend(self, units: int) -> None:
-        """More units of work than planned (a round added while the sweep runs)."""
-        self.total += units
-        if self._bar is not None:
-            self._bar.update(self._task, total=self.total)
-
-    def advance(self, what: str) -> None:
-        self.done += 1
-        if not self.enabled:
-            return
-        if self._bar is not None:
-            self._bar.update(self._task, advance=1, description=what)
-        else:
-            print(
-                f"[{self.done}/{self.total} {time.perf_counter() - self._t0:6.1f}s] {what}",
-                flush=True,
-            )
-
-    def close(self) -> None:
-        if self._bar is not None:
-            self._bar.stop()
-
-
-# ---------------------------------------------------------------------------------------------
 # The rank worker
 
 
@@ -334,7 +288,7 @@ def rank_worker(
         spec = replace(spec, trace_dir=tempfile.mkdtemp(prefix=f"vpipe-traces-{rank}-"))
     profile_rounds = spec.profile_steps if spec.profile else 0
     n_units = len(configs) * (2 + spec.rounds + profile_rounds)
-    progress = _Progress(n_units, spec.progress and rank == 0)
+    progress = Progress(n_units, spec.progress and rank == 0)
     try:
         harnesses = []
         for cfg in configs:
