@@ -7,8 +7,9 @@ Runs ``2 x --pairs`` plain ``vpipe bench`` sweeps of the workload one after the 
 as a user runs it, profiling included), and compares each odd run with the next as
 ``vpipe report`` does. Prints each comparison's verdicts, the two runs' reference medians and
 host state, and what made a host "differ"; then how many comparisons read "host differed",
-the reference's spread between runs (log sd of the runs' medians and of consecutive ratios:
-the figure :data:`vpipe.trace.host_state.REF_RUN_SD` stands for) and the host's load.
+the reference's spread between runs (log sd of all runs' medians, which includes the host's
+drift over the session, and one run's sd from the back-to-back pairs: the figure
+:data:`vpipe.trace.host_state.REF_RUN_SD` stands for) and the host's load.
 """
 
 from __future__ import annotations
@@ -62,10 +63,13 @@ def main(argv: list[str] | None = None) -> int:
             )
     logs = [math.log(r) for r in refs]
     steps = [abs(b - a) for a, b in zip(logs[::2], logs[1::2], strict=True)]
+    # what REF_RUN_SD stands for: one run's sd as seen by a comparison with the next run
+    # (RMS of the pairs' log differences over sqrt 2), free of the drift across the session
+    pair_sd = math.sqrt(statistics.fmean(d * d for d in steps) / 2)
     print(
         f"host differed in {differed} of {args.pairs} back-to-back comparisons; reference "
         f"between runs: sd {statistics.stdev(logs):.3f} (log) over {len(logs)} runs, "
-        f"back-to-back ratio median {math.expm1(statistics.median(steps)):.1%}, max "
+        f"{pair_sd:.3f} per run from the back-to-back pairs, back-to-back ratio median {math.expm1(statistics.median(steps)):.1%}, max "
         f"{math.expm1(max(steps)):.1%}; host load (1 min) at start {load0:.2f}, at end "
         f"{os.getloadavg()[0]:.2f}; wall time {time.perf_counter() - t0:.0f} s"
     )

@@ -67,9 +67,9 @@ def test_judge_hosts_names_what_differed_with_figures():
     assert judge_hosts(loaded, alike) == []
     slow_ref = {**quiet, "ref_s": 1.5e-3, "mhz": 2000}
     words = judge_hosts(quiet, slow_ref)
-    assert words == ["CPU MHz 2600 vs 2000", "reference time 0.001 s vs 0.0015 s (limit 10%)"]
-    # quiet runs' references stay within REF_Z x sqrt 2 x REF_RUN_SD (7%; the limit is 10%)
-    assert judge_hosts(quiet, {**quiet, "ref_s": 1.08e-3}) == []
+    assert words == ["CPU MHz 2600 vs 2000", "reference time 0.001 s vs 0.0015 s (limit 17%)"]
+    # quiet runs' references may be REF_Z x sqrt 2 x REF_RUN_SD apart (17%, over the 10% floor)
+    assert judge_hosts(quiet, {**quiet, "ref_s": 1.15e-3}) == []
     # a run whose blocks spread more widens the limit for it
     spread = summarise(
         [{"block": b, "ref_s": r, "other_cores": 0.05} for b, r in enumerate((1e-3, 1.2e-3, 0.9e-3))]
