@@ -2,6 +2,7 @@
 
     python -m bench.false_alarms --ab [--aa 20] [--delayed 10] [--delay-pct 10] [--pairs 20]
                                       [--sweep "--impl vpipe ..."] [--no-hog] [--fixed-delay]
+                                      [--keep DIR]
 
 In a scratch clone of this checkout's HEAD (so the session's worktrees and environments are
 the clone's), it times two plain ``vpipe bench`` sweeps of the workload with fixed rounds
@@ -210,6 +211,10 @@ def main(args: Any) -> int:
             kinds[kind].append(res)
             walls_so_far.append(res["wall"])
             print(describe(kind, i + 1, res, 2 * budget, h), flush=True)
+            if args.keep:  # the session's record, to study the pairs offline
+                name = f"{len(walls_so_far):02d}-{kind.replace('/', '').replace(' ', '-')}.json"
+                Path(args.keep).mkdir(parents=True, exist_ok=True)
+                shutil.copy(out / "session.json", Path(args.keep) / name)
             shutil.rmtree(out, ignore_errors=True)
 
     print()
