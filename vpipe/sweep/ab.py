@@ -7,7 +7,7 @@ so whatever the host does in the meantime hits both, and each adjacent pair of l
 a ratio per config (:mod:`vpipe.report.pairs`). After each pair from the second on, the
 session looks at its verdicts and stops once every config's is settled (faster, slower or
 within noise), or at its last look: when ``pairs`` pairs are done, or when another pair would
-not end within ``max_minutes`` (the session's time limit, start and writing included). Each side
+not end within ``max_minutes`` (the session's time limit, start, stores and report included). Each side
 then writes its finished blocks as one store (``DIR/A``, ``DIR/B``: ``vpipe bench
 --blocks K`` outputs, which ``vpipe report`` also reads), and the session its report
 (``DIR/report.md`` with a ``verdict`` column, ``DIR/report.html``, ``DIR/session.json``).
@@ -39,7 +39,9 @@ from vpipe.sweep.paced import PREFIX, parse_reply
 FORBIDDEN = ("--out", "--append", "--force", "--blocks", "--traces", "--paced", "--profile-steps")
 READY_TIMEOUT_S = 600.0
 BLOCK_TIMEOUT_S = 1800.0
-FINISH_RESERVE_S = 3.0  # both sides writing their stores at once (about 2 s on 2 cores)
+# both sides writing their stores at once (about 2 s on 2 cores), then the session's report
+# (about 1 s); a session under a hog ran 1 s past a 58 s limit with 3 s kept
+FINISH_RESERVE_S = 4.0
 
 
 class AbError(VpipeError, RuntimeError):
@@ -195,7 +197,7 @@ class Session:
 
 def pairs_that_fit(seconds_left: float, pair_seconds: list[float]) -> int:
     """How many more pairs end within ``seconds_left``, keeping :data:`FINISH_RESERVE_S` for
-    the sides to write their stores: a pair is expected to take as long as the slower of the
+    the sides to write their stores and the session its report: a pair is expected to take as long as the slower of the
     last two (a host that slows down, a hog that starts, shows there first)."""
     if not pair_seconds:
         return 0
