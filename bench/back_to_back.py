@@ -66,10 +66,12 @@ def main(argv: list[str] | None = None) -> int:
     # what REF_RUN_SD stands for: one run's sd as seen by a comparison with the next run
     # (RMS of the pairs' log differences over sqrt 2), free of the drift across the session
     pair_sd = math.sqrt(statistics.fmean(d * d for d in steps) / 2)
+    robust_sd = statistics.median(steps) / 0.6745 / math.sqrt(2)  # the same, from the median pair
     print(
         f"host differed in {differed} of {args.pairs} back-to-back comparisons; reference "
         f"between runs: sd {statistics.stdev(logs):.3f} (log) over {len(logs)} runs, "
-        f"{pair_sd:.3f} per run from the back-to-back pairs, back-to-back ratio median {math.expm1(statistics.median(steps)):.1%}, max "
+        f"{pair_sd:.3f} per run from the back-to-back pairs ({robust_sd:.3f} from their median), "
+        f"back-to-back ratio median {math.expm1(statistics.median(steps)):.1%}, max "
         f"{math.expm1(max(steps)):.1%}; host load (1 min) at start {load0:.2f}, at end "
         f"{os.getloadavg()[0]:.2f}; wall time {time.perf_counter() - t0:.0f} s"
     )
