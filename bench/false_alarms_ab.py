@@ -13,13 +13,13 @@ its ``--max-minutes``), then runs ``vpipe ab HEAD HEAD`` sessions, the quiet one
   step (``--inject-delay-pct-b``: a sleep of that share of its previous step, so B stays that
   much slower under the hog, as it would with extra work); with ``--fixed-delay``, a fixed
   sleep of that share of the fastest config's quiet median step (``--inject-delay-ms-b``; a
-  smaller share of a step the hog slows). A session that calls every config "slower" detects
-  it.
+  smaller share of a step the hog slows). A session whose verdict over all configs is
+  "slower" detects it (also counted: sessions that call every config "slower").
 - **A/A with a hog** (``--aa``): the same commit on both sides; a busy loop pinned to one core
   starts at a random point of the session (between 5% and 50% of its expected length, never at
   its start) and runs for half of it. The expected length is the median wall time of the
   sessions so far (the quiet ones run first), so the hog lands inside the session. Any
-  "faster"/"slower" verdict is a false alarm.
+  "faster"/"slower" verdict, over all configs or of one, is a false alarm.
 
 Prints every session's verdicts with ratio and interval, pairs used and left out, wall time
 against the budget and the host's load; then the false-alarm and detection counts, the
@@ -218,16 +218,26 @@ def main(args: Any) -> int:
             shutil.rmtree(out, ignore_errors=True)
 
     print()
+    from vpipe.report.ab_report import OVERALL
+
     for kind, results in kinds.items():
         if not results:
             continue
-        words = [r["verdict"] for res in results for r in res["rows"]]
+        rows = [(r["schedule"] == OVERALL, r["verdict"]) for res in results for r in res["rows"]]
+        words = [w for over, w in rows if not over]
+        overall = [w for over, w in rows if over]
         decided = sum(w in ("faster", "slower") for w in words)
-        caught = sum(all(r["verdict"] == "slower" for r in res["rows"]) for res in results)
+        caught = sum(
+            all(r["verdict"] == "slower" for r in res["rows"] if r["schedule"] != OVERALL)
+            for res in results
+        )
         walls = sorted(res["wall"] / (2 * budget) for res in results)
-        print(f"{kind}: {dict(Counter(words))}; faster/slower in {decided}/{len(words)} configs; "
-              f"every config slower in {caught}/{len(results)} sessions; session time / budget (twice "
-              f"two plain sweeps): median {walls[len(walls) // 2]:.2f}x, max {walls[-1]:.2f}x")  # fmt: skip
+        print(f"{kind}: configs {dict(Counter(words))}, faster/slower in {decided}/{len(words)}; "
+              f"over all configs {dict(Counter(overall))}, slower in "
+              f"{overall.count('slower')}/{len(overall)} sessions, faster in "
+              f"{overall.count('faster')}; every config slower in {caught}/{len(results)} "
+              f"sessions; session time / budget (twice two plain sweeps): median "
+              f"{walls[len(walls) // 2]:.2f}x, max {walls[-1]:.2f}x")  # fmt: skip
     quiet = pooled_spread(kinds["A/A' quiet"] + kinds.get("A/A quiet", []))
     if quiet:
         print(f"pairs' spread beyond sampling noise (sd of log A/B, pooled): {quiet[0] ** 0.5:.4f}, "

@@ -17,11 +17,19 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from vpipe.report.ab_report import ab_report, session_pairs, session_table, settled
+from vpipe.report.ab_report import (
+    OVERALL,
+    ab_headline,
+    ab_report,
+    session_pairs,
+    session_table,
+    settled,
+)
 from vpipe.report.pairs import (
     ALPHA,
     FINAL_SHARE,
     Pair,
+    levels,
     look_alpha,
     paired_ratio,
     report_alpha,
@@ -47,13 +55,15 @@ def _message(rng, scale: float, n: int = 9, other: float = 0.0, sd: float = 0.03
     return {"block": 0, "wall_s": 1.0, "steps": steps, "refs": refs, "host": host}
 
 
-def _session(pairs: int, b_scale: float, seed: int = 0, hog_from: int | None = None) -> list:
+def _session(
+    pairs: int, b_scale: float, seed: int = 0, hog_from: int | None = None, sd: float = 0.03
+) -> list:
     rng = np.random.default_rng(seed)
     out = []
     for i, side in enumerate(session_order(2 * pairs)):
         hogged = hog_from is not None and i >= hog_from
         scale = (b_scale if side == "B" else 1.0) * (1.6 if hogged else 1.0)
-        out.append((side, _message(rng, scale, other=1.0 if hogged else 0.0)))
+        out.append((side, _message(rng, scale, other=1.0 if hogged else 0.0, sd=sd)))
     return out
 
 
@@ -77,13 +87,44 @@ def _table(launches, alpha: float = ALPHA * FINAL_SHARE, delay: str = ""):
 
 def test_the_same_code_is_within_noise_and_a_10_percent_slowdown_is_slower():
     same, _, _ = _table(_session(8, 1.0))
-    assert list(same["verdict"]) == ["within noise", "within noise"] and settled(same)
+    assert list(same["verdict"]) == ["within noise"] * 3 and settled(same)
+    assert list(same["schedule"]) == ["1f1b", "zbv", OVERALL]
     slow, spread, why = _table(_session(8, 1.1), delay="7 ms")
-    assert list(slow["verdict"]) == ["slower", "slower"] and settled(slow)
+    assert list(slow["verdict"]) == ["slower"] * 3 and settled(slow)
     for ratio in slow["speedup"].astype(float):
         assert 0.87 < ratio < 0.95  # A/B: B is 10% slower
     assert spread.dof is None and "normalised" in why  # the floor held, references shared
     assert set(slow["injected delay (B)"]) == {"7 ms"}
+
+
+def test_over_all_configs_a_slowdown_shows_before_it_does_in_each():
+    # B 5% slower, steps spreading 6%, 4 pairs, 30 sessions: the mean over the two configs
+    # (half the error rate) calls it far more often than both configs do (a quarter each)
+    tables = [_table(_session(4, 1.05, seed=seed, sd=0.06))[0] for seed in range(30)]
+    overall = sum(t["verdict"].iloc[2] == "slower" for t in tables)
+    both = sum((t["verdict"].iloc[:2] == "slower").all() for t in tables)
+    assert overall >= 12 and both <= overall - 10  # measured: 15 of 30 against 0
+    for t in tables:  # the configs' noise partly cancels in their mean
+        width = [float(hi) / float(lo) for lo, hi in (ci.split("-") for ci in t["95% CI"])]
+        assert width[2] < min(width[:2])
+    table = tables[0]  # called slower over all, neither config yet
+    configs, overall = table.iloc[:2], table.iloc[2]
+    assert overall["verdict"] == "slower" and set(configs["verdict"]) == {"inconclusive"}
+    assert settled(table)  # an answer over all configs ends the session
+    line = ab_headline(table, "a")
+    assert line.startswith("winner: a, faster than b over all 2 configs: ")
+    assert "per config: 2 inconclusive" in line
+    # within noise over all does not end it alone: the configs could have moved apart
+    mixed = table.assign(verdict=["slower", "inconclusive", "within noise"])
+    assert not settled(mixed)
+
+
+def test_one_config_has_no_row_over_all_and_takes_the_whole_error_rate():
+    one = {**READY, "configs": CONFIGS[:1]}
+    launches = [(k, {**m, "steps": m["steps"][:1], "refs": m["refs"][:1]}) for k, m in _session(4, 1.0)]
+    table, _, _ = session_table({"A": one, "B": one}, launches, alpha=0.02, labels={"A": "a", "B": "b"})
+    assert list(table["schedule"]) == ["1f1b"]
+    assert levels(0.02, 1) == (0.98, 0.98) and levels(0.02, 2) == (0.99, 0.995)
 
 
 def test_inconclusive_says_how_many_pairs_would_settle_it():
@@ -171,7 +212,8 @@ def test_the_report_has_a_verdict_column_and_the_session(tmp_path):
     )  # fmt: skip
     assert "| verdict |" in md.replace("verdict | to settle", "verdict |")
     assert "Pairs left out" in md and "--pairs 3 done" in md and "<table" in html
-    assert list(table["pairs"]) == [2, 2] and list(table["left out"]) == [1, 1]
+    assert list(table["pairs"]) == [2, 2, 2] and list(table["left out"]) == [1, 1, 1]
+    assert "over all configs" in md and OVERALL in md
 
 
 # ---------------------------------------------------------------------------------------------

@@ -13,7 +13,7 @@ from typing import Any
 import numpy as np
 import pandas as pd
 
-from vpipe.report.crossrun import Block
+from vpipe.report.crossrun import Block, CrossRatio
 from vpipe.report.crossrun_table import headline
 from vpipe.report.document import render_html, render_markdown, table_section, text_section
 from vpipe.report.pairs import (
@@ -21,9 +21,10 @@ from vpipe.report.pairs import (
     Pair,
     Spread,
     busiest,
-    config_level,
     differences,
+    levels,
     make_pair,
+    overall_ratio,
     pair_verdict,
     paired_ratio,
     session_spread,
@@ -31,6 +32,7 @@ from vpipe.report.pairs import (
 )
 
 SETTLED = ("faster", "slower", "within noise")
+OVERALL = "all configs"  # the schedule column of the row over all configs (geometric mean)
 Launch = tuple[str, Mapping[str, Any]]  # (side, block message)
 Config = tuple[str, int, str]
 
@@ -99,46 +101,82 @@ def session_table(
     delay_b: str = "",
 ) -> tuple[pd.DataFrame, Spread, str]:
     """One row per shared config: A's and B's median step, A/B with its interval (> 1: B is
-    faster), the verdict and what would settle it, the pairs used and left out; with the
-    spread the intervals used and the figure compared, in words. ``alpha``: the error rate this
-    look spends over all configs (:func:`vpipe.report.pairs.look_alpha`); ``delay_b``: the
-    delay injected into B alone, in words (e.g. "7 ms"), if any."""
+    faster), the verdict and what would settle it, the pairs used and left out; with several
+    configs a last row over all of them (:data:`OVERALL`: the geometric mean of their ratios,
+    :func:`vpipe.report.pairs.overall_ratio`); with the spread the configs' intervals used and
+    the figure compared, in words. ``alpha``: the error rate this look spends over all its
+    verdicts (:func:`vpipe.report.pairs.look_alpha`, split by
+    :func:`vpipe.report.pairs.levels`); ``delay_b``: the delay injected into B alone, in words
+    (e.g. "7 ms"), if any."""
     pairs = session_pairs(ready, launches)
     normalise, why = choose_figure(ready, pairs)
     kept = {c: [p for p in ps if not p.host_differences] for c, ps in pairs.items()}
     spread = session_spread(differences(ps, normalise) for ps in kept.values() if ps)
-    level = config_level(alpha, len(pairs))
-    rows = []
-    for (schedule, m, impl), ps in pairs.items():
-        r = paired_ratio(ps, normalise, spread, level)
+    overall_level, level = levels(alpha, len(pairs))
+
+    def row(config: Config, r: CrossRatio, used: Sequence[Pair], left_out: int) -> dict[str, Any]:
         word = pair_verdict(r)
-        left_out = len(ps) - r.blocks[0]
-        used = [p for p in ps if not p.host_differences]
-        rows.append(
-            {
-                "schedule": schedule,
-                "M": m,
-                "impl": impl,
-                "run": labels["B"],
-                "A ms": _ms([p.a for p in used]),
-                "B ms": _ms([p.b for p in used]),
-                "speedup": "" if math.isnan(r.value) else f"{r.value:.3f}",
-                "95% CI": r.interval_text(3),
-                "verdict": word,
-                "to settle": settle_text(r, word, left_out),
-                "pairs": r.blocks[0],
-                "left out": left_out,
-                "steps": f"{r.steps[0]}+{r.steps[1]}",
-                "outliers (excluded)": r.outliers,
-                "injected delay (B)": delay_b,
-            }
-        )
+        schedule, m, impl = config
+        return {
+            "schedule": schedule,
+            "M": m,
+            "impl": impl,
+            "run": labels["B"],
+            "A ms": _ms([p.a for p in used]),
+            "B ms": _ms([p.b for p in used]),
+            "speedup": "" if math.isnan(r.value) else f"{r.value:.3f}",
+            "95% CI": r.interval_text(3),
+            "verdict": word,
+            "to settle": settle_text(r, word, left_out),
+            "pairs": r.blocks[0],
+            "left out": left_out,
+            "steps": f"{r.steps[0]}+{r.steps[1]}",
+            "outliers (excluded)": r.outliers,
+            "injected delay (B)": delay_b,
+        }
+
+    rows = []
+    for config, ps in pairs.items():
+        r = paired_ratio(ps, normalise, spread, level)
+        rows.append(row(config, r, kept[config], len(ps) - r.blocks[0]))
+    if len(pairs) > 1:
+        r = overall_ratio(list(pairs.values()), normalise, spread, overall_level)
+        left_out = len(next(iter(pairs.values()))) - r.blocks[0]
+        rows.append(row((OVERALL, "", ""), r, [], left_out))
     return pd.DataFrame(rows), spread, why
 
 
 def settled(table: pd.DataFrame) -> bool:
-    """Whether every config's verdict is an answer (faster, slower or within noise)."""
-    return bool(len(table)) and bool(table["verdict"].isin(SETTLED).all())
+    """Whether the session has its answer: B faster or slower over all configs, or every
+    config's verdict an answer (faster, slower or within noise). "Within noise" over all does
+    not end a session alone: configs that moved apart can average to nothing."""
+    overall = table[table["schedule"] == OVERALL]
+    if len(overall) and overall["verdict"].isin(("faster", "slower")).all():
+        return True
+    configs = table[table["schedule"] != OVERALL]
+    return bool(len(configs)) and bool(configs["verdict"].isin(SETTLED).all())
+
+
+def ab_headline(table: pd.DataFrame, label_a: str) -> str:
+    """The session's first line: its verdict over all configs when it has one (with the
+    configs' verdicts in brief), else what the configs said
+    (:func:`vpipe.report.crossrun_table.headline`)."""
+    configs = table[table["schedule"] != OVERALL]
+    overall = table[table["schedule"] == OVERALL].to_dict("records")
+    line = headline(configs, label_a, "speedup")
+    if not overall or overall[0]["verdict"] not in SETTLED:
+        if overall and overall[0]["speedup"]:
+            o = overall[0]
+            line += (f"; over all {len(configs)} configs {o['speedup']}x ({o['95% CI']}), "
+                     f"{o['verdict']}" + (f": {o['to settle']}" if o["to settle"] else ""))  # fmt: skip
+        return line
+    o = overall[0]
+    counts = ", ".join(f"{int(c)} {v}" for v, c in configs["verdict"].value_counts().items())
+    figure = f"{o['speedup']}x ({o['95% CI']}), the geometric mean of the configs' A/B"
+    if o["verdict"] == "within noise":
+        return f"no difference beyond noise over all {len(configs)} configs: {figure}; per config: {counts}"
+    who, than = (label_a, o["run"]) if o["verdict"] == "slower" else (o["run"], label_a)
+    return f"winner: {who}, faster than {than} over all {len(configs)} configs: {figure}; per config: {counts}"
 
 
 def _ms(blocks: Sequence[Block]) -> str:
@@ -194,7 +232,8 @@ def ab_report(
         ready, launches, alpha=alpha, labels=labels, delay_b=delay_b
     )
     shown = table.drop(columns="run")
-    line = headline(table, labels["A"], "speedup") if len(table) else "no shared config"
+    configs = int((table["schedule"] != OVERALL).sum()) if len(table) else 0
+    line = ab_headline(table, labels["A"]) if len(table) else "no shared config"
     versions = [f"A = {labels['A']}", f"B = {labels['B']}"]
     delay = f" B alone was slowed by {delay_b} per step (an injected delay)." if delay_b else ""
     note = (
@@ -202,15 +241,21 @@ def ab_report(
         f"over the pairs of adjacent launches (A B B A ...) of log(A/B); figure: {why}. "
         f"Interval: each pair's variance is its two launches' sampling variance (bootstrap of "
         f"their steps) plus the launches' spread, {spread.source} (floor: launch sd "
-        f"{PAIR_LAUNCH_SD} per side); {config_level(alpha, len(table)):.4f} per config "
-        f"({alpha:.4f} of the session's 5% spent at this look, shared by {len(table)} "
-        f"configs; half of the 5% is kept for the last look, the rest shared by the looks "
-        f"before it), "
+        f"{PAIR_LAUNCH_SD} per side); {levels(alpha, configs)[1]:.4f} per config"
+        + (f" and {levels(alpha, configs)[0]:.4f} over all configs" if configs > 1 else "")
+        + f" ({alpha:.4f} of the session's 5% spent at this look"
+        + (f", half of it over all configs, the rest shared by the {configs} configs"
+           if configs > 1 else "")
+        + "; half of the 5% is kept for the last look, the rest shared by the looks before "
+        f"it), "
         f"{'the normal quantile' if spread.dof is None else f'Student t, {spread.dof} dof'}. "
         "Verdict as in vpipe report: faster/slower when the interval excludes 1 and the ratio "
         "is beyond the A/A noise band of one launch; within noise when the interval lies "
         "inside twice that band (at most +-10%); else inconclusive, with the pairs that "
-        "would settle it. Pairs whose launches saw different hosts (a CPU hog that came or "
+        f"would settle it. {OVERALL}: the geometric mean of the configs' A/B, from each "
+        "pair's mean over the configs of log(A/B) with the configs' spread (the session stops once "
+        "it is faster or slower, or once every config is settled). "
+        "Pairs whose launches saw different hosts (a CPU hog that came or "
         f"went) are left out and counted.{delay}"
     )
     sections = [

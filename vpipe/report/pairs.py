@@ -26,8 +26,13 @@ order alternates so that a steady drift favours neither side.
   session's 5% is spent over its looks (:func:`look_alpha`; their union bounds the false
   alarms whatever the looks' correlation), half of it kept for the last look (the one a
   session that has not settled early ends on, where the most pairs are), the other half shared
-  evenly by the looks expected before it, and at each look split evenly over the configs
-  (Bonferroni: each config at 1 - alpha / configs).
+  evenly by the looks expected before it, and at each look split over the verdicts shown
+  (Bonferroni): with several configs, half to the verdict over all of them and the other half
+  evenly over the configs (:func:`levels`).
+- **Over all configs** (:func:`overall_ratio`): the geometric mean of the configs' ratios,
+  from each pair's mean over the configs of d (its variance the configs' summed over configs
+  squared) and the configs' spread beyond sampling noise. A change that slows every config shows
+  there first: the mean cancels much of each config's noise.
 - **Verdict**: :func:`vpipe.report.crossrun.verdict`, with the A/A noise band of one launch;
   "inconclusive" says how many pairs would settle it (:func:`pairs_to_settle`).
 """
@@ -170,9 +175,21 @@ def look_alpha(spent: float, interim_left: int) -> float:
     return max((1 - FINAL_SHARE) * ALPHA - spent, 0.0) / interim_left
 
 
-def config_level(alpha: float, configs: int) -> float:
-    """Each config's interval level at a look spending ``alpha``: 1 - alpha / configs."""
-    return 1 - alpha / max(configs, 1)
+# The share of a look's error rate that the verdict over all configs takes (with several):
+# the question a session asks first, is B slower, faster or neither across the sweep; the
+# configs share the rest. Their mean cancels much of each config's noise (pairs' log sd 0.081
+# over 2 configs against 0.116 for one, normalised, quiet: python -m bench.false_alarms --ab)
+OVERALL_SHARE = 0.5
+
+
+def levels(alpha: float, configs: int) -> tuple[float, float]:
+    """The interval levels at a look spending ``alpha``: (over all configs, each config).
+    With several configs the verdict over all takes :data:`OVERALL_SHARE` of alpha and each
+    config an even share of the rest (Bonferroni over all the verdicts shown); one config is
+    its own overall verdict, at 1 - alpha."""
+    if configs <= 1:
+        return 1 - alpha, 1 - alpha
+    return 1 - OVERALL_SHARE * alpha, 1 - (1 - OVERALL_SHARE) * alpha / configs
 
 
 def report_alpha(looks: Sequence[Mapping[str, Any]]) -> float:
@@ -191,12 +208,53 @@ def paired_ratio(pairs: Sequence[Pair], normalise: bool, spread: Spread, level: 
     ``within``/``between``: the half-width's parts from sampling noise and from the launches'
     spread; ``noise_sd``: the sd of one launch's figure)."""
     kept = [p for p in pairs if not p.host_differences]
-    steps = (sum(p.a.steps.size for p in kept), sum(p.b.steps.size for p in kept))
-    dropped = sum(p.a.cleaned()[1] + p.b.cleaned()[1] for p in kept)
-    nan = float("nan")
-    if not kept:
-        return CrossRatio(nan, nan, nan, (0, 0), steps, normalise, dropped, nan, nan, False)
     d, v = differences(kept, normalise)
+    return _ratio(d, v, _counts([kept]), normalise, spread, level)
+
+
+def overall_differences(configs: Sequence[Sequence[Pair]], normalise: bool) -> tuple[np.ndarray, np.ndarray]:
+    """Each kept pair's mean over the configs of log(A/B) (the log of the geometric mean of
+    the configs' ratios) and its sampling variance: the configs' summed over configs squared,
+    their steps being different steps. Every config holds the same pairs, and a pair left out
+    is left out of all (its hosts are judged per launch)."""
+    kept = [[p for p in ps if not p.host_differences] for ps in configs]
+    parts = [differences(ps, normalise) for ps in kept]
+    n = len(configs)
+    return np.mean([d for d, _ in parts], axis=0), np.sum([v for _, v in parts], axis=0) / n**2
+
+
+def overall_ratio(
+    configs: Sequence[Sequence[Pair]], normalise: bool, spread: Spread, level: float
+) -> CrossRatio:
+    """A/B over all configs, the geometric mean of their ratios, from the pairs' means over
+    the configs (:func:`overall_differences`) with its interval at ``level``. The launches'
+    spread is the configs' (``spread``, pooled over them: :func:`session_spread`), not divided
+    among them: a launch's effect may hit every config alike, and no mean of the configs
+    varies more than they do. (Measured from the means alone it would rest on a few pairs' few
+    degrees of freedom, and Student's t would widen the interval more than the mean narrows it.)"""
+    d, v = overall_differences(configs, normalise)
+    kept = [[p for p in ps if not p.host_differences] for ps in configs]
+    return _ratio(d, v, _counts(kept), normalise, spread, level)
+
+
+def _counts(kept: Sequence[Sequence[Pair]]) -> tuple[int, tuple[int, int], int]:
+    """Pairs, steps per side and outliers dropped, over the given configs' kept pairs."""
+    every = [p for ps in kept for p in ps]
+    steps = (sum(p.a.steps.size for p in every), sum(p.b.steps.size for p in every))
+    dropped = sum(p.a.cleaned()[1] + p.b.cleaned()[1] for p in every)
+    return (len(kept[0]) if kept else 0), steps, dropped
+
+
+def _ratio(
+    d: np.ndarray, v: np.ndarray, counts: tuple[int, tuple[int, int], int], normalise: bool,
+    spread: Spread, level: float,
+) -> CrossRatio:  # fmt: skip
+    """The random-effects estimate of the module's doc from pairs' differences ``d`` and
+    sampling variances ``v``."""
+    n, steps, dropped = counts
+    nan = float("nan")
+    if not d.size:
+        return CrossRatio(nan, nan, nan, (0, 0), steps, normalise, dropped, nan, nan, False)
     w = 1 / (v + spread.tau2)
     estimate = float((w * d).sum() / w.sum())
     q = t_quantile(spread.dof, level)
@@ -207,7 +265,7 @@ def paired_ratio(pairs: Sequence[Pair], normalise: bool, spread: Spread, level: 
         math.exp(estimate),
         math.exp(estimate - half),
         math.exp(estimate + half),
-        (len(kept), len(kept)),
+        (n, n),
         steps,
         normalise,
         dropped,
