@@ -102,8 +102,10 @@ def fork_server(start: bool = False) -> Any:
     later rank process forks from it, ready (symbolic_shapes, sympy, is what
     torch.autograd.backward imports on its first call; pandas is what every sweep rank
     imports, 0.2 s a rank and launch otherwise). ``start``: start the server now, with
-    SIGINT blocked as :func:`spawn` starts it (a paced side does so before its first launch,
-    so that launch does not pay for it)."""
+    SIGINT blocked as :func:`spawn` starts it, and wait until it has imported them (one
+    empty process forked from it): a paced side does so before it says it is ready, so that
+    neither its first launch nor the other side's launches meanwhile share the cores with the
+    1-2 s of imports."""
     import torch.multiprocessing as mp
 
     ctx = mp.get_context("forkserver")
@@ -117,6 +119,9 @@ def fork_server(start: bool = False) -> Any:
         blocked = signal.pthread_sigmask(signal.SIG_BLOCK, {signal.SIGINT})
         try:
             forkserver.ensure_running()
+            probe = ctx.Process(target=int, daemon=True)  # forks once the preload is done
+            probe.start()
+            probe.join()
         finally:
             signal.pthread_sigmask(signal.SIG_SETMASK, blocked)
     return ctx
