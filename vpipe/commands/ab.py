@@ -19,7 +19,8 @@ def register(subparsers: argparse._SubParsersAction) -> None:
         description="Run the same vpipe bench sweep for two versions, A and B (each a git "
         "revision of this repository or a directory holding a vpipe checkout, each in its own "
         "cached worktree and environment), alternating their launches A B B A A B ... until "
-        "every config's verdict is settled or a limit is reached. Any option not listed here "
+        "B is faster or slower over all configs, or every config's verdict is settled, or a "
+        "limit is reached. Any option not listed here "
         "goes to both sides' vpipe bench (e.g. --schedules, --sizes, --batch, --rounds). "
         "DIR gets both sides' stores (DIR/A, DIR/B), report.md, report.html and session.json.",
     )

@@ -233,6 +233,7 @@ def ab_report(
     )
     shown = table.drop(columns="run")
     configs = int((table["schedule"] != OVERALL).sum()) if len(table) else 0
+    overall_level, config_level = levels(alpha, configs)
     line = ab_headline(table, labels["A"]) if len(table) else "no shared config"
     versions = [f"A = {labels['A']}", f"B = {labels['B']}"]
     delay = f" B alone was slowed by {delay_b} per step (an injected delay)." if delay_b else ""
@@ -241,8 +242,8 @@ def ab_report(
         f"over the pairs of adjacent launches (A B B A ...) of log(A/B); figure: {why}. "
         f"Interval: each pair's variance is its two launches' sampling variance (bootstrap of "
         f"their steps) plus the launches' spread, {spread.source} (floor: launch sd "
-        f"{PAIR_LAUNCH_SD} per side); {levels(alpha, configs)[1]:.4f} per config"
-        + (f" and {levels(alpha, configs)[0]:.4f} over all configs" if configs > 1 else "")
+        f"{PAIR_LAUNCH_SD} per side); {config_level:.4f} per config"
+        + (f" and {overall_level:.4f} over all configs" if configs > 1 else "")
         + f" ({alpha:.4f} of the session's 5% spent at this look"
         + (f", half of it over all configs, the rest shared by the {configs} configs"
            if configs > 1 else "")

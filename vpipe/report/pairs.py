@@ -212,14 +212,15 @@ def paired_ratio(pairs: Sequence[Pair], normalise: bool, spread: Spread, level: 
     return _ratio(d, v, _counts([kept]), normalise, spread, level)
 
 
-def overall_differences(configs: Sequence[Sequence[Pair]], normalise: bool) -> tuple[np.ndarray, np.ndarray]:
+def overall_differences(
+    kept: Sequence[Sequence[Pair]], normalise: bool
+) -> tuple[np.ndarray, np.ndarray]:
     """Each kept pair's mean over the configs of log(A/B) (the log of the geometric mean of
     the configs' ratios) and its sampling variance: the configs' summed over configs squared,
-    their steps being different steps. Every config holds the same pairs, and a pair left out
-    is left out of all (its hosts are judged per launch)."""
-    kept = [[p for p in ps if not p.host_differences] for ps in configs]
+    their steps being different steps. ``kept``: each config's pairs that saw the same host,
+    the same pairs in every config (hosts are judged per launch)."""
     parts = [differences(ps, normalise) for ps in kept]
-    n = len(configs)
+    n = len(kept)
     return np.mean([d for d, _ in parts], axis=0), np.sum([v for _, v in parts], axis=0) / n**2
 
 
@@ -232,8 +233,8 @@ def overall_ratio(
     among them: a launch's effect may hit every config alike, and no mean of the configs
     varies more than they do. (Measured from the means alone it would rest on a few pairs' few
     degrees of freedom, and Student's t would widen the interval more than the mean narrows it.)"""
-    d, v = overall_differences(configs, normalise)
     kept = [[p for p in ps if not p.host_differences] for ps in configs]
+    d, v = overall_differences(kept, normalise)
     return _ratio(d, v, _counts(kept), normalise, spread, level)
 
 

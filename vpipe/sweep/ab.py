@@ -5,9 +5,10 @@ runs as one paced ``vpipe bench`` process (:mod:`vpipe.sweep.paced`) with the sa
 options. Both start together; then their launches alternate A B B A A B ... (one block each),
 so whatever the host does in the meantime hits both, and each adjacent pair of launches gives
 a ratio per config (:mod:`vpipe.report.pairs`). After each pair from the second on, the
-session looks at its verdicts and stops once every config's is settled (faster, slower or
-within noise), or at its last look: when ``pairs`` pairs are done, or when another pair would
-not end within ``max_minutes`` (the session's time limit, start, stores and report included). Each side
+session looks at its verdicts and stops once B is faster or slower over all configs, or every
+config's verdict is settled (faster, slower or within noise), or at its last look: when
+``pairs`` pairs are done, or when another pair would not end within ``max_minutes`` (the
+session's time limit, start, stores and report included). Each side
 then writes its finished blocks as one store (``DIR/A``, ``DIR/B``: ``vpipe bench
 --blocks K`` outputs, which ``vpipe report`` also reads), and the session its report
 (``DIR/report.md`` with a ``verdict`` column, ``DIR/report.html``, ``DIR/session.json``).
@@ -197,8 +198,9 @@ class Session:
 
 def pairs_that_fit(seconds_left: float, pair_seconds: list[float]) -> int:
     """How many more pairs end within ``seconds_left``, keeping :data:`FINISH_RESERVE_S` for
-    the sides to write their stores and the session its report: a pair is expected to take as long as the slower of the
-    last two (a host that slows down, a hog that starts, shows there first)."""
+    the sides to write their stores and the session its report: a pair is expected to take as
+    long as the slower of the last two (a host that slows down, a hog that starts, shows there
+    first)."""
     if not pair_seconds:
         return 0
     expected = max(pair_seconds[-2:])
