@@ -150,18 +150,21 @@ def describe(kind: str, i: int, result: dict[str, Any], budget: float, hog: Time
 def pooled_spread(results: list[dict[str, Any]]) -> tuple[float, int] | None:
     """The pairs' spread beyond sampling noise (sd of a pair's log difference), pooled over
     every config of the given sessions' pairs that saw the same host."""
-    from vpipe.report.ab_report import choose_figure, session_pairs
-    from vpipe.report.pairs import differences, pair_spread
+    from vpipe.report.ab_report import session_pairs
+    from vpipe.report.pairs import differences, fit_figure, pair_spread
 
-    configs = []
+    configs, fitted = [], 0
     for res in results:
         rec = res["record"]
         pairs = session_pairs(rec["ready"], [(x["side"], x) for x in rec["launches"]])
-        normalise, _ = choose_figure(rec["ready"], pairs)
+        ready = rec["ready"]
+        same = ready["A"].get("reference") == ready["B"].get("reference")
+        figure = fit_figure(same, list(pairs.values()))
+        fitted += int(figure.fitted)
         for ps in pairs.values():
             kept = [p for p in ps if not p.host_differences]
-            configs.append(differences(kept, normalise))
-    return pair_spread(configs)
+            configs.append(differences(kept, figure.weight))
+    return pair_spread(configs, fitted)
 
 
 def main(args: Any) -> int:

@@ -28,9 +28,17 @@ from vpipe.report.ab_report import (
 from vpipe.report.pairs import (
     ALPHA,
     FINAL_SHARE,
+    FIT_PAIRS,
+    PRIOR_WEIGHT,
+    RAW,
+    Figure,
     Pair,
+    differences,
+    fit_figure,
     levels,
     look_alpha,
+    overall_ratio,
+    pair_verdict,
     paired_ratio,
     report_alpha,
     session_order,
@@ -93,7 +101,7 @@ def test_the_same_code_is_within_noise_and_a_10_percent_slowdown_is_slower():
     assert list(slow["verdict"]) == ["slower"] * 3 and settled(slow)
     for ratio in slow["speedup"].astype(float):
         assert 0.87 < ratio < 0.95  # A/B: B is 10% slower
-    assert spread.dof is None and "normalised" in why  # the floor held, references shared
+    assert spread.dof is None and "fitted to 16 pairs" in why  # the floor held, weight fitted
     assert set(slow["injected delay (B)"]) == {"7 ms"}
 
 
@@ -146,9 +154,76 @@ def test_a_hogged_pair_counts_less_than_a_quiet_one():
     quiet = [Pair(block(1.0, 0.02), block(1.1, 0.02)) for _ in range(4)]
     noisy = [Pair(block(1.0, 0.4), block(0.8, 0.4))]  # a pair under a hog: far noisier
     spread = session_spread([])
-    r = paired_ratio(quiet + noisy, False, spread, 0.95)
-    alone = paired_ratio(quiet, False, spread, 0.95)
+    r = paired_ratio(quiet + noisy, RAW, spread, 0.95)
+    alone = paired_ratio(quiet, RAW, spread, 0.95)
     assert abs(math.log(r.value) - math.log(alone.value)) < 0.03
+
+
+def _drifting(pairs: int, follow: float, seed: int, b_scale: float = 1.0) -> list:
+    """Launches on a host whose speed moves from launch to launch (log sd 0.1): the references
+    follow it fully, each with 25% noise per timing; the steps follow ``follow`` of it, each
+    with 10% noise."""
+    rng = np.random.default_rng(seed)
+    out = []
+    for side in session_order(2 * pairs):
+        h = 0.1 * rng.standard_normal()
+        scale = 0.07 * (b_scale if side == "B" else 1.0)
+        steps = [list(scale * np.exp(follow * h + 0.1 * rng.standard_normal(9))) for _ in CONFIGS]
+        refs = [list(0.006 * np.exp(h + 0.25 * rng.standard_normal(9))) for _ in CONFIGS]
+        host = [{"other_cores": 0.0, "free_cores": 2.0, "steal": 0.0, "mhz": 2600.0}] * 3
+        out.append((side, {"block": 0, "wall_s": 1.0, "steps": steps, "refs": refs, "host": host}))
+    return out
+
+
+def _figure(launches, same_reference: bool = True):
+    pairs = session_pairs({"A": READY, "B": READY}, launches)
+    return fit_figure(same_reference, list(pairs.values())), pairs
+
+
+def test_the_reference_weight_is_what_the_steps_follow_of_the_host():
+    # a pair's reference difference: host 2 x 0.01, noise 2 x (1.25 x 0.25)^2 / 9; the steps
+    # follow half the host: the least-spread weight is 0.5 x 0.02 / (0.02 + 0.0217) = 0.24
+    figure, pairs = _figure(_drifting(40, 0.5, seed=1))
+    assert figure.fitted and abs(figure.weight - 0.24) < 3 * math.sqrt(figure.weight_var)
+    assert figure.weight_var < 0.01 and "fitted to 80 pairs" in figure.why
+    spread = {w: sum(float(np.var(differences(ps, w)[0])) for ps in pairs.values())
+              for w in (0.0, figure.weight, 1.0)}  # fmt: skip
+    assert spread[figure.weight] < min(spread[0.0], spread[1.0])
+    # steps that follow the host fully and references without noise of their own: normalised
+    assert _figure(_drifting(12, 1.0, seed=2))[0].weight > 0.3
+    # the fit is bounded: steps that move against the references weigh them 0, not below
+    assert _figure(_drifting(12, -1.0, seed=3))[0].weight == 0.0
+
+
+def test_the_reference_weight_before_the_fit_and_without_a_shared_reference():
+    early = _drifting(FIT_PAIRS - 1, 0.5, seed=4)
+    assert _figure(early)[0] == _figure(early)[0] and not _figure(early)[0].fitted
+    assert _figure(early)[0].weight == PRIOR_WEIGHT
+    different = _figure(_drifting(8, 0.5, seed=4), same_reference=False)[0]
+    assert different.weight == 0.0 and "different host-speed references" in different.why
+    none = [(k, {**m, "refs": None}) for k, m in _drifting(8, 0.5, seed=4)]
+    assert _figure(none)[0].weight == 0.0
+
+
+def test_a_fitted_weight_finds_more_slowdowns_than_raw_or_normalised_figures():
+    # 8 pairs on the drifting host at the last look's error rate, 20 sessions each: A/A and B
+    # 10% slower; the same sessions' verdicts over all configs with each figure
+    def overall(launches, figure: Figure | None) -> str:
+        configs = list(session_pairs({"A": READY, "B": READY}, launches).values())
+        figure = figure or fit_figure(True, configs)
+        spread = session_spread((differences(ps, figure.weight) for ps in configs), figure.fitted)
+        level = levels(ALPHA * FINAL_SHARE, len(configs))[0]
+        return pair_verdict(overall_ratio(configs, figure, spread, level))
+
+    same = [overall(_drifting(8, 0.5, seed), None) for seed in range(20)]
+    assert sum(v in ("faster", "slower") for v in same) <= 1  # measured 1
+    slow = [_drifting(8, 0.5, seed, b_scale=1.1) for seed in range(20)]
+    found = {
+        name: sum(overall(x, figure) == "slower" for x in slow)
+        for name, figure in (("fitted", None), ("raw", RAW), ("normalised", Figure(1.0)))
+    }
+    assert found["fitted"] >= found["raw"] and found["fitted"] >= found["normalised"] + 5
+    assert found["fitted"] >= 11  # measured 13, raw 12, normalised 4
 
 
 def _spend(expected_last: list[int]) -> list[float]:

@@ -22,6 +22,7 @@ from vpipe.report.pairs import (
     Spread,
     busiest,
     differences,
+    fit_figure,
     levels,
     make_pair,
     overall_ratio,
@@ -68,30 +69,6 @@ def session_pairs(
     return out
 
 
-def choose_figure(
-    ready: Mapping[str, Mapping[str, Any]], pairs: Mapping[Config, list[Pair]]
-) -> tuple[bool, str]:
-    """Whether to compare normalised figures, and why in words: when both sides timed the
-    same reference before every step, unless from three pairs on the pairs spread more
-    normalised than raw (the reference then follows the host worse than the steps do)."""
-    if ready["A"].get("reference") != ready["B"].get("reference"):
-        return False, "raw: the versions time different host-speed references"
-    every = [p for ps in pairs.values() for p in ps]
-    if not every or any(p.a.refs is None or p.b.refs is None for p in every):
-        return False, "raw: a side timed no host-speed reference"
-    if min(len(ps) for ps in pairs.values()) >= 3:
-        spread = {
-            n: sum(float(np.var(differences(ps, n)[0])) for ps in pairs.values())
-            for n in (True, False)
-        }
-        if spread[False] < spread[True]:
-            return False, (
-                f"raw: the pairs spread less raw than normalised (var {spread[False]:.4f} vs "
-                f"{spread[True]:.4f})"
-            )
-    return True, "normalised by the host-speed reference timed before every step"
-
-
 def session_table(
     ready: Mapping[str, Mapping[str, Any]],
     launches: Sequence[Launch],
@@ -109,9 +86,13 @@ def session_table(
     :func:`vpipe.report.pairs.levels`); ``delay_b``: the delay injected into B alone, in words
     (e.g. "7 ms"), if any."""
     pairs = session_pairs(ready, launches)
-    normalise, why = choose_figure(ready, pairs)
+    figure = fit_figure(
+        ready["A"].get("reference") == ready["B"].get("reference"), list(pairs.values())
+    )
     kept = {c: [p for p in ps if not p.host_differences] for c, ps in pairs.items()}
-    spread = session_spread(differences(ps, normalise) for ps in kept.values() if ps)
+    spread = session_spread(
+        (differences(ps, figure.weight) for ps in kept.values() if ps), int(figure.fitted)
+    )
     overall_level, level = levels(alpha, len(pairs))
 
     def row(config: Config, r: CrossRatio, used: Sequence[Pair], left_out: int) -> dict[str, Any]:
@@ -137,13 +118,13 @@ def session_table(
 
     rows = []
     for config, ps in pairs.items():
-        r = paired_ratio(ps, normalise, spread, level)
+        r = paired_ratio(ps, figure, spread, level)
         rows.append(row(config, r, kept[config], len(ps) - r.blocks[0]))
     if len(pairs) > 1:
-        r = overall_ratio(list(pairs.values()), normalise, spread, overall_level)
+        r = overall_ratio(list(pairs.values()), figure, spread, overall_level)
         left_out = len(next(iter(pairs.values()))) - r.blocks[0]
         rows.append(row((OVERALL, "", ""), r, [], left_out))
-    return pd.DataFrame(rows), spread, why
+    return pd.DataFrame(rows), spread, figure.why
 
 
 def settled(table: pd.DataFrame) -> bool:

@@ -134,11 +134,13 @@ class Block:
         refs = None if self.refs is None else self.refs[keep]
         return Block(self.steps[keep], refs), int((~keep).sum())
 
-    def log_figure(self, normalise: bool) -> float:
-        """log of median(steps), over median(refs) when normalised."""
+    def log_figure(self, ref_weight: float) -> float:
+        """log of median(steps) less ``ref_weight`` x log of median(refs): 1 (True) the figure
+        normalised by the reference, 0 (False) raw; between, a partial normalisation (the
+        weight :mod:`vpipe.report.pairs` fits to a session's pairs)."""
         value = math.log(float(np.median(self.steps)))
-        if normalise and self.refs is not None:
-            value -= math.log(float(np.median(self.refs)))
+        if ref_weight and self.refs is not None:
+            value -= ref_weight * math.log(float(np.median(self.refs)))
         return value
 
 
@@ -178,14 +180,14 @@ def normalisable(blocks: Iterable[Block]) -> bool:
     return all(b.refs is not None and np.all(b.refs > 0) for b in blocks)
 
 
-def _within_draws(block: Block, normalise: bool, rng: np.random.Generator) -> np.ndarray:
-    """RESAMPLES bootstrap draws of one block's log figure (steps and refs resampled as
-    pairs, so the reference's own variation is carried)."""
+def _within_draws(block: Block, ref_weight: float, rng: np.random.Generator) -> np.ndarray:
+    """RESAMPLES bootstrap draws of one block's log figure (:meth:`Block.log_figure`; steps
+    and refs resampled as pairs, so the reference's own variation is carried)."""
     n = block.steps.size
     idx = rng.integers(0, n, size=(RESAMPLES, n))
     out = np.log(np.median(block.steps[idx], axis=1))
-    if normalise and block.refs is not None:
-        out -= np.log(np.median(block.refs[idx], axis=1))
+    if ref_weight and block.refs is not None:
+        out -= ref_weight * np.log(np.median(block.refs[idx], axis=1))
     return out
 
 
@@ -198,26 +200,27 @@ def median_variance(values: np.ndarray) -> float:
 
 
 def _sampling_variances(
-    blocks: Sequence[Block], normalise: bool, rng: np.random.Generator
+    blocks: Sequence[Block], ref_weight: float, rng: np.random.Generator
 ) -> tuple[np.ndarray, np.ndarray]:
     """Each block's bootstrap draws (blocks x RESAMPLES) and the variance of its log figure
     from its own steps: the sampling noise of a median of that many steps, never below what
     the steps' robust spread says (:func:`median_variance`; a bootstrap of a few steps has
     few distinct outcomes and understates it)."""
-    draws = np.stack([_within_draws(b, normalise, rng) for b in blocks])
+    draws = np.stack([_within_draws(b, ref_weight, rng) for b in blocks])
     floors = [
         median_variance(b.steps)
-        + (median_variance(b.refs) if normalise and b.refs is not None else 0.0)
+        + (ref_weight**2 * median_variance(b.refs) if ref_weight and b.refs is not None else 0.0)
         for b in blocks
     ]
     return draws, np.maximum(draws.var(axis=1), floors)
 
 
-def block_variances(blocks: Sequence[Block], normalise: bool) -> np.ndarray:
-    """Each block's sampling variance of its log figure (:func:`_sampling_variances`)."""
+def block_variances(blocks: Sequence[Block], ref_weight: float) -> np.ndarray:
+    """Each block's sampling variance of its log figure (:meth:`Block.log_figure`,
+    :func:`_sampling_variances`)."""
     if not blocks:
         return np.zeros(0)
-    return _sampling_variances(blocks, normalise, np.random.default_rng(SEED))[1]
+    return _sampling_variances(blocks, ref_weight, np.random.default_rng(SEED))[1]
 
 
 def cross_ratio(

@@ -6,10 +6,11 @@ the same sweep (:mod:`vpipe.sweep.ab`). Launch 2i and 2i+1 form pair i, so each 
 launches ran one after the other, and a host that drifts over the session moves both; the
 order alternates so that a steady drift favours neither side.
 
-- **Pair**: its difference d = log(A's figure) - log(B's figure) per config, a figure being a
-  launch's median step time over its median reference time (normalised), or the median step
-  (raw) where the versions timed different references or none. Its sampling variance v is
-  the two launches' (:func:`vpipe.report.crossrun.block_variances`).
+- **Pair**: its difference d = log(A's figure) - log(B's figure) per config, a figure being
+  log(a launch's median step time) - w x log(its median reference time), w the reference's
+  weight fitted to the session's pairs (:func:`fit_figure`: 0 raw, 1 normalised; 0 where the
+  versions timed different references or none). Its sampling variance v is the two
+  launches' (:func:`vpipe.report.crossrun.block_variances`).
 - **Left out**: a pair whose two launches saw different hosts (other processes' CPU, the cores
   left to the sweep, steal or MHz beyond :data:`vpipe.trace.host_state.LIMITS`, judged on each
   launch's busiest round): a CPU hog that started between them, or in one of them. Counted.
@@ -17,9 +18,10 @@ order alternates so that a steady drift favours neither side.
   sampling noise, with variance v_i + tau^2, tau^2 the pairs' spread beyond their sampling
   noise (:func:`pair_spread`, pooled over configs, never below two launches'
   :data:`PAIR_LAUNCH_SD`). delta is the inverse-variance weighted mean (a
-  noisy pair, such as one under a hog, counts less) and its interval delta +- q x its sd, q the
-  normal quantile while the floor holds and Student's t for the pooled degrees of freedom
-  when the pairs spread more. The host's slow drift is what the pairs cancel, so no run drift
+  noisy pair, such as one under a hog, counts less) and its interval delta +- q x its sd
+  (with the fitted weight's error), q the normal quantile while the floor holds and Student's
+  t for the pooled degrees of freedom (less one for a fitted weight) when the pairs spread
+  more. The host's slow drift is what the pairs cancel, so no run drift
   is added (it is in :mod:`vpipe.report.crossrun` for runs made apart).
 - **Confidence**: simultaneous over the configs and over every look the session takes at its
   verdicts, so stopping when the verdict is settled does not raise the false-alarm rate: the
@@ -106,29 +108,114 @@ def make_pair(
     return Pair(a, b, tuple(judge_hosts(host_a, host_b, PAIR_LIMITS)))
 
 
-def differences(pairs: Sequence[Pair], normalise: bool) -> tuple[np.ndarray, np.ndarray]:
-    """Each pair's log(A/B) of the figures and its sampling variance."""
+def differences(pairs: Sequence[Pair], ref_weight: float) -> tuple[np.ndarray, np.ndarray]:
+    """Each pair's log(A/B) of the figures (:meth:`vpipe.report.crossrun.Block.log_figure`
+    with ``ref_weight``) and its sampling variance."""
     if not pairs:
         return np.zeros(0), np.zeros(0)
     a = [p.a.cleaned()[0] for p in pairs]
     b = [p.b.cleaned()[0] for p in pairs]
-    d = np.array([x.log_figure(normalise) - y.log_figure(normalise) for x, y in zip(a, b, strict=True)])
-    return d, block_variances(a, normalise) + block_variances(b, normalise)
+    d = np.array([x.log_figure(ref_weight) - y.log_figure(ref_weight) for x, y in zip(a, b, strict=True)])
+    return d, block_variances(a, ref_weight) + block_variances(b, ref_weight)
 
 
-def pair_spread(configs: Iterable[tuple[np.ndarray, np.ndarray]]) -> tuple[float, int] | None:
+def reference_differences(pairs: Sequence[Pair]) -> np.ndarray:
+    """Each pair's log(A/B) of the median reference times over the steps :func:`differences`
+    keeps (what the reference's weight multiplies); 0 where a side has none."""
+
+    def log_ref(block: Block) -> float:
+        kept = block.cleaned()[0]
+        return 0.0 if kept.refs is None else math.log(float(np.median(kept.refs)))
+
+    return np.array([log_ref(p.a) - log_ref(p.b) for p in pairs])
+
+
+# The reference's weight in a pair's figure before it can be fitted (fewer than FIT_PAIRS kept
+# pairs in a config): between raw (0) and normalised (1), where the fits of quiet sessions on
+# this 2-core host fell (0.30-0.55 over 7-24 pairs, vpipe ab HEAD HEAD, 2026-12-06)
+PRIOR_WEIGHT = 0.5
+FIT_PAIRS = 3
+
+
+@dataclass(frozen=True)
+class Figure:
+    """How a launch's figure is formed: log(median step) - ``weight`` x log(median reference
+    time) (0: raw, 1: normalised), the weight fitted to the session's pairs or fixed
+    (``fitted``), the variance of the fitted weight, and why, in words."""
+
+    weight: float
+    fitted: bool = False
+    weight_var: float = 0.0
+    why: str = ""
+
+
+RAW = Figure(0.0, why="raw")
+
+
+def fit_figure(same_reference: bool, configs: Sequence[Sequence[Pair]]) -> Figure:
+    """The figure a session compares (:class:`Figure`): raw where the versions time different
+    references or none; else the reference's weight that leaves the pairs' differences the
+    least spread, fitted once every config has :data:`FIT_PAIRS` kept pairs (a control
+    variate: the slope of the steps' log(A/B) on the references', pooled over the configs,
+    each about its own mean, bounded to [0, 1]). The reference is the same work in both versions, so any weight
+    leaves the estimate unbiased; the fitted one takes as much of the host's moves out of the
+    steps as the reference really follows, and no more of the reference's own noise. Its
+    variance is the larger of the classical and the heteroscedasticity-robust (HC1) one, and
+    every interval carries it (:func:`paired_ratio`)."""
+    every = [p for ps in configs for p in ps]
+    if not same_reference:
+        return Figure(0.0, why="raw: the versions time different host-speed references")
+    if not every or any(p.a.refs is None or p.b.refs is None for p in every):
+        return Figure(0.0, why="raw: a side timed no host-speed reference")
+    kept = [[p for p in ps if not p.host_differences] for ps in configs]
+    prior = Figure(
+        PRIOR_WEIGHT,
+        why=f"log(step) - {PRIOR_WEIGHT} x log(reference), the reference's weight fixed until "
+        f"every config has {FIT_PAIRS} pairs",
+    )
+    if min(len(ps) for ps in kept) < FIT_PAIRS:
+        return prior
+    x = [reference_differences(ps) for ps in kept]
+    y = [differences(ps, 0.0)[0] for ps in kept]
+    xc = np.concatenate([v - v.mean() for v in x])
+    yc = np.concatenate([v - v.mean() for v in y])
+    sxx = float(xc @ xc)
+    dof = xc.size - len(kept) - 1
+    if sxx <= 0 or dof < 1:
+        return prior
+    slope = float(xc @ yc) / sxx
+    resid = yc - slope * xc
+    classical = float(resid @ resid) / dof / sxx
+    robust = float((xc**2 * resid**2).sum()) / sxx**2 * xc.size / dof
+    # a weight outside [0, 1] would have the steps follow the host more than fully or against
+    # it: the fit is bounded there, which can only bring it nearer a true weight in [0, 1], so
+    # its error is never beyond 1 (where the references barely moved, the slope is noise)
+    weight = min(max(slope, 0.0), 1.0)
+    var = min(max(classical, robust), 1.0)
+    return Figure(
+        weight, True, var,
+        f"log(step) - w x log(reference), w = {weight:.2f} +- {math.sqrt(var):.2f} fitted to "
+        f"{xc.size} pairs' differences (0: raw, 1: normalised; the share of the reference's "
+        "moves that the steps followed)",
+    )  # fmt: skip
+
+
+def pair_spread(
+    configs: Iterable[tuple[np.ndarray, np.ndarray]], fitted: int = 0
+) -> tuple[float, int] | None:
     """tau^2, the variance of a pair's difference beyond its sampling noise, pooled over
     configs (each: differences and their sampling variances) by the method of moments: the
     squared deviations from each config's mean less what the sampling variances explain, at
-    least 0; with its degrees of freedom. None without a config of two pairs."""
-    excess, dof = 0.0, 0
+    least 0; with its degrees of freedom (less ``fitted``, the parameters fitted to the same
+    differences besides the configs' means). None without a degree of freedom."""
+    excess, dof = 0.0, -fitted
     for d, v in configs:
         n = d.size
         if n < 2:
             continue
         excess += float(((d - d.mean()) ** 2).sum()) - (n - 1) / n * float(v.sum())
         dof += n - 1
-    return (max(excess, 0.0) / dof, dof) if dof else None
+    return (max(excess, 0.0) / dof, dof) if dof > 0 else None
 
 
 @dataclass(frozen=True)
@@ -141,12 +228,13 @@ class Spread:
     source: str
 
 
-def session_spread(configs: Iterable[tuple[np.ndarray, np.ndarray]]) -> Spread:
-    """tau^2 for a session's intervals: measured from its pairs (:func:`pair_spread`) when it
-    exceeds the floor of two launches' :data:`PAIR_LAUNCH_SD`, else the floor (with the
-    normal quantile: a spread measured from a few pairs can come out far too small by chance)."""
+def session_spread(configs: Iterable[tuple[np.ndarray, np.ndarray]], fitted: int = 0) -> Spread:
+    """tau^2 for a session's intervals: measured from its pairs (:func:`pair_spread`,
+    ``fitted`` parameters besides the configs' means fitted to them) when it exceeds the floor
+    of two launches' :data:`PAIR_LAUNCH_SD`, else the floor (with the normal quantile: a
+    spread measured from a few pairs can come out far too small by chance)."""
     floor = 2 * PAIR_LAUNCH_SD**2
-    measured = pair_spread(configs)
+    measured = pair_spread(configs, fitted)
     if measured is None or measured[0] <= floor:
         seen = "" if measured is None else f"; the pairs showed sd {math.sqrt(measured[0]):.3f}"
         return Spread(floor, None, f"the floor, launch sd {PAIR_LAUNCH_SD} per side{seen}")
@@ -202,30 +290,30 @@ def report_alpha(looks: Sequence[Mapping[str, Any]]) -> float:
     return look_alpha(sum(float(x["alpha"]) for x in looks), 0)
 
 
-def paired_ratio(pairs: Sequence[Pair], normalise: bool, spread: Spread, level: float) -> CrossRatio:
+def paired_ratio(pairs: Sequence[Pair], figure: Figure, spread: Spread, level: float) -> CrossRatio:
     """A/B of a config's figure from its pairs (left-out pairs dropped) with its interval at
     ``level``, as a :class:`vpipe.report.crossrun.CrossRatio` (``blocks``: pairs used per side;
     ``within``/``between``: the half-width's parts from sampling noise and from the launches'
-    spread; ``noise_sd``: the sd of one launch's figure)."""
+    spread and the fitted weight's error; ``noise_sd``: the sd of one launch's figure)."""
     kept = [p for p in pairs if not p.host_differences]
-    d, v = differences(kept, normalise)
-    return _ratio(d, v, _counts([kept]), normalise, spread, level)
+    d, v = differences(kept, figure.weight)
+    return _ratio(d, v, reference_differences(kept), _counts([kept]), figure, spread, level)
 
 
 def overall_differences(
-    kept: Sequence[Sequence[Pair]], normalise: bool
+    kept: Sequence[Sequence[Pair]], ref_weight: float
 ) -> tuple[np.ndarray, np.ndarray]:
     """Each kept pair's mean over the configs of log(A/B) (the log of the geometric mean of
     the configs' ratios) and its sampling variance: the configs' summed over configs squared,
     their steps being different steps. ``kept``: each config's pairs that saw the same host,
     the same pairs in every config (hosts are judged per launch)."""
-    parts = [differences(ps, normalise) for ps in kept]
+    parts = [differences(ps, ref_weight) for ps in kept]
     n = len(kept)
     return np.mean([d for d, _ in parts], axis=0), np.sum([v for _, v in parts], axis=0) / n**2
 
 
 def overall_ratio(
-    configs: Sequence[Sequence[Pair]], normalise: bool, spread: Spread, level: float
+    configs: Sequence[Sequence[Pair]], figure: Figure, spread: Spread, level: float
 ) -> CrossRatio:
     """A/B over all configs, the geometric mean of their ratios, from the pairs' means over
     the configs (:func:`overall_differences`) with its interval at ``level``. The launches'
@@ -234,8 +322,9 @@ def overall_ratio(
     varies more than they do. (Measured from the means alone it would rest on a few pairs' few
     degrees of freedom, and Student's t would widen the interval more than the mean narrows it.)"""
     kept = [[p for p in ps if not p.host_differences] for ps in configs]
-    d, v = overall_differences(kept, normalise)
-    return _ratio(d, v, _counts(kept), normalise, spread, level)
+    d, v = overall_differences(kept, figure.weight)
+    refs = np.mean([reference_differences(ps) for ps in kept], axis=0)
+    return _ratio(d, v, refs, _counts(kept), figure, spread, level)
 
 
 def _counts(kept: Sequence[Sequence[Pair]]) -> tuple[int, tuple[int, int], int]:
@@ -247,20 +336,27 @@ def _counts(kept: Sequence[Sequence[Pair]]) -> tuple[int, tuple[int, int], int]:
 
 
 def _ratio(
-    d: np.ndarray, v: np.ndarray, counts: tuple[int, tuple[int, int], int], normalise: bool,
-    spread: Spread, level: float,
+    d: np.ndarray, v: np.ndarray, refs: np.ndarray, counts: tuple[int, tuple[int, int], int],
+    figure: Figure, spread: Spread, level: float,
 ) -> CrossRatio:  # fmt: skip
-    """The random-effects estimate of the module's doc from pairs' differences ``d`` and
-    sampling variances ``v``."""
+    """The random-effects estimate of the module's doc from pairs' differences ``d``, their
+    sampling variances ``v`` and their references' differences ``refs``: a fitted weight's
+    error moves the estimate by the weighted mean of ``refs`` times that error, so its
+    variance adds that mean squared times the weight's variance (an intercept's, in least
+    squares; nothing where the references' differences average out)."""
     n, steps, dropped = counts
     nan = float("nan")
+    normalised = figure.weight != 0
     if not d.size:
-        return CrossRatio(nan, nan, nan, (0, 0), steps, normalise, dropped, nan, nan, False)
+        return CrossRatio(nan, nan, nan, (0, 0), steps, normalised, dropped, nan, nan, False)
     w = 1 / (v + spread.tau2)
     estimate = float((w * d).sum() / w.sum())
+    from_weight = float((w * refs).sum() / w.sum()) ** 2 * figure.weight_var
     q = t_quantile(spread.dof, level)
-    half = q / math.sqrt(float(w.sum()))
+    pooled = 1 / float(w.sum())
+    half = q * math.sqrt(pooled + from_weight)
     share = float(v.mean()) / (float(v.mean()) + spread.tau2)  # sampling's part of the variance
+    within = q * math.sqrt(pooled * share)
     noise_sd = math.sqrt((spread.tau2 + float(v.mean())) / 2)
     return CrossRatio(
         math.exp(estimate),
@@ -268,10 +364,10 @@ def _ratio(
         math.exp(estimate + half),
         (n, n),
         steps,
-        normalise,
+        normalised,
         dropped,
-        half * math.sqrt(share),
-        half * math.sqrt(1 - share),
+        within,
+        math.sqrt(max(half**2 - within**2, 0.0)),
         False,
         noise_sd,
     )
