@@ -493,6 +493,30 @@ def test_unknown_versions_are_one_line(tmp_path):
         prepare("B", str(tmp_path / "empty"), repo, tmp_path / "cache")
 
 
+def test_a_paced_side_measures_memory_in_its_first_finished_block_only(tmp_path, monkeypatch):
+    import io
+
+    from vpipe.runtime import launch
+    from vpipe.sweep import driver, paced
+
+    asked = []
+
+    def fake_sweep(spec, bench_id):
+        asked.append(spec.memory_step)
+        if len(asked) == 1:
+            raise KeyboardInterrupt  # the first launch is stopped: the next one measures memory
+        return [{"rank": 0, "times": [[0.1]], "refs": [[0.01]], "host_rounds": []}]
+
+    monkeypatch.setattr(driver, "run_sweep", fake_sweep)
+    monkeypatch.setattr(launch, "fork_server", lambda start=False: None)
+    monkeypatch.setattr(paced, "write_blocks", lambda spec, blocks, *a: len(blocks))
+    monkeypatch.setattr(sys, "stdout", io.StringIO())
+    spec = driver.SweepSpec(schedules=("1f1b",), microbatches=(2,), impls=("vpipe",), progress=False)
+    assert paced.serve(spec, tmp_path / "out", io.StringIO("block\nblock\nblock\nend\n")) == 0
+    assert asked == [True, True, False]
+    assert "memory_step" not in driver.spec_dict(spec)  # not part of what the sweep is
+
+
 # ---------------------------------------------------------------------------------------------
 # End to end
 
@@ -515,4 +539,8 @@ def test_vpipe_ab_of_this_checkout_against_itself(tmp_path):
     for side in ("A", "B"):
         steps = pd.read_parquet(out / side / "steps.parquet")
         assert sorted(steps["block"].unique()) == [0, 1] and steps["ref_s"].notna().all()
+        # memory is measured in the first block only (the one the store keeps), and kept
+        ranks = pd.read_parquet(out / side / "ranks.parquet")
+        assert (ranks["peak_bytes"] > 0).all()
+
     assert (out / "report.html").is_file() and "pair 2/2" in res.stdout

@@ -3,7 +3,7 @@
 Run-to-run variance (a launch's thread placement, memory layout, the host's state in that
 minute) is invisible inside one launch; comparing two runs needs it (:mod:`vpipe.report.crossrun`).
 ``vpipe bench --blocks K`` launches the sweep K times one after the other: only the first
-launch profiles, every launch times every config in its rounds (the same rounds: no time
+launch profiles and measures memory, every launch times every config in its rounds (the same rounds: no time
 budget adds any), and the merged results hold every block's steps, reference timings and host
 rounds, each labelled with its block.
 """
@@ -26,7 +26,8 @@ def run_blocks(spec: SweepSpec, bench_id: str) -> list[dict[str, Any]]:
         raise BenchError("--blocks needs vpipe bench to launch its ranks (not under torchrun)")
     blocks = []
     for b in range(spec.blocks):
-        results = driver.run_sweep(spec if b == 0 else replace(spec, profile=False), bench_id)
+        later = replace(spec, profile=False, memory_step=False)  # merge keeps the first's
+        results = driver.run_sweep(spec if b == 0 else later, bench_id)
         if not results:
             return []
         blocks.append(results)

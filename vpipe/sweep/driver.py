@@ -105,6 +105,9 @@ class SweepSpec:
     post_thread: bool | None = None  # None: on gloo
     # cross-run comparisons (vpipe.report.crossrun): independent launches, a known injected delay
     blocks: int = 1
+    # the memory step at the end of a launch; blocks after a sweep's first skip it, as only
+    # the first block's memory is kept (vpipe.sweep.blocks.merge_blocks)
+    memory_step: bool = True
     inject_delay_ms: float = 0.0  # extra sleep per step on rank inject_delay_rank
     inject_delay_pct: float = 0.0  # and this % of that rank's previous step
     inject_delay_rank: int = 0
@@ -287,7 +290,7 @@ def rank_worker(
     if temp_traces:  # per host, so multi-host jobs need no shared filesystem
         spec = replace(spec, trace_dir=tempfile.mkdtemp(prefix=f"vpipe-traces-{rank}-"))
     profile_rounds = spec.profile_steps if spec.profile else 0
-    n_units = len(configs) * (2 + spec.rounds + profile_rounds)
+    n_units = len(configs) * (1 + spec.memory_step + spec.rounds + profile_rounds)
     progress = Progress(n_units, spec.progress and rank == 0)
     try:
         harnesses = []
@@ -339,7 +342,7 @@ def rank_worker(
         host = timed.host_rounds()
         events = {k: pd.concat(v, ignore_index=True) for k, v in traced.items() if v}
         memory = {}
-        for cfg, h in zip(configs, harnesses, strict=True):
+        for cfg, h in zip(configs, harnesses, strict=True) if spec.memory_step else ():
             memory[cfg.key] = h.memory_step()
             progress.advance(f"memory {cfg.key}")
     finally:
@@ -433,6 +436,7 @@ def spec_dict(spec: SweepSpec) -> dict[str, Any]:
     """The spec as JSON-ready metadata (the data-parallel fields only with ``dp > 1``)."""
     d = asdict(spec)
     del d["deadline"]  # a moment of this launch, not the sweep's definition
+    del d["memory_step"]  # which of its blocks measure memory, not what the sweep is
     if spec.dp == 1:
         del d["dp"], d["dp_bucket_bytes"]
     for k in ("schedules", "microbatches", "impls"):

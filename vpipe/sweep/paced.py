@@ -94,7 +94,8 @@ def serve(spec: SweepSpec, out: str | Path, commands: IO[str] | None = None) -> 
             continue
         t0 = time.perf_counter()
         try:
-            results = run_sweep(once, bench_id)
+            # memory is measured once, in the first block that finishes (the one kept)
+            results = run_sweep(replace(once, memory_step=not blocks), bench_id)
         except KeyboardInterrupt:
             reply({"aborted": len(blocks)})
             continue
