@@ -167,6 +167,28 @@ def pooled_spread(results: list[dict[str, Any]]) -> tuple[float, int] | None:
     return pair_spread(configs, fitted)
 
 
+def overall_z(record: dict[str, Any]) -> float | None:
+    """An A/A session's log(A/B) over all configs in its standard errors (the half-width of a
+    68% interval) at its end: over many sessions their sd is 1 unless each side carries an
+    effect of its own that stays the whole session (its fork server's, say), which the pairs
+    cannot see; None without an interval."""
+    import math
+    from statistics import NormalDist
+
+    from vpipe.report.ab_report import session_pairs
+    from vpipe.report.pairs import differences, fit_figure, overall_ratio, session_spread
+
+    ready = record["ready"]
+    configs = list(session_pairs(ready, [(x["side"], x) for x in record["launches"]]).values())
+    figure = fit_figure(ready["A"].get("reference") == ready["B"].get("reference"), configs)
+    kept = ([p for p in ps if not p.host_differences] for ps in configs)
+    spread = session_spread((differences(ps, figure.weight) for ps in kept if ps), figure.fitted)
+    r = overall_ratio(configs, figure, spread, 2 * NormalDist().cdf(1) - 1)
+    if not r.has_interval or r.high <= r.value:
+        return None
+    return math.log(r.value) / math.log(r.high / r.value)
+
+
 def main(args: Any) -> int:
     rng = random.Random(args.seed)
     t0 = time.perf_counter()
@@ -241,6 +263,12 @@ def main(args: Any) -> int:
               f"{overall.count('faster')}; every config slower in {caught}/{len(results)} "
               f"sessions; session time / budget (twice two plain sweeps): median "
               f"{walls[len(walls) // 2]:.2f}x, max {walls[-1]:.2f}x")  # fmt: skip
+    z = [x for res in kinds[aa] if (x := overall_z(res["record"])) is not None]
+    if len(z) >= 2:
+        sd = (sum(x * x for x in z) / len(z)) ** 0.5
+        print(f"{aa} over all configs, log(A/B) in standard errors: sd {sd:.2f} over {len(z)} "
+              f"sessions (1 expected; more: a side's own effect that lasts its session), "
+              f"{' '.join(f'{x:+.1f}' for x in z)}")  # fmt: skip
     quiet = pooled_spread(kinds["A/A' quiet"] + kinds.get("A/A quiet", []))
     if quiet:
         print(f"pairs' spread beyond sampling noise (sd of log A/B, pooled): {quiet[0] ** 0.5:.4f}, "

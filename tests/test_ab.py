@@ -12,6 +12,7 @@ import signal
 import subprocess
 import sys
 import threading
+import time
 from pathlib import Path
 
 import numpy as np
@@ -29,6 +30,7 @@ from vpipe.report.pairs import (
     ALPHA,
     FINAL_SHARE,
     FIT_PAIRS,
+    LOADED_LAUNCH_SD,
     PRIOR_WEIGHT,
     RAW,
     Figure,
@@ -44,7 +46,7 @@ from vpipe.report.pairs import (
     session_order,
     session_spread,
 )
-from vpipe.sweep.ab import pairs_that_fit, run_session
+from vpipe.sweep.ab import pairs_that_fit, process_start, run_session
 from vpipe.sweep.envs import EnvError, Version, prepare
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -229,6 +231,29 @@ def test_a_fitted_weight_finds_slowdowns_on_hosts_where_neither_fixed_figure_doe
     assert found["fitted"] > max(found["raw"], found["normalised"])
 
 
+def test_a_pair_under_a_hog_carries_the_launch_spread_measured_under_one():
+    launches = _session(4, 1.0, hog_from=4)  # pairs 1-2 quiet, 3-4 entirely under the hog
+    pairs = session_pairs({"A": READY, "B": READY}, launches)[("1f1b", 4, "vpipe")]
+    assert [p.loaded for p in pairs] == [False, False, True, True]
+    assert not any(p.host_differences for p in pairs)
+    rng = np.random.default_rng(5)
+    from vpipe.report.crossrun import Block
+
+    def block(scale):
+        return Block.of(0.07 * scale * np.exp(0.03 * rng.standard_normal(9)))
+
+    quiet = [Pair(block(1.0), block(1.05)) for _ in range(5)]
+    hogged = [Pair(p.a, p.b, loaded=True) for p in quiet]
+    spread = session_spread([])
+    narrow, wide = (paired_ratio(ps, RAW, spread, 0.95) for ps in (quiet, hogged))
+    assert narrow.value == pytest.approx(wide.value, rel=0.01)  # the same pairs
+    # half-width: 1.96 x sqrt((v + 2 x 0.045^2) / 5) against the quiet floor's 2 x 0.02^2
+    assert math.log(wide.high / wide.value) > 1.8 * math.log(narrow.high / narrow.value)
+    assert math.log(wide.high / wide.value) == pytest.approx(
+        1.96 * math.sqrt((2 * LOADED_LAUNCH_SD**2 + 2 * 0.03**2 * 1.57 / 9) / 5), rel=0.35
+    )
+
+
 def _spend(expected_last: list[int]) -> list[float]:
     """What the looks at pairs 2, 3, ... spend when, at each, the last pair is expected to be
     ``expected_last[i]`` (a look is the last when that is its own pair)."""
@@ -389,6 +414,17 @@ def test_the_session_ends_on_a_last_look_when_another_pair_would_not_fit(
     assert session.stopped == "--max-minutes 0.1: another pair would not end in time, after 2 pairs"
     assert session.looks[-1]["last"] and session.looks[-1]["alpha"] == pytest.approx(ALPHA)
     assert log.read_text().count("\n") == 4 and session.wall_s < 8
+
+
+def test_the_time_limit_counts_from_the_commands_start(tmp_path, fake_versions, monkeypatch):
+    versions, _ = fake_versions
+    monkeypatch.setenv("FAKE_BLOCK_S", "0.5")  # a pair: 1 s; the limit: 9 s, 4 s kept to write
+    # 3 s went to starting the command and preparing the versions: after 2 pairs (5.3 s) no
+    # further pair fits, where from the session's own start 2 more would have
+    started = time.monotonic() - 3.0
+    session, _ = _run(versions, tmp_path / "out", pairs=8, max_minutes=0.15, started=started)
+    assert session.stopped.endswith("after 2 pairs") and session.wall_s >= 3.0
+    assert time.monotonic() - 3600 < process_start() <= time.monotonic()
 
 
 def test_a_side_that_fails_is_one_line_and_the_other_side_keeps_its_blocks(

@@ -40,9 +40,9 @@ def own_options() -> argparse.ArgumentParser:
         "--max-minutes",
         type=float,
         default=20.0,
-        help="the session's time limit, from when both environments are ready: no pair starts "
-        "that would not end within it, judged by the pairs so far (default 20; the first two "
-        "pairs always run)",
+        help="the session's time limit, from the command's start (less any time spent making "
+        "an environment): no pair starts that would not end within it, judged by the pairs so "
+        "far (default 20; the first two pairs always run)",
     )
     p.add_argument(
         "--inject-delay-ms-b",
@@ -73,7 +73,13 @@ def run_ab(args: argparse.Namespace) -> int:
     import shutil
 
     from vpipe.outputs import atomic_write, check_output_dir
-    from vpipe.sweep.ab import AbError, check_bench_args, run_session, session_record
+    from vpipe.sweep.ab import (
+        AbError,
+        check_bench_args,
+        process_start,
+        run_session,
+        session_record,
+    )
     from vpipe.sweep.envs import CACHE, EnvError, prepare, repo_root
 
     mine, bench = own_options().parse_known_args(args.bench)
@@ -100,10 +106,13 @@ def run_ab(args: argparse.Namespace) -> int:
         repo = None
     cache = Path(mine.cache) if mine.cache else (repo or Path.cwd()) / CACHE
     versions = {}
+    making = 0.0  # seconds spent making (installing) environments: not the session's time
     for label, name in (("A", args.a), ("B", args.b)):
         t0 = time.perf_counter()
         v = prepare(label, name, repo, cache)
-        how = "reused" if v.reused else f"made in {time.perf_counter() - t0:.0f} s"
+        took = time.perf_counter() - t0
+        making += 0.0 if v.reused else took
+        how = "reused" if v.reused else f"made in {took:.0f} s"
         print(f"{v.describe}: environment {how}", flush=True)
         versions[label] = v
     out.mkdir(parents=True, exist_ok=True)
@@ -132,6 +141,7 @@ def run_ab(args: argparse.Namespace) -> int:
         max_minutes=mine.max_minutes,
         settled=settled,
         progress=lambda line: print(line, flush=True),
+        started=process_start() + making,  # the command's time, but for making environments
     )
     line = write_report(out, session, labels, " + ".join(delay_b))
     atomic_write(out / "session.json", lambda p: p.write_text(session_record(session, versions, bench)))

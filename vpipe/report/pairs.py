@@ -66,6 +66,14 @@ MIN_PAIRS = 2  # A B B A: the first look at the verdicts
 # and 42 degrees of freedom in three runs on this 2-core host, quiet to loaded), blocks
 # launched back to back 0.024 (bench.false_alarms, 160 dof); the floor keeps that margin
 PAIR_LAUNCH_SD = 0.02
+# The floor per side for a pair whose host other processes loaded (a CPU hog in both its
+# launches): how much of the cores a launch gets beside the hog varies from launch to launch,
+# beyond its steps' own noise. Measured over the loaded pairs of python -m bench.false_alarms
+# --ab, 2026-12-06: 0.052 per pair (92 dof) and 0.103 (18 dof), 0.063 pooled, against 0.000
+# for the quiet pairs of the same sessions; with the quiet floor alone, 20 A/A sessions under
+# a hog spread 1.45 standard errors (2 false verdicts over all configs, both in sessions that
+# were under the hog almost from their start)
+LOADED_LAUNCH_SD = 0.045
 PAIR_LIMITS = {**LIMITS, "ref_ratio": math.inf}  # the reference's moves are what normalising undoes
 
 
@@ -93,19 +101,25 @@ def busiest(rounds: Iterable[Mapping[str, Any]]) -> dict[str, float | None]:
 
 @dataclass(frozen=True)
 class Pair:
-    """One config's two launches of a pair: A's block and B's, and what differed between the
-    hosts they saw (empty: nothing)."""
+    """One config's two launches of a pair: A's block and B's, what differed between the
+    hosts they saw (empty: nothing), and whether other processes loaded the host in either
+    (:func:`make_pair`)."""
 
     a: Block
     b: Block
     host_differences: tuple[str, ...] = ()
+    loaded: bool = False
 
 
 def make_pair(
     a: Block, b: Block, host_a: Mapping[str, Any], host_b: Mapping[str, Any]
 ) -> Pair:
-    """A pair of blocks with the host judgement of its launches (:data:`PAIR_LIMITS`)."""
-    return Pair(a, b, tuple(judge_hosts(host_a, host_b, PAIR_LIMITS)))
+    """A pair of blocks with the host judgement of its launches (:data:`PAIR_LIMITS`); loaded
+    when either launch's busiest round had other processes keep :data:`LIMITS`' other_cores
+    (half a core) busy."""
+    other = [h.get("other_cores") for h in (host_a, host_b)]
+    loaded = any(x is not None and x >= LIMITS["other_cores"] for x in other)
+    return Pair(a, b, tuple(judge_hosts(host_a, host_b, PAIR_LIMITS)), loaded)
 
 
 def differences(pairs: Sequence[Pair], ref_weight: float) -> tuple[np.ndarray, np.ndarray]:
@@ -297,7 +311,8 @@ def paired_ratio(pairs: Sequence[Pair], figure: Figure, spread: Spread, level: f
     spread and the fitted weight's error; ``noise_sd``: the sd of one launch's figure)."""
     kept = [p for p in pairs if not p.host_differences]
     d, v = differences(kept, figure.weight)
-    return _ratio(d, v, reference_differences(kept), _counts([kept]), figure, spread, level)
+    loaded = np.array([p.loaded for p in kept], dtype=bool)
+    return _ratio(d, v, reference_differences(kept), loaded, _counts([kept]), figure, spread, level)
 
 
 def overall_differences(
@@ -324,7 +339,8 @@ def overall_ratio(
     kept = [[p for p in ps if not p.host_differences] for ps in configs]
     d, v = overall_differences(kept, figure.weight)
     refs = np.mean([reference_differences(ps) for ps in kept], axis=0)
-    return _ratio(d, v, refs, _counts(kept), figure, spread, level)
+    loaded = np.any([[p.loaded for p in ps] for ps in kept], axis=0).astype(bool)
+    return _ratio(d, v, refs, loaded, _counts(kept), figure, spread, level)
 
 
 def _counts(kept: Sequence[Sequence[Pair]]) -> tuple[int, tuple[int, int], int]:
@@ -336,28 +352,30 @@ def _counts(kept: Sequence[Sequence[Pair]]) -> tuple[int, tuple[int, int], int]:
 
 
 def _ratio(
-    d: np.ndarray, v: np.ndarray, refs: np.ndarray, counts: tuple[int, tuple[int, int], int],
-    figure: Figure, spread: Spread, level: float,
+    d: np.ndarray, v: np.ndarray, refs: np.ndarray, loaded: np.ndarray,
+    counts: tuple[int, tuple[int, int], int], figure: Figure, spread: Spread, level: float,
 ) -> CrossRatio:  # fmt: skip
     """The random-effects estimate of the module's doc from pairs' differences ``d``, their
-    sampling variances ``v`` and their references' differences ``refs``: a fitted weight's
-    error moves the estimate by the weighted mean of ``refs`` times that error, so its
-    variance adds that mean squared times the weight's variance (an intercept's, in least
-    squares; nothing where the references' differences average out)."""
+    sampling variances ``v``, their references' differences ``refs`` and whether each was
+    ``loaded`` (its launches' spread then at least two launches' :data:`LOADED_LAUNCH_SD`): a
+    fitted weight's error moves the estimate by the weighted mean of ``refs`` times that
+    error, so its variance adds that mean squared times the weight's variance (an
+    intercept's, in least squares; nothing where the references' differences average out)."""
     n, steps, dropped = counts
     nan = float("nan")
     normalised = figure.weight != 0
     if not d.size:
         return CrossRatio(nan, nan, nan, (0, 0), steps, normalised, dropped, nan, nan, False)
-    w = 1 / (v + spread.tau2)
+    tau2 = np.where(loaded, max(spread.tau2, 2 * LOADED_LAUNCH_SD**2), spread.tau2)
+    w = 1 / (v + tau2)
     estimate = float((w * d).sum() / w.sum())
     from_weight = float((w * refs).sum() / w.sum()) ** 2 * figure.weight_var
     q = t_quantile(spread.dof, level)
     pooled = 1 / float(w.sum())
     half = q * math.sqrt(pooled + from_weight)
-    share = float(v.mean()) / (float(v.mean()) + spread.tau2)  # sampling's part of the variance
+    share = float(v.mean()) / float((v + tau2).mean())  # sampling's part of the variance
     within = q * math.sqrt(pooled * share)
-    noise_sd = math.sqrt((spread.tau2 + float(v.mean())) / 2)
+    noise_sd = math.sqrt(float((tau2 + v).mean()) / 2)
     return CrossRatio(
         math.exp(estimate),
         math.exp(estimate - half),

@@ -207,6 +207,19 @@ def pairs_that_fit(seconds_left: float, pair_seconds: list[float]) -> int:
     return max(0, math.floor((seconds_left - FINISH_RESERVE_S) / expected))
 
 
+def process_start() -> float:
+    """The :func:`time.monotonic` moment this process started (Linux: from /proc, so its
+    interpreter start and imports count); now where that cannot be read."""
+    now = time.monotonic()
+    try:
+        fields = Path("/proc/self/stat").read_text().rsplit(")", 1)[1].split()
+        ticks = int(fields[19])  # starttime, the 22nd field: clock ticks after boot
+        age = time.clock_gettime(time.CLOCK_BOOTTIME) - ticks / os.sysconf("SC_CLK_TCK")
+    except (OSError, ValueError, IndexError, AttributeError):
+        return now
+    return now - age if 0 <= age < 3600 else now
+
+
 def run_session(
     versions: dict[str, Version],
     bench_args: dict[str, list[str]],
@@ -216,6 +229,7 @@ def run_session(
     max_minutes: float,
     settled: Callable[[Session, float], bool],
     progress: Callable[[str], object] = print,
+    started: float | None = None,
 ) -> tuple[Session, list[str]]:
     """Start both sides, alternate their launches, and after every pair from the
     :data:`~vpipe.report.pairs.MIN_PAIRS`-th look at the verdicts (``settled(session, alpha)``,
@@ -224,11 +238,13 @@ def run_session(
     pair would not end within ``max_minutes`` of the start (:func:`pairs_that_fit`); then both
     sides write their stores. Returns the session and what each side wrote. A side that fails,
     or Ctrl-C, ends the session early (``session.error``, ``session.interrupted``; the launch
-    in progress is dropped), and both sides still write what finished."""
+    in progress is dropped), and both sides still write what finished. ``started``: the
+    :func:`time.monotonic` moment the session's time counts from (the command's start, so that
+    preparing the versions counts too); now by default."""
     from vpipe.report.pairs import MIN_PAIRS, look_alpha, session_order
 
     session = Session(ready={})
-    t0 = time.monotonic()
+    t0 = time.monotonic() if started is None else started
     sides: dict[str, SideProcess] = {}
     running: SideProcess | None = None
     out.mkdir(parents=True, exist_ok=True)
