@@ -150,17 +150,15 @@ def describe(kind: str, i: int, result: dict[str, Any], budget: float, hog: Time
 def pooled_spread(results: list[dict[str, Any]]) -> tuple[float, int] | None:
     """The pairs' spread beyond sampling noise (sd of a pair's log difference), pooled over
     every config of the given sessions' pairs that saw the same host."""
-    from vpipe.report.ab_report import session_pairs
-    from vpipe.report.pairs import differences, fit_figure, pair_spread
+    from vpipe.report.ab_report import session_figure, session_pairs
+    from vpipe.report.pairs import differences, pair_spread
 
     configs, fitted = [], 0
     for res in results:
         rec = res["record"]
         pairs = session_pairs(rec["ready"], [(x["side"], x) for x in rec["launches"]])
-        ready = rec["ready"]
-        same = ready["A"].get("reference") == ready["B"].get("reference")
-        figure = fit_figure(same, list(pairs.values()))
-        fitted += int(figure.fitted)
+        figure, _ = session_figure(rec["ready"], pairs)
+        fitted += figure.fitted
         for ps in pairs.values():
             kept = [p for p in ps if not p.host_differences]
             configs.append(differences(kept, figure.weight))
@@ -175,15 +173,12 @@ def overall_z(record: dict[str, Any]) -> float | None:
     import math
     from statistics import NormalDist
 
-    from vpipe.report.ab_report import session_pairs
-    from vpipe.report.pairs import differences, fit_figure, overall_ratio, session_spread
+    from vpipe.report.ab_report import session_figure, session_pairs
+    from vpipe.report.pairs import overall_ratio
 
-    ready = record["ready"]
-    configs = list(session_pairs(ready, [(x["side"], x) for x in record["launches"]]).values())
-    figure = fit_figure(ready["A"].get("reference") == ready["B"].get("reference"), configs)
-    kept = ([p for p in ps if not p.host_differences] for ps in configs)
-    spread = session_spread((differences(ps, figure.weight) for ps in kept if ps), figure.fitted)
-    r = overall_ratio(configs, figure, spread, 2 * NormalDist().cdf(1) - 1)
+    pairs = session_pairs(record["ready"], [(x["side"], x) for x in record["launches"]])
+    figure, spread = session_figure(record["ready"], pairs)
+    r = overall_ratio(list(pairs.values()), figure, spread, 2 * NormalDist().cdf(1) - 1)
     if not r.has_interval or r.high <= r.value:
         return None
     return math.log(r.value) / math.log(r.high / r.value)

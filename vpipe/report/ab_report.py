@@ -18,6 +18,7 @@ from vpipe.report.crossrun_table import headline
 from vpipe.report.document import render_html, render_markdown, table_section, text_section
 from vpipe.report.pairs import (
     PAIR_LAUNCH_SD,
+    Figure,
     Pair,
     Spread,
     busiest,
@@ -69,6 +70,18 @@ def session_pairs(
     return out
 
 
+def session_figure(
+    ready: Mapping[str, Mapping[str, Any]], pairs: Mapping[Config, list[Pair]]
+) -> tuple[Figure, Spread]:
+    """The figure a session compares (:func:`vpipe.report.pairs.fit_figure`, the sides'
+    reference shapes compared) and the spread its intervals use, from the kept pairs."""
+    same = ready["A"].get("reference") == ready["B"].get("reference")
+    figure = fit_figure(same, list(pairs.values()))
+    kept = ([p for p in ps if not p.host_differences] for ps in pairs.values())
+    spread = session_spread((differences(ps, figure.weight) for ps in kept if ps), figure.fitted)
+    return figure, spread
+
+
 def session_table(
     ready: Mapping[str, Mapping[str, Any]],
     launches: Sequence[Launch],
@@ -86,13 +99,8 @@ def session_table(
     :func:`vpipe.report.pairs.levels`); ``delay_b``: the delay injected into B alone, in words
     (e.g. "7 ms"), if any."""
     pairs = session_pairs(ready, launches)
-    figure = fit_figure(
-        ready["A"].get("reference") == ready["B"].get("reference"), list(pairs.values())
-    )
+    figure, spread = session_figure(ready, pairs)
     kept = {c: [p for p in ps if not p.host_differences] for c, ps in pairs.items()}
-    spread = session_spread(
-        (differences(ps, figure.weight) for ps in kept.values() if ps), int(figure.fitted)
-    )
     overall_level, level = levels(alpha, len(pairs))
 
     def row(config: Config, r: CrossRatio, used: Sequence[Pair], left_out: int) -> dict[str, Any]:

@@ -133,15 +133,18 @@ def differences(pairs: Sequence[Pair], ref_weight: float) -> tuple[np.ndarray, n
     return d, block_variances(a, ref_weight) + block_variances(b, ref_weight)
 
 
-def reference_differences(pairs: Sequence[Pair]) -> np.ndarray:
-    """Each pair's log(A/B) of the median reference times over the steps :func:`differences`
-    keeps (what the reference's weight multiplies); 0 where a side has none."""
+def log_ratios(pairs: Sequence[Pair]) -> tuple[np.ndarray, np.ndarray]:
+    """Each pair's log(A/B) of the median step time and of the median reference time (0 where
+    a side has none) over the steps :func:`differences` keeps: a figure's log(A/B) is the
+    first less the reference's weight times the second. No sampling variances: cheap."""
 
-    def log_ref(block: Block) -> float:
+    def logs(block: Block) -> tuple[float, float]:
         kept = block.cleaned()[0]
-        return 0.0 if kept.refs is None else math.log(float(np.median(kept.refs)))
+        raw = kept.log_figure(0.0)
+        return raw, 0.0 if kept.refs is None else raw - kept.log_figure(1.0)
 
-    return np.array([log_ref(p.a) - log_ref(p.b) for p in pairs])
+    rows = np.array([[*logs(p.a), *logs(p.b)] for p in pairs]).reshape(-1, 4)
+    return rows[:, 0] - rows[:, 2], rows[:, 1] - rows[:, 3]
 
 
 # The reference's weight in a pair's figure before it can be fitted (fewer than FIT_PAIRS kept
@@ -189,10 +192,9 @@ def fit_figure(same_reference: bool, configs: Sequence[Sequence[Pair]]) -> Figur
     )
     if min(len(ps) for ps in kept) < FIT_PAIRS:
         return prior
-    x = [reference_differences(ps) for ps in kept]
-    y = [differences(ps, 0.0)[0] for ps in kept]
-    xc = np.concatenate([v - v.mean() for v in x])
-    yc = np.concatenate([v - v.mean() for v in y])
+    ratios = [log_ratios(ps) for ps in kept]
+    yc = np.concatenate([y - y.mean() for y, _ in ratios])
+    xc = np.concatenate([x - x.mean() for _, x in ratios])
     sxx = float(xc @ xc)
     dof = xc.size - len(kept) - 1
     if sxx <= 0 or dof < 1:
@@ -312,7 +314,7 @@ def paired_ratio(pairs: Sequence[Pair], figure: Figure, spread: Spread, level: f
     kept = [p for p in pairs if not p.host_differences]
     d, v = differences(kept, figure.weight)
     loaded = np.array([p.loaded for p in kept], dtype=bool)
-    return _ratio(d, v, reference_differences(kept), loaded, _counts([kept]), figure, spread, level)
+    return _ratio(d, v, log_ratios(kept)[1], loaded, _counts([kept]), figure, spread, level)
 
 
 def overall_differences(
@@ -338,7 +340,7 @@ def overall_ratio(
     degrees of freedom, and Student's t would widen the interval more than the mean narrows it.)"""
     kept = [[p for p in ps if not p.host_differences] for ps in configs]
     d, v = overall_differences(kept, figure.weight)
-    refs = np.mean([reference_differences(ps) for ps in kept], axis=0)
+    refs = np.mean([log_ratios(ps)[1] for ps in kept], axis=0)
     loaded = np.any([[p.loaded for p in ps] for ps in kept], axis=0).astype(bool)
     return _ratio(d, v, refs, loaded, _counts(kept), figure, spread, level)
 

@@ -3,9 +3,9 @@
 Run-to-run variance (a launch's thread placement, memory layout, the host's state in that
 minute) is invisible inside one launch; comparing two runs needs it (:mod:`vpipe.report.crossrun`).
 ``vpipe bench --blocks K`` launches the sweep K times one after the other: only the first
-launch profiles and measures memory, every launch times every config in its rounds (the same rounds: no time
-budget adds any), and the merged results hold every block's steps, reference timings and host
-rounds, each labelled with its block.
+launch profiles and measures memory, every launch times every config in its rounds (the same
+rounds: no time budget adds any), and the merged results hold every block's steps, reference
+timings and host rounds, each labelled with its block.
 """
 
 from __future__ import annotations

@@ -342,9 +342,10 @@ def rank_worker(
         host = timed.host_rounds()
         events = {k: pd.concat(v, ignore_index=True) for k, v in traced.items() if v}
         memory = {}
-        for cfg, h in zip(configs, harnesses, strict=True) if spec.memory_step else ():
-            memory[cfg.key] = h.memory_step()
-            progress.advance(f"memory {cfg.key}")
+        if spec.memory_step:
+            for cfg, h in zip(configs, harnesses, strict=True):
+                memory[cfg.key] = h.memory_step()
+                progress.advance(f"memory {cfg.key}")
     finally:
         progress.close()
         if temp_traces:
