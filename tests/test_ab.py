@@ -254,6 +254,66 @@ def test_a_pair_under_a_hog_carries_the_launch_spread_measured_under_one():
     )
 
 
+def _wandering(pairs: int, gated: bool, seed: int, b_scale: float = 1.0) -> list:
+    """Launches on a host whose speed wanders over seconds (log sd 0.06 per launch, drifting
+    over its rounds), each step with 3% noise of its own. Gated: a pair's two launches ran
+    at once, their rounds alternating, so A's round j and B's saw nearly the same host (1%
+    apart); not gated: each launch saw its own stretch of the host."""
+    rng = np.random.default_rng(seed)
+    out = []
+    host = [{"other_cores": 0.0, "free_cores": 2.0, "steal": 0.0, "mhz": 2600.0}] * 3
+    wander = None
+    for i, side in enumerate(session_order(2 * pairs)):
+        if not gated or i % 2 == 0:
+            wander = 0.06 * rng.standard_normal() + np.cumsum(0.02 * rng.standard_normal(9))
+        seen = wander + (0.01 * rng.standard_normal(9) if gated else 0.0)
+        scale = 0.07 * (b_scale if side == "B" else 1.0)
+        steps = [list(scale * np.exp(seen + 0.03 * rng.standard_normal(9))) for _ in CONFIGS]
+        refs = [list(0.006 * np.exp(0.25 * rng.standard_normal(9))) for _ in CONFIGS]
+        message = {"block": 0, "wall_s": 1.0, "steps": steps, "refs": refs, "host": host}
+        out.append((side, {**message, "gated": {"rounds": 9, "steps": 1}} if gated else message))
+    return out
+
+
+def test_gated_pairs_compare_round_by_round_and_answer_where_launches_in_turn_cannot():
+    pairs = session_pairs({"A": READY, "B": READY}, _wandering(4, True, 0))
+    assert {p.steps_per_round for ps in pairs.values() for p in ps} == {1}
+    one = pairs[("1f1b", 4, "vpipe")][0]
+    d, v = differences([one], 0.0)
+    rounds = np.log(one.a.steps) - np.log(one.b.steps)
+    assert d[0] == pytest.approx(np.median(rounds))  # the median of its rounds' log(A/B)
+    # 20 sessions of 8 pairs each way, B 10% slower, and 20 A/A, over all configs
+    def overall(launches) -> str:
+        return _table(launches)[0].set_index("schedule").loc[OVERALL, "verdict"]
+
+    for gated, least, most in ((True, 19, 20), (False, 0, 12)):
+        slow = [overall(_wandering(8, gated, seed, 1.1)) for seed in range(20)]
+        assert least <= slow.count("slower") <= most  # measured: gated 20, in turn 9
+    same = [overall(_wandering(8, True, seed)) for seed in range(20)]
+    assert sum(v in ("faster", "slower") for v in same) <= 1  # measured 0
+    assert same.count("within noise") >= 18  # measured 20
+
+
+def test_a_gated_pairs_sampling_variance_is_pooled_over_its_rounds_apart_for_loaded_pairs():
+    from vpipe.report.crossrun import Block
+
+    rng = np.random.default_rng(2)
+
+    def pair(sd: float, loaded: bool) -> Pair:
+        a, b = (Block.of(0.07 * np.exp(sd * rng.standard_normal(9))) for _ in range(2))
+        return Pair(a, b, loaded=loaded, steps_per_round=1)
+
+    quiet = [pair(0.03, False) for _ in range(6)]
+    hogged = [pair(0.15, True) for _ in range(6)]
+    d, v = differences(quiet + hogged, 0.0)
+    assert len(set(v[:6])) == 1 and len(set(v[6:])) == 1  # one pool each
+    # a round's difference has sd 0.03 x sqrt 2 (quiet), 0.15 x sqrt 2 (hogged); the median
+    # of 9: x 1.2533 / 3
+    assert math.sqrt(v[0]) == pytest.approx(0.03 * math.sqrt(2) * 1.2533 / 3, rel=0.35)
+    assert math.sqrt(v[6]) == pytest.approx(0.15 * math.sqrt(2) * 1.2533 / 3, rel=0.35)
+    assert np.std(d[:6]) < 0.05
+
+
 def _spend(expected_last: list[int]) -> list[float]:
     """What the looks at pairs 2, 3, ... spend when, at each, the last pair is expected to be
     ``expected_last[i]`` (a look is the last when that is its own pair)."""
@@ -333,19 +393,32 @@ block_s = float(os.environ.get("FAKE_BLOCK_S", "0.02"))
 log = open(os.environ["FAKE_LOG"], "a")
 def reply(m):
     sys.stdout.write("vpipe-paced " + json.dumps(m) + "\n"); sys.stdout.flush()
+interrupted = []  # a Ctrl-C stops the launch in progress; an open launch waiting keeps waiting
+signal.signal(signal.SIGINT, lambda *_: interrupted.append(1))
+def nap():
+    end = time.monotonic() + block_s
+    while time.monotonic() < end:
+        if interrupted:
+            interrupted.clear(); return False
+        time.sleep(0.005)
+    return True
 print("some rank's own output")
-reply({"ready": True, "configs": [["1f1b", 4, "vpipe"]], "reference": {"rows": 1}, "device": "cpu"})
+gated = {"rounds": 3, "steps": 1} if os.environ.get("FAKE_GATED") else None
+reply({"ready": True, "configs": [["1f1b", 4, "vpipe"]], "reference": {"rows": 1}, "device": "cpu",
+       **({"gated": gated} if gated else {})})
 done = 0
 for line in sys.stdin:
     word = line.strip()
     if word == "end":
         break
-    log.write(f"{side} {time.monotonic()}\n"); log.flush()
+    log.write(f"{side} {word} {time.monotonic()}\n"); log.flush()
+    if gated and word in ("open", "round"):
+        if not nap():
+            reply({"aborted": done}); continue
+        reply({"opened": True} if word == "open" else {"round": 1}); continue
     if done == fail_at:
         reply({"failed": f"rank 1 failed: boom in {side}"}); continue
-    try:
-        time.sleep(block_s)
-    except KeyboardInterrupt:
+    if not nap():
         reply({"aborted": done}); continue
     scale = 1 + delay / 70
     reply({"block": done, "wall_s": block_s, "steps": [[0.07 * scale] * 9], "refs": [[0.006] * 9], "host": []})
@@ -384,6 +457,7 @@ def test_a_session_alternates_and_each_side_writes_its_blocks(tmp_path, fake_ver
     session, wrote = _run(versions, tmp_path / "out")
     order = [line.split()[0] for line in log.read_text().splitlines()]
     assert "".join(order) == "ABBAAB" and session.stopped == "--pairs 3 done"
+    assert {line.split()[1] for line in log.read_text().splitlines()} == {"block"}
     assert (tmp_path / "out" / "A" / "blocks").read_text() == "3"
     assert wrote == [f"A: 3 blocks in {tmp_path / 'out' / 'A'}", f"B: 3 blocks in {tmp_path / 'out' / 'B'}"]
     assert "some rank's own output" in (tmp_path / "out" / "A.log").read_text()
@@ -465,6 +539,50 @@ def test_ctrl_c_stops_the_launch_in_progress_and_both_sides_keep_what_finished(
     started = log.read_text().count("\n")
     assert sum(done.values()) == started - 1  # the launch in progress was dropped, no other
     assert all(f"{k}: {done[k]} block" in w for k, w in zip("AB", wrote, strict=True))
+
+
+def test_gated_sides_open_both_launches_and_alternate_their_rounds(
+    tmp_path, fake_versions, monkeypatch
+):
+    versions, log = fake_versions
+    monkeypatch.setenv("FAKE_GATED", "1")
+    session, wrote = _run(versions, tmp_path / "out", pairs=2)
+    words = [line.split()[:2] for line in log.read_text().splitlines()]
+    rounds = "".join(k for k, w in words if w == "round")
+    assert rounds == "ABBAAB" + "BAABBA"  # A B B A within a pair; the second pair starts with B
+    steps = [w if w != "open" else f"{k} open" for k, w in words]
+    assert steps == [  # both closed at once: their log lines may come in either order
+        "A open", "B open", *["round"] * 6, "close", "close",
+        "B open", "A open", *["round"] * 6, "close", "close",
+    ]  # fmt: skip
+    assert [k for k, _ in session.launches] == ["A", "B", "B", "A"]
+    assert all(m["gated"] == {"rounds": 3, "steps": 1} for _, m in session.launches)
+    assert wrote == [f"A: 2 blocks in {tmp_path / 'out' / 'A'}", f"B: 2 blocks in {tmp_path / 'out' / 'B'}"]
+
+
+def test_ctrl_c_in_a_gated_pair_drops_both_open_launches_and_keeps_the_pairs_before(
+    tmp_path, fake_versions, monkeypatch
+):
+    versions, log = fake_versions
+    monkeypatch.setenv("FAKE_GATED", "1")
+    monkeypatch.setenv("FAKE_BLOCK_S", "0.3")
+    stop = threading.Event()
+
+    def ctrl_c_in_the_second_pairs_rounds():
+        while not stop.wait(0.02):
+            if log.exists() and log.read_text().count(" round ") >= 8:
+                os.kill(os.getpid(), signal.SIGINT)
+                return
+
+    watcher = threading.Thread(target=ctrl_c_in_the_second_pairs_rounds, daemon=True)
+    watcher.start()
+    try:
+        session, wrote = _run(versions, tmp_path / "out", pairs=4)
+    finally:
+        stop.set()
+        watcher.join()
+    assert session.interrupted and session.pairs_done() == 1
+    assert [int((tmp_path / "out" / k / "blocks").read_text()) for k in "AB"] == [1, 1]
 
 
 # ---------------------------------------------------------------------------------------------
@@ -553,6 +671,28 @@ def test_a_paced_side_measures_memory_in_its_first_finished_block_only(tmp_path,
     assert "memory_step" not in driver.spec_dict(spec)  # not part of what the sweep is
 
 
+def test_a_paced_side_runs_an_open_launchs_rounds_when_asked_and_drops_one_left_open(tmp_path):
+    """Real ranks behind the gate (vpipe.sweep.gate): open, three rounds, close gives a block
+    of three rounds; a command that is not a round or close drops the open launch; a launch
+    still open at end is dropped, and the finished one is written."""
+    cmd = [sys.executable, "-m", "vpipe", "bench", "--schedules", "1f1b", "--impl", "vpipe",
+           "--microbatches", "2", "--batch", "8", "--sizes", "d_model=32,d_hidden=64",
+           "--rounds", "3", "--steps", "1", "--warmup", "1", "--no-profile",
+           "--out", str(tmp_path / "out"), "--paced"]  # fmt: skip
+    script = "open\nround\nround\nround\nclose\nopen\nround\nblock\nopen\nround\nend\n"
+    res = subprocess.run(cmd, input=script, capture_output=True, text=True, timeout=300)
+    assert res.returncode == 0, res.stderr
+    replies = [json.loads(line[len("vpipe-paced "):]) for line in res.stdout.splitlines()
+               if line.startswith("vpipe-paced ")]  # fmt: skip
+    assert replies[0]["gated"] == {"rounds": 3, "steps": 1}
+    keys = [next(iter(r)) for r in replies[1:]]
+    assert keys == ["opened", "round", "round", "round", "block",
+                    "opened", "round", "failed", "opened", "round", "written"]  # fmt: skip
+    assert len(replies[5]["steps"][0]) == 3  # one step in each of the three rounds
+    assert "'block' in an open launch" in replies[8]["failed"]
+    assert replies[-1]["written"] == 1
+
+
 # ---------------------------------------------------------------------------------------------
 # End to end
 
@@ -570,6 +710,7 @@ def test_vpipe_ab_of_this_checkout_against_itself(tmp_path):
     assert "| verdict |" in md.replace("verdict | to settle", "verdict |")
     record = json.loads((out / "session.json").read_text())
     assert [x["side"] for x in record["launches"]] == ["A", "B", "B", "A"]
+    assert {json.dumps(x["gated"]) for x in record["launches"]} == {'{"rounds": 2, "steps": 2}'}
     import pandas as pd
 
     for side in ("A", "B"):

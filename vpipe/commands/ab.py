@@ -12,6 +12,12 @@ if TYPE_CHECKING:
     from vpipe.sweep.ab import Session
 
 
+# A gated session's rounds (vpipe.sweep.gate) unless the sweep options set them: the default
+# sweep's 9 timed steps per config as 9 rounds of one, so that the two versions alternate
+# every round (a fraction of a second) and each pair has 9 round-by-round differences
+GATED_ROUNDS = ("--rounds", "9", "--steps", "1")
+
+
 def register(subparsers: argparse._SubParsersAction) -> None:
     p = subparsers.add_parser(
         "ab",
@@ -97,6 +103,9 @@ def run_ab(args: argparse.Namespace) -> int:
             raise AbError(f"give {flag} (both sides) or {flag}-b, not both")
         delay += [flag, f"{value:g}"]
         delay_b.append(f"{value:g}{unit}")
+    given = {a.split("=", 1)[0] for a in bench}
+    if not given & {"--rounds", "--steps"}:
+        bench = [*bench, *GATED_ROUNDS]
     out = check_output_dir(mine.out, append=False, force=mine.force)
     if mine.force and out.exists():
         shutil.rmtree(out)

@@ -56,16 +56,19 @@ def session_pairs(
     ready: Mapping[str, Mapping[str, Any]], launches: Sequence[Launch]
 ) -> dict[Config, list[Pair]]:
     """Each shared config's pairs: launches 2i and 2i+1, A's block and B's, judged on their
-    hosts (an unfinished last pair is left out)."""
+    hosts (an unfinished last pair is left out); paired round by round where both launches
+    were gated (:mod:`vpipe.sweep.gate`) with the same steps per round."""
     index = {k: {tuple(c): i for i, c in enumerate(r["configs"])} for k, r in ready.items()}
     out: dict[Config, list[Pair]] = {c: [] for c in shared_configs(ready)}
     for i in range(0, len(launches) - 1, 2):
         by_side = dict(launches[i : i + 2])
         a, b = by_side["A"], by_side["B"]
         host_a, host_b = busiest(a.get("host", [])), busiest(b.get("host", []))
+        gated = a.get("gated") and b.get("gated") and a["gated"]["steps"] == b["gated"]["steps"]
         for c in out:
             out[c].append(
-                make_pair(_block(a, index["A"][c]), _block(b, index["B"][c]), host_a, host_b)
+                make_pair(_block(a, index["A"][c]), _block(b, index["B"][c]), host_a, host_b,
+                          a["gated"]["steps"] if gated else 0)  # fmt: skip
             )
     return out
 

@@ -2,15 +2,20 @@
 config's figure with an interval from the pairs, and the verdict of :mod:`vpipe.report.crossrun`.
 
 A session launches the two versions in the order A B B A A B ..., each launch one block of
-the same sweep (:mod:`vpipe.sweep.ab`). Launch 2i and 2i+1 form pair i, so each pair's two
-launches ran one after the other, and a host that drifts over the session moves both; the
-order alternates so that a steady drift favours neither side.
+the same sweep (:mod:`vpipe.sweep.ab`). Launch 2i and 2i+1 form pair i. Gated sides (the
+default: :mod:`vpipe.sweep.gate`) have both of a pair's launches open at once and alternate
+their timed rounds A B B A ..., so A's round j and B's ran a fraction of a second apart and
+whatever the host did then hit both; older sides run the pair's launches one after the other,
+seconds apart, and only the host's slower drift moves both. Either way the order alternates
+so that a steady drift favours neither side.
 
 - **Pair**: its difference d = log(A's figure) - log(B's figure) per config, a figure being
   log(a launch's median step time) - w x log(its median reference time), w the reference's
   weight fitted to the session's pairs (:func:`fit_figure`: 0 raw, 1 normalised; 0 where the
   versions timed different references or none). Its sampling variance v is the two
-  launches' (:func:`vpipe.report.crossrun.block_variances`).
+  launches' (:func:`vpipe.report.crossrun.block_variances`). A gated pair's d is instead the
+  median of its rounds' differences, round j of A against round j of B, and v that of such a
+  median (:func:`gated_differences`): what the host did over seconds is no longer in it.
 - **Left out**: a pair whose two launches saw different hosts (other processes' CPU, the cores
   left to the sweep, steal or MHz beyond :data:`vpipe.trace.host_state.LIMITS`, judged on each
   launch's busiest round): a CPU hog that started between them, or in one of them. Counted.
@@ -109,28 +114,74 @@ class Pair:
     b: Block
     host_differences: tuple[str, ...] = ()
     loaded: bool = False
+    # gated (both launches open at once, their rounds alternating: vpipe.sweep.gate): the
+    # steps per round, which pairs the two blocks round by round; 0: launched one after the other
+    steps_per_round: int = 0
 
 
 def make_pair(
-    a: Block, b: Block, host_a: Mapping[str, Any], host_b: Mapping[str, Any]
-) -> Pair:
+    a: Block, b: Block, host_a: Mapping[str, Any], host_b: Mapping[str, Any],
+    steps_per_round: int = 0,
+) -> Pair:  # fmt: skip
     """A pair of blocks with the host judgement of its launches (:data:`PAIR_LIMITS`); loaded
     when either launch's busiest round had other processes keep :data:`LIMITS`' other_cores
     (half a core) busy."""
     other = [h.get("other_cores") for h in (host_a, host_b)]
     loaded = any(x is not None and x >= LIMITS["other_cores"] for x in other)
-    return Pair(a, b, tuple(judge_hosts(host_a, host_b, PAIR_LIMITS)), loaded)
+    return Pair(a, b, tuple(judge_hosts(host_a, host_b, PAIR_LIMITS)), loaded, steps_per_round)
 
 
 def differences(pairs: Sequence[Pair], ref_weight: float) -> tuple[np.ndarray, np.ndarray]:
     """Each pair's log(A/B) of the figures (:meth:`vpipe.report.crossrun.Block.log_figure`
-    with ``ref_weight``) and its sampling variance."""
+    with ``ref_weight``) and its sampling variance; for gated pairs, the round by round
+    figure of :func:`gated_differences`."""
     if not pairs:
         return np.zeros(0), np.zeros(0)
+    if all(p.steps_per_round for p in pairs):
+        return gated_differences(pairs, ref_weight)
     a = [p.a.cleaned()[0] for p in pairs]
     b = [p.b.cleaned()[0] for p in pairs]
     d = np.array([x.log_figure(ref_weight) - y.log_figure(ref_weight) for x, y in zip(a, b, strict=True)])
     return d, block_variances(a, ref_weight) + block_variances(b, ref_weight)
+
+
+def round_differences(pair: Pair, ref_weight: float) -> np.ndarray:
+    """A gated pair's log(A/B) round by round: each round's log median step (less
+    ``ref_weight`` x its log median reference), A's round j against B's, which ran next to it."""
+    k = pair.steps_per_round
+
+    def per_round(block: Block) -> np.ndarray:
+        n = block.steps.size // k
+        figure = np.median(np.log(block.steps[: n * k]).reshape(n, k), axis=1)
+        if ref_weight and block.refs is not None:
+            figure -= ref_weight * np.median(np.log(block.refs[: n * k]).reshape(n, k), axis=1)
+        return figure
+
+    a, b = per_round(pair.a), per_round(pair.b)
+    m = min(a.size, b.size)
+    return a[:m] - b[:m]
+
+
+def gated_differences(pairs: Sequence[Pair], ref_weight: float) -> tuple[np.ndarray, np.ndarray]:
+    """Gated pairs' log(A/B), each the median of its rounds' (:func:`round_differences`:
+    whatever the host did over a round's fraction of a second hit both versions), and its
+    sampling variance, that of a median of that many: (1.2533 x sd)^2 / rounds, sd the
+    rounds' robust spread about their pair's median, pooled over the pairs given (a config's)
+    and apart for loaded ones (a hog spreads the rounds more); a pair of one round each takes
+    the loaded or quiet pool's, and without any pool the pair itself is its own."""
+    rounds = [round_differences(p, ref_weight) for p in pairs]
+    d = np.array([float(np.median(e)) if e.size else math.nan for e in rounds])
+    loaded = np.array([p.loaded for p in pairs], dtype=bool)
+    spread = {}
+    for group in (False, True):
+        deviations = [np.abs(e - m) for e, m, g in zip(rounds, d, loaded, strict=True)
+                      if g == group and e.size > 1]  # fmt: skip
+        if deviations:
+            spread[group] = 1.4826 * float(np.median(np.concatenate(deviations)))
+    fallback = max(spread.values(), default=math.nan)
+    sd = np.array([spread.get(bool(g), fallback) for g in loaded])
+    sizes = np.array([max(e.size, 1) for e in rounds])
+    return d, (1.2533 * sd) ** 2 / sizes
 
 
 def log_ratios(pairs: Sequence[Pair]) -> tuple[np.ndarray, np.ndarray]:

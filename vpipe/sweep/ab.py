@@ -4,7 +4,10 @@ Each version (:mod:`vpipe.sweep.envs`: a git revision or a checkout, with its ow
 runs as one paced ``vpipe bench`` process (:mod:`vpipe.sweep.paced`) with the same sweep
 options. Both start together; then their launches alternate A B B A A B ... (one block each),
 so whatever the host does in the meantime hits both, and each adjacent pair of launches gives
-a ratio per config (:mod:`vpipe.report.pairs`). After each pair from the second on, the
+a ratio per config (:mod:`vpipe.report.pairs`). Where both sides can (their ``ready`` says
+``gated``), a pair's two launches are open at once and their timed rounds alternate A B B A
+... (:func:`_gated_pair`, :mod:`vpipe.sweep.gate`): the versions then run a fraction of a
+second apart, not a launch apart, and the pair is compared round by round. After each pair from the second on, the
 session looks at its verdicts and stops once B is faster or slower over all configs, or every
 config's verdict is settled (faster, slower or within noise), or at its last look: when
 ``pairs`` pairs are done, or when another pair would not end within ``max_minutes`` (the
@@ -68,6 +71,7 @@ class SideProcess:
     proc: subprocess.Popen[str]
     log: IO[str]
     messages: queue.Queue[dict[str, Any] | None] = field(default_factory=queue.Queue)
+    busy: bool = False  # a launch in progress (or open): what a Ctrl-C stops (an error ends it)
 
     @staticmethod
     def start(version: Version, bench_args: list[str], out: Path, log_path: Path) -> SideProcess:
@@ -132,11 +136,35 @@ class SideProcess:
     def block(self) -> dict[str, Any]:
         """One launch of this side; its block message."""
         self.send("block")
-        return self.expect("block", BLOCK_TIMEOUT_S)
+        self.busy = True
+        message = self.expect("block", BLOCK_TIMEOUT_S)
+        self.busy = False
+        return message
+
+    def open(self) -> None:
+        """Open a launch (its ranks built and warm, waiting for rounds: :mod:`vpipe.sweep.gate`)."""
+        self.send("open")
+        self.busy = True
+        self.expect("opened", BLOCK_TIMEOUT_S)
+
+    def round(self) -> None:
+        """One timed round of the open launch."""
+        self.send("round")
+        self.expect("round", BLOCK_TIMEOUT_S)
+
+    def close(self) -> None:
+        """End the open launch; its block message follows (:meth:`closed`)."""
+        self.send("close")
+
+    def closed(self) -> dict[str, Any]:
+        message = self.expect("block", BLOCK_TIMEOUT_S)
+        self.busy = False
+        return message
 
     def interrupt(self) -> None:
-        """Stop the launch in progress (its block is dropped; the side keeps the others)."""
-        if self.proc.poll() is None:
+        """Stop the launch in progress, if any (its block is dropped; the side keeps the
+        others)."""
+        if self.busy and self.proc.poll() is None:
             os.kill(self.proc.pid, signal.SIGINT)
 
     def end(self) -> None:
@@ -248,7 +276,6 @@ def run_session(
     session = Session(ready={})
     t0 = time.monotonic() if started is None else started
     sides: dict[str, SideProcess] = {}
-    running: SideProcess | None = None
     out.mkdir(parents=True, exist_ok=True)
     try:
         for k, v in versions.items():
@@ -256,15 +283,17 @@ def run_session(
         for k, side in sides.items():
             session.ready[k] = side.expect("ready", READY_TIMEOUT_S)
         order = session_order(2 * pairs)
+        gated = {k: r.get("gated") for k, r in session.ready.items()}
         pair_seconds: list[float] = []
         pair_start = time.monotonic()
-        for i, k in enumerate(order):
-            running = sides[k]
-            message = running.block()
-            running = None
-            session.launches.append((k, message))
-            if i % 2 == 0:
-                continue
+        for i in range(pairs):
+            first, second = order[2 * i], order[2 * i + 1]
+            if all(gated.values()):
+                for k, message in _gated_pair(sides, (first, second), gated):
+                    session.launches.append((k, message))
+            else:
+                for k in (first, second):
+                    session.launches.append((k, sides[k].block()))
             now = time.monotonic()
             pair_seconds.append(now - pair_start)
             pair_start = now
@@ -283,21 +312,44 @@ def run_session(
                 break
             if last == n:
                 session.stopped = (
-                    f"--pairs {pairs} done" if n == pairs else f"--max-minutes {max_minutes:g}: "
+                    f"--pairs {pairs} done"
+                    if n == pairs
+                    else f"--max-minutes {max_minutes:g}: "
                     f"another pair would not end in time, after {n} pairs"
                 )
                 break
     except KeyboardInterrupt:
         session.interrupted = True
         session.stopped = f"interrupted after {session.pairs_done()} pairs"
-        if running is not None:
-            running.interrupt()
+        for side in sides.values():  # the launch in progress (or both open ones) is dropped
+            side.interrupt()
     except AbError as e:
         session.error = str(e)
         session.stopped = f"stopped after {session.pairs_done()} pairs: {e}"
     wrote = _finish(sides)
     session.wall_s = time.monotonic() - t0
     return session, wrote
+
+
+def _gated_pair(
+    sides: dict[str, SideProcess], order: tuple[str, str], gated: dict[str, Any]
+) -> list[tuple[str, dict[str, Any]]]:
+    """One pair with both launches open at once: their timed rounds alternate (A B B A ...
+    from the pair's first side), so the two versions' rounds are a fraction of a second apart
+    instead of a launch; the launches' block messages, in ``order``."""
+    for k in order:
+        sides[k].open()
+    left = {k: int(gated[k]["rounds"]) for k in order}
+    j = 0
+    while any(left.values()):
+        for k in order if j % 2 == 0 else order[::-1]:
+            if left[k]:
+                sides[k].round()
+                left[k] -= 1
+        j += 1
+    for k in order:
+        sides[k].close()
+    return [(k, {**sides[k].closed(), "gated": gated[k]}) for k in order]
 
 
 def _finish(sides: dict[str, SideProcess]) -> list[str]:

@@ -108,6 +108,8 @@ class SweepSpec:
     # the memory step at the end of a launch; blocks after a sweep's first skip it, as only
     # the first block's memory is kept (vpipe.sweep.blocks.merge_blocks)
     memory_step: bool = True
+    # a paced side's gate directory (vpipe.sweep.gate): the timed rounds start when asked
+    gate: str | None = None
     inject_delay_ms: float = 0.0  # extra sleep per step on rank inject_delay_rank
     inject_delay_pct: float = 0.0  # and this % of that rank's previous step
     inject_delay_rank: int = 0
@@ -278,6 +280,7 @@ def rank_worker(
     import torch
 
     from vpipe.sweep.dp_bench import step_record
+    from vpipe.sweep.gate import RankGate
     from vpipe.sweep.harness import build
     from vpipe.sweep.reference import DeviceReference, Reference, device_round
     from vpipe.sweep.rounds import Rounds
@@ -328,7 +331,9 @@ def rank_worker(
                 progress.advance(f"profile {r + 1}/{profile_rounds} {cfg.key}")
 
         everyone = list(range(len(configs)))
-        for r in range(spec.rounds):
+        if spec.gate is not None:  # vpipe ab's rounds, one at a time (vpipe.sweep.gate)
+            gated_rounds(RankGate(spec.gate, rank), timed, everyone)
+        for r in range(0 if spec.gate is not None else spec.rounds):
             timed.run(r, everyone)
             if r < profile_rounds:
                 profile_round(r)
@@ -368,6 +373,20 @@ def rank_worker(
         "events": events,
         **({"dp_steps": dp_steps} if spec.dp > 1 else {}),
     }
+
+
+def gated_rounds(gate: Any, timed: Any, configs: list[int]) -> None:
+    """The timed rounds of a gated launch: ready once warm, then one round each time the
+    paced side says so, until it says stop."""
+    try:
+        gate.ready()
+        r = 0
+        while gate.next_round():
+            timed.run(r, configs)
+            gate.done()
+            r += 1
+    finally:
+        gate.close()
 
 
 def sweep_reference_shape(spec: SweepSpec, rank_specs: dict[Config, RankSpec]) -> dict[str, int]:
@@ -437,6 +456,7 @@ def spec_dict(spec: SweepSpec) -> dict[str, Any]:
     """The spec as JSON-ready metadata (the data-parallel fields only with ``dp > 1``)."""
     d = asdict(spec)
     del d["deadline"]  # a moment of this launch, not the sweep's definition
+    del d["gate"]  # how the rounds were paced, not what the sweep is
     del d["memory_step"]  # which of its blocks measure memory, not what the sweep is
     if spec.dp == 1:
         del d["dp"], d["dp_bucket_bytes"]
