@@ -18,7 +18,8 @@ its ``--max-minutes``), then runs ``vpipe ab HEAD HEAD`` sessions, the quiet one
 - **A/A with a hog** (``--aa``): the same commit on both sides; a busy loop pinned to one core
   starts at a random point of the session (between 5% and 50% of its expected length, never at
   its start) and runs for half of it. The expected length is the median wall time of the
-  sessions so far (the quiet ones run first), so the hog lands inside the session. Any
+  sessions of the same kind so far (the time budget before the first), so the hog lands
+  inside the session. Any
   "faster"/"slower" verdict, over all configs or of one, is a false alarm.
 
 Prints every session's verdicts with ratio and interval, pairs used and left out, wall time
@@ -211,11 +212,13 @@ def main(args: Any) -> int:
 
         walls_so_far: list[float] = []
 
-        def hog() -> TimedHog | None:
+        def hog(kind: str) -> TimedHog | None:
             if args.no_hog:
                 return None
-            # the expected session: the median of those so far (before any, the budget)
-            expected = sorted(walls_so_far)[len(walls_so_far) // 2] if walls_so_far else 2 * budget
+            # the expected session: the median of this kind's so far (before any, the budget;
+            # quiet sessions that settle early say nothing of how long one under a hog lasts)
+            walls = sorted(r["wall"] for r in kinds[kind])
+            expected = walls[len(walls) // 2] if walls else 2 * budget
             return TimedHog(rng.uniform(0.05, 0.5) * expected, expected / 2)
 
         aa = "A/A quiet" if args.no_hog else "A/A hog"
@@ -225,7 +228,7 @@ def main(args: Any) -> int:
         plan += [(aa, i, []) for i in range(args.aa)]
         plan += [(k, i, delay) for i in range(args.delayed) for k in delayed[1:]]
         for kind, i, slow_b in plan:
-            h = hog() if kind.endswith("hog") else None
+            h = hog(kind) if kind.endswith("hog") else None
             out = work / f"s{len(sum(kinds.values(), []))}"
             res = session(repo, out, args.sweep, args.pairs, 2 * budget / 60, slow_b, h)
             kinds[kind].append(res)

@@ -278,6 +278,14 @@ def _wandering(pairs: int, gated: bool, seed: int, b_scale: float = 1.0) -> list
 def test_gated_pairs_compare_round_by_round_and_answer_where_launches_in_turn_cannot():
     pairs = session_pairs({"A": READY, "B": READY}, _wandering(4, True, 0))
     assert {p.steps_per_round for ps in pairs.values() for p in ps} == {1}
+    # a hog in one launch's busiest round only: launches in turn are left out, gated ones kept
+    launches = _wandering(4, True, 0)
+    launches[2][1]["host"] = [{**launches[2][1]["host"][0], "other_cores": 1.0}]
+    hogged = session_pairs({"A": READY, "B": READY}, launches)[("zbv", 4, "vpipe")][1]
+    assert hogged.loaded and not hogged.host_differences
+    launches = [(k, {x: y for x, y in m.items() if x != "gated"}) for k, m in launches]
+    in_turn = session_pairs({"A": READY, "B": READY}, launches)[("zbv", 4, "vpipe")][1]
+    assert in_turn.loaded and in_turn.host_differences
     one = pairs[("1f1b", 4, "vpipe")][0]
     d, v = differences([one], 0.0)
     rounds = np.log(one.a.steps) - np.log(one.b.steps)

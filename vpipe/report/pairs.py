@@ -19,6 +19,7 @@ so that a steady drift favours neither side.
 - **Left out**: a pair whose two launches saw different hosts (other processes' CPU, the cores
   left to the sweep, steal or MHz beyond :data:`vpipe.trace.host_state.LIMITS`, judged on each
   launch's busiest round): a CPU hog that started between them, or in one of them. Counted.
+  Never a gated pair: its launches ran in the same stretch of time (:func:`make_pair`).
 - **Interval** (:func:`paired_ratio`): a random-effects model: d_i = delta + launch effects +
   sampling noise, with variance v_i + tau^2, tau^2 the pairs' spread beyond their sampling
   noise (:func:`pair_spread`, pooled over configs, never below two launches'
@@ -125,10 +126,15 @@ def make_pair(
 ) -> Pair:  # fmt: skip
     """A pair of blocks with the host judgement of its launches (:data:`PAIR_LIMITS`); loaded
     when either launch's busiest round had other processes keep :data:`LIMITS`' other_cores
-    (half a core) busy."""
+    (half a core) busy. A gated pair (``steps_per_round``) is never left out: its launches'
+    rounds alternated, so both saw the same stretch of host, and a difference between their
+    busiest rounds is one of moments that the round by round comparison pairs anyway (CPU
+    steal comes in bursts: gated pairs' busiest rounds differed by 8-28 points of steal, which
+    left 3 of 5 out of a session, bench.false_alarms --ab, 2026-12-06)."""
     other = [h.get("other_cores") for h in (host_a, host_b)]
     loaded = any(x is not None and x >= LIMITS["other_cores"] for x in other)
-    return Pair(a, b, tuple(judge_hosts(host_a, host_b, PAIR_LIMITS)), loaded, steps_per_round)
+    differed = () if steps_per_round else tuple(judge_hosts(host_a, host_b, PAIR_LIMITS))
+    return Pair(a, b, differed, loaded, steps_per_round)
 
 
 def differences(pairs: Sequence[Pair], ref_weight: float) -> tuple[np.ndarray, np.ndarray]:

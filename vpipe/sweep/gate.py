@@ -4,10 +4,12 @@ says so, so that ``vpipe ab`` can alternate two versions' rounds while both laun
 launches seconds apart do not (on a shared 2-core VM the host's speed wanders by several
 percent over seconds, so whole launches compared in turn spread 8-11% per pair).
 
-Two FIFOs in a directory carry it, one line each way: the paced side writes ``round`` or
-``stop`` into ``go``; rank 0 answers ``ready`` once every config is built and warm, and
-``done`` after each round, into ``done``. Rank 0 passes each ``go`` on to the other ranks
-with a broadcast, so they wait in the collective while the other version runs.
+FIFOs in a directory carry it, one line at a time: the paced side writes ``round`` or
+``stop`` into each rank's ``go<rank>``; rank 0 answers ``ready`` once every config is built
+and warm, and ``done`` after each round (whose last collective all ranks have passed), into
+``done``. Every rank waits for its word in a read of its own FIFO, which uses no CPU and has
+no timeout, so the other version's rounds and warm-up may take as long as they take (a wait
+in a collective would be bounded by the process group's timeout).
 """
 
 from __future__ import annotations
@@ -25,11 +27,12 @@ class Gate:
     """The paced side's end: it opens both FIFOs read-write, so that neither open blocks and a
     line written before rank 0 opens its end waits in the pipe."""
 
-    def __init__(self, directory: str | Path) -> None:
+    def __init__(self, directory: str | Path, ranks: int) -> None:
         self.path = Path(directory)
-        for name in ("go", "done"):
+        names = [f"go{r}" for r in range(ranks)]
+        for name in (*names, "done"):
             os.mkfifo(self.path / name)
-        self._go = os.fdopen(os.open(self.path / "go", os.O_RDWR), "w", buffering=1)
+        self._go = [os.fdopen(os.open(self.path / n, os.O_RDWR), "w", buffering=1) for n in names]
         self._done = os.fdopen(os.open(self.path / "done", os.O_RDWR), "r", buffering=1)
         self._own_done = os.fdopen(os.open(self.path / "done", os.O_WRONLY), "w", buffering=1)
 
@@ -40,35 +43,36 @@ class Gate:
         if line not in ("ready", "done"):
             raise GateError(line or "the launch went away")
 
+    def _say(self, word: str) -> None:
+        for go in self._go:
+            go.write(word + "\n")
+
     def round(self) -> None:
         """Start one round and wait for its end."""
-        self._go.write("round\n")
+        self._say("round")
         self.wait()
 
     def stop(self) -> None:
         """No more rounds: the launch finishes (memory step, results)."""
-        self._go.write("stop\n")
+        self._say("stop")
 
     def fail(self, why: str) -> None:
         """Wake a :meth:`wait` with ``why`` (the launch failed or was interrupted)."""
         self._own_done.write(why.replace("\n", " ") + "\n")
 
     def close(self) -> None:
-        for f in (self._go, self._done, self._own_done):
+        for f in (*self._go, self._done, self._own_done):
             f.close()
 
 
 class RankGate:
-    """A rank's end: rank 0 reads ``go`` and writes ``done``; every rank learns from rank 0's
-    broadcast whether another round follows."""
+    """A rank's end: each rank reads its own ``go<rank>``; rank 0 also writes ``done``."""
 
     def __init__(self, directory: str | Path, rank: int) -> None:
-        self.rank = rank
-        self._go: IO[str] | None = None
+        path = Path(directory)  # the paced side holds every FIFO open, so no open blocks
+        self._go = open(path / f"go{rank}", encoding="utf-8")  # noqa: SIM115 - the launch's
         self._done: IO[str] | None = None
-        if rank == 0:  # the paced side holds both FIFOs open, so neither open blocks
-            path = Path(directory)
-            self._go = open(path / "go", encoding="utf-8")  # noqa: SIM115 - held for the launch
+        if rank == 0:
             self._done = open(path / "done", "w", buffering=1, encoding="utf-8")  # noqa: SIM115
 
     def ready(self) -> None:
@@ -76,15 +80,9 @@ class RankGate:
             self._done.write("ready\n")
 
     def next_round(self) -> bool:
-        """Wait for the paced side: True for another round, False once it says stop."""
-        import torch
-        import torch.distributed as dist
-
-        go = torch.zeros(1, dtype=torch.int64)
-        if self._go is not None:
-            go[0] = int(self._go.readline().strip() == "round")
-        dist.broadcast(go, src=0)
-        return bool(go.item())
+        """Wait for the paced side: True for another round, False once it says stop (or has
+        gone: the end of the FIFO)."""
+        return self._go.readline().strip() == "round"
 
     def done(self) -> None:
         if self._done is not None:

@@ -177,7 +177,7 @@ def open_launch(
             gate.stop()
 
     with tempfile.TemporaryDirectory(prefix="vpipe-gate-") as directory:
-        gate = Gate(directory)
+        gate = Gate(directory, spec.world_size)
         relaying = threading.Thread(target=relay, args=(gate,), daemon=True)
         relaying.start()
         try:
