@@ -169,6 +169,11 @@ def main(argv: list[str] | None = None) -> int:
     )
     p.add_argument("--sweep", default=None, help="--ab: the sessions' vpipe bench options")
     p.add_argument("--no-hog", action="store_true", help="--ab: no hog in any session")
+    p.add_argument(
+        "--hog-throughout",
+        action="store_true",
+        help="--ab: only the sessions with the hog, which runs from their first seconds to their end",
+    )
     p.add_argument("--seed", type=int, default=0, help="--ab: seed of the hog's timing")
     p.add_argument("--keep", default=None, help="--ab: copy each session's session.json here")
     args = p.parse_args(argv)

@@ -2,7 +2,7 @@
 
     python -m bench.false_alarms --ab [--aa 20] [--delayed 10] [--delay-pct 10] [--pairs 20]
                                       [--sweep "--impl vpipe ..."] [--no-hog] [--fixed-delay]
-                                      [--keep DIR]
+                                      [--hog-throughout] [--keep DIR]
 
 In a scratch clone of this checkout's HEAD (so the session's worktrees and environments are
 the clone's), it times two plain ``vpipe bench`` sweeps of the workload with fixed rounds
@@ -19,7 +19,8 @@ its ``--max-minutes``), then runs ``vpipe ab HEAD HEAD`` sessions, the quiet one
   starts at a random point of the session (between 5% and 50% of its expected length, never at
   its start) and runs for half of it. The expected length is the median wall time of the
   sessions of the same kind so far (the time budget before the first), so the hog lands
-  inside the session. Any
+  inside the session. ``--hog-throughout``: only the sessions with the hog, which then starts
+  1-4 s into each (before its first pair ends) and runs to its end. Any
   "faster"/"slower" verdict, over all configs or of one, is a false alarm.
 
 Prints every session's verdicts with ratio and interval, pairs used and left out, wall time
@@ -217,6 +218,8 @@ def main(args: Any) -> int:
                 return None
             # the expected session: the median of this kind's so far (before any, the budget;
             # quiet sessions that settle early say nothing of how long one under a hog lasts)
+            if args.hog_throughout:  # on before the first pair ends, until the session's
+                return TimedHog(rng.uniform(1.0, 4.0), 2 * budget * 60)  # past any session
             walls = sorted(r["wall"] for r in kinds[kind])
             expected = walls[len(walls) // 2] if walls else 2 * budget
             return TimedHog(rng.uniform(0.05, 0.5) * expected, expected / 2)
@@ -224,7 +227,8 @@ def main(args: Any) -> int:
         aa = "A/A quiet" if args.no_hog else "A/A hog"
         kinds: dict[str, list[dict[str, Any]]] = {aa: [], "A/A' quiet": [], "A/A' hog": []}
         delayed = ("A/A' quiet",) if args.no_hog else ("A/A' quiet", "A/A' hog")
-        plan = [(delayed[0], i, delay) for i in range(args.delayed)]  # quiet first
+        # quiet first; with the hog throughout, only the sessions under it
+        plan = [] if args.hog_throughout else [(delayed[0], i, delay) for i in range(args.delayed)]
         plan += [(aa, i, []) for i in range(args.aa)]
         plan += [(k, i, delay) for i in range(args.delayed) for k in delayed[1:]]
         for kind, i, slow_b in plan:

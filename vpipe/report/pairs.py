@@ -406,7 +406,8 @@ def _counts(kept: Sequence[Sequence[Pair]]) -> tuple[int, tuple[int, int], int]:
     """Pairs, steps per side and outliers dropped, over the given configs' kept pairs."""
     every = [p for ps in kept for p in ps]
     steps = (sum(p.a.steps.size for p in every), sum(p.b.steps.size for p in every))
-    dropped = sum(p.a.cleaned()[1] + p.b.cleaned()[1] for p in every)
+    # a gated pair drops no step: the median of its rounds' differences is its figure
+    dropped = sum(p.a.cleaned()[1] + p.b.cleaned()[1] for p in every if not p.steps_per_round)
     return (len(kept[0]) if kept else 0), steps, dropped
 
 
