@@ -364,6 +364,7 @@ def test_a_pair_starts_only_if_it_ends_in_time():
     assert pairs_that_fit(59.9, [5.0, 5.0]) == 10
     assert pairs_that_fit(60.0, [5.0, 9.0]) == 6  # the slower of the last two
     assert pairs_that_fit(2.0, [5.0]) == 0
+    assert pairs_that_fit(60.0, [5.0, 5.0], loaded=True) == 10  # 10 s kept under a hog
 
 
 def test_a_stricter_look_has_a_wider_interval():

@@ -48,6 +48,10 @@ BLOCK_TIMEOUT_S = 1800.0
 # 3 s kept, and with 4 s, 4 of 60 sessions ran 0.3-1 s past 65-88 s limits on 2026-12-06, when
 # CPU steal took 20-44% of the host for minutes at a time
 FINISH_RESERVE_S = 5.0
+# ... and twice that after a pair that other processes loaded: with a one-core hog on from
+# their first seconds, sessions' sides took 7.5 s to write their stores, and 2 of 2 ran 1.5 s
+# past a 76 s limit (python -m bench.false_alarms --ab --hog-throughout, 2026-12-06)
+LOADED_FINISH_FACTOR = 2.0
 
 
 class AbError(VpipeError, RuntimeError):
@@ -226,15 +230,26 @@ class Session:
         return len(self.launches) // 2
 
 
-def pairs_that_fit(seconds_left: float, pair_seconds: list[float]) -> int:
+def pairs_that_fit(seconds_left: float, pair_seconds: list[float], loaded: bool = False) -> int:
     """How many more pairs end within ``seconds_left``, keeping :data:`FINISH_RESERVE_S` for
-    the sides to write their stores and the session its report: a pair is expected to take as
-    long as the slower of the last two (a host that slows down, a hog that starts, shows there
-    first)."""
+    the sides to write their stores and the session its report (:data:`LOADED_FINISH_FACTOR`
+    times it when the last pair was ``loaded``): a pair is expected to take as long as the
+    slower of the last two (a host that slows down, a hog that starts, shows there first)."""
     if not pair_seconds:
         return 0
     expected = max(pair_seconds[-2:])
-    return max(0, math.floor((seconds_left - FINISH_RESERVE_S) / expected))
+    reserve = FINISH_RESERVE_S * (LOADED_FINISH_FACTOR if loaded else 1.0)
+    return max(0, math.floor((seconds_left - reserve) / expected))
+
+
+def last_pair_loaded(session: Session) -> bool:
+    """Whether other processes kept half a core busy in the busiest round of either of the
+    last pair's launches (:func:`vpipe.report.pairs.make_pair`'s loaded)."""
+    from vpipe.report.pairs import busiest
+    from vpipe.trace.host_state import LIMITS
+
+    other = [busiest(m.get("host", [])).get("other_cores") for _, m in session.launches[-2:]]
+    return any(x is not None and x >= LIMITS["other_cores"] for x in other)
 
 
 def process_start() -> float:
@@ -301,7 +316,8 @@ def run_session(
             progress(f"pair {n}/{pairs} done at {now - t0:.0f} s")
             if n < MIN_PAIRS:
                 continue
-            last = min(pairs, n + pairs_that_fit(max_minutes * 60 - (now - t0), pair_seconds))
+            left = max_minutes * 60 - (now - t0)
+            last = min(pairs, n + pairs_that_fit(left, pair_seconds, last_pair_loaded(session)))
             alpha = look_alpha(sum(x["alpha"] for x in session.looks), last - n)
             if alpha <= 0:  # the looks before the last spent their share (the time limit had
                 continue  # seemed nearer than it is): none until the last
