@@ -522,8 +522,17 @@ def test_a_side_that_fails_is_one_line_and_the_other_side_keeps_its_blocks(
     assert (tmp_path / "out" / "B" / "blocks").read_text() == "1"
 
 
+@pytest.fixture
+def ctrl_c_raises():
+    """A SIGINT raises KeyboardInterrupt here, as at a terminal, even where the suite was
+    started in the background (where the shell has SIGINT ignored)."""
+    previous = signal.signal(signal.SIGINT, signal.default_int_handler)
+    yield
+    signal.signal(signal.SIGINT, previous)
+
+
 def test_ctrl_c_stops_the_launch_in_progress_and_both_sides_keep_what_finished(
-    tmp_path, fake_versions, monkeypatch
+    tmp_path, fake_versions, monkeypatch, ctrl_c_raises
 ):
     versions, log = fake_versions
     monkeypatch.setenv("FAKE_BLOCK_S", "1.0")
@@ -570,7 +579,7 @@ def test_gated_sides_open_both_launches_and_alternate_their_rounds(
 
 
 def test_ctrl_c_in_a_gated_pair_drops_both_open_launches_and_keeps_the_pairs_before(
-    tmp_path, fake_versions, monkeypatch
+    tmp_path, fake_versions, monkeypatch, ctrl_c_raises
 ):
     versions, log = fake_versions
     monkeypatch.setenv("FAKE_GATED", "1")
