@@ -643,6 +643,15 @@ def test_a_revision_gets_a_worktree_and_an_environment_reused_while_unchanged(tm
     assert again.reused and again.python == a.python
 
 
+def test_an_environment_is_made_and_checked_without_the_callers_pythonpath(tmp_path, monkeypatch):
+    # a developer's PYTHONPATH=<their checkout> (as bench.readme_commands sets it) once had the
+    # new environment's check import that checkout's vpipe: "installed, but vpipe imports from"
+    repo = _tiny_repo(tmp_path / "repo")
+    monkeypatch.setenv("PYTHONPATH", str(ROOT))
+    a = prepare("A", "HEAD", repo, tmp_path / "cache")
+    assert not a.reused and a.checkout != ROOT
+
+
 def test_a_revision_that_fails_to_install_is_one_line_and_the_other_is_kept(tmp_path):
     repo = _tiny_repo(tmp_path / "repo")
     cache = tmp_path / "cache"

@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import hashlib
 import json
+import os
 import site
 import subprocess
 import sys
@@ -57,7 +58,11 @@ class Version:
 
 
 def _run(cmd: list[str], cwd: Path | None = None) -> subprocess.CompletedProcess[str]:
-    return subprocess.run(cmd, cwd=cwd, capture_output=True, text=True, check=False)
+    """``cmd``'s output, run without PYTHONPATH, as the sides run (:mod:`vpipe.sweep.ab`): a
+    PYTHONPATH naming the checkout ``vpipe ab`` runs from would have the new environment's
+    check import that checkout's vpipe instead of the version's."""
+    env = {k: v for k, v in os.environ.items() if k != "PYTHONPATH"}
+    return subprocess.run(cmd, cwd=cwd, env=env, capture_output=True, text=True, check=False)
 
 
 def _last_line(text: str) -> str:
