@@ -216,10 +216,10 @@ def main(args: Any) -> int:
         def hog(kind: str) -> TimedHog | None:
             if args.no_hog:
                 return None
+            if args.hog_throughout:  # on before the first pair ends; twice a budget: to the end
+                return TimedHog(rng.uniform(1.0, 4.0), 4 * budget)
             # the expected session: the median of this kind's so far (before any, the budget;
             # quiet sessions that settle early say nothing of how long one under a hog lasts)
-            if args.hog_throughout:  # on before the first pair ends, until the session's
-                return TimedHog(rng.uniform(1.0, 4.0), 2 * budget * 60)  # past any session
             walls = sorted(r["wall"] for r in kinds[kind])
             expected = walls[len(walls) // 2] if walls else 2 * budget
             return TimedHog(rng.uniform(0.05, 0.5) * expected, expected / 2)

@@ -5,6 +5,7 @@ failure and interruption are exact and fast; one test runs two real sides end to
 
 from __future__ import annotations
 
+import contextlib
 import json
 import math
 import os
@@ -531,27 +532,35 @@ def ctrl_c_raises():
     signal.signal(signal.SIGINT, previous)
 
 
+@contextlib.contextmanager
+def _ctrl_c_once(log: Path, when, after_s: float = 0.0):
+    """A Ctrl-C to this process ``after_s`` after the sides' log first satisfies ``when`` (not
+    on a fixed timer: a loaded host starts sides late), by a watcher that the block ends."""
+    stop = threading.Event()
+
+    def watch():
+        while not stop.wait(0.02):
+            if log.exists() and when(log.read_text()):
+                stop.wait(after_s)
+                os.kill(os.getpid(), signal.SIGINT)
+                return
+
+    watcher = threading.Thread(target=watch, daemon=True)
+    watcher.start()
+    try:
+        yield
+    finally:
+        stop.set()
+        watcher.join()
+
+
 def test_ctrl_c_stops_the_launch_in_progress_and_both_sides_keep_what_finished(
     tmp_path, fake_versions, monkeypatch, ctrl_c_raises
 ):
     versions, log = fake_versions
     monkeypatch.setenv("FAKE_BLOCK_S", "1.0")
-    stop = threading.Event()
-
-    def ctrl_c_in_the_third_launch():  # not on a fixed timer: a loaded host starts sides late
-        while not stop.wait(0.02):
-            if log.exists() and log.read_text().count("\n") >= 3:
-                stop.wait(0.1)
-                os.kill(os.getpid(), signal.SIGINT)
-                return
-
-    watcher = threading.Thread(target=ctrl_c_in_the_third_launch, daemon=True)
-    watcher.start()
-    try:
+    with _ctrl_c_once(log, lambda text: text.count("\n") >= 3, after_s=0.1):  # third launch
         session, wrote = _run(versions, tmp_path / "out", pairs=6)
-    finally:
-        stop.set()
-        watcher.join()
     assert session.interrupted and session.stopped.startswith("interrupted after")
     done = {k: int((tmp_path / "out" / k / "blocks").read_text()) for k in ("A", "B")}
     started = log.read_text().count("\n")
@@ -584,21 +593,8 @@ def test_ctrl_c_in_a_gated_pair_drops_both_open_launches_and_keeps_the_pairs_bef
     versions, log = fake_versions
     monkeypatch.setenv("FAKE_GATED", "1")
     monkeypatch.setenv("FAKE_BLOCK_S", "0.3")
-    stop = threading.Event()
-
-    def ctrl_c_in_the_second_pairs_rounds():
-        while not stop.wait(0.02):
-            if log.exists() and log.read_text().count(" round ") >= 8:
-                os.kill(os.getpid(), signal.SIGINT)
-                return
-
-    watcher = threading.Thread(target=ctrl_c_in_the_second_pairs_rounds, daemon=True)
-    watcher.start()
-    try:
+    with _ctrl_c_once(log, lambda text: text.count(" round ") >= 8):  # the second pair's rounds
         session, wrote = _run(versions, tmp_path / "out", pairs=4)
-    finally:
-        stop.set()
-        watcher.join()
     assert session.interrupted and session.pairs_done() == 1
     assert [int((tmp_path / "out" / k / "blocks").read_text()) for k in "AB"] == [1, 1]
 

@@ -105,6 +105,13 @@ def busiest(rounds: Iterable[Mapping[str, Any]]) -> dict[str, float | None]:
     }
 
 
+def loaded(hosts: Iterable[Mapping[str, Any]]) -> bool:
+    """Whether other processes kept :data:`LIMITS`' other_cores (half a core) busy in any of
+    the given launches' busiest rounds (:func:`busiest`)."""
+    other = [h.get("other_cores") for h in hosts]
+    return any(x is not None and x >= LIMITS["other_cores"] for x in other)
+
+
 @dataclass(frozen=True)
 class Pair:
     """One config's two launches of a pair: A's block and B's, what differed between the
@@ -124,17 +131,14 @@ def make_pair(
     a: Block, b: Block, host_a: Mapping[str, Any], host_b: Mapping[str, Any],
     steps_per_round: int = 0,
 ) -> Pair:  # fmt: skip
-    """A pair of blocks with the host judgement of its launches (:data:`PAIR_LIMITS`); loaded
-    when either launch's busiest round had other processes keep :data:`LIMITS`' other_cores
-    (half a core) busy. A gated pair (``steps_per_round``) is never left out: its launches'
+    """A pair of blocks with the host judgement of its launches (:data:`PAIR_LIMITS`), and
+    whether either was :func:`loaded`. A gated pair (``steps_per_round``) is never left out: its launches'
     rounds alternated, so both saw the same stretch of host, and a difference between their
     busiest rounds is one of moments that the round by round comparison pairs anyway (CPU
     steal comes in bursts: gated pairs' busiest rounds differed by 8-28 points of steal, which
     left 3 of 5 out of a session, bench.false_alarms --ab, 2026-12-06)."""
-    other = [h.get("other_cores") for h in (host_a, host_b)]
-    loaded = any(x is not None and x >= LIMITS["other_cores"] for x in other)
     differed = () if steps_per_round else tuple(judge_hosts(host_a, host_b, PAIR_LIMITS))
-    return Pair(a, b, differed, loaded, steps_per_round)
+    return Pair(a, b, differed, loaded((host_a, host_b)), steps_per_round)
 
 
 def differences(pairs: Sequence[Pair], ref_weight: float) -> tuple[np.ndarray, np.ndarray]:

@@ -7,8 +7,8 @@ so whatever the host does in the meantime hits both, and each adjacent pair of l
 a ratio per config (:mod:`vpipe.report.pairs`). Where both sides can (their ``ready`` says
 ``gated``), a pair's two launches are open at once and their timed rounds alternate A B B A
 ... (:func:`_gated_pair`, :mod:`vpipe.sweep.gate`): the versions then run a fraction of a
-second apart, not a launch apart, and the pair is compared round by round. After each pair from the second on, the
-session looks at its verdicts and stops once B is faster or slower over all configs, or every
+second apart, not a launch apart, and the pair is compared round by round. After each pair
+from the second on, the session looks at its verdicts and stops once B is faster or slower over all configs, or every
 config's verdict is settled (faster, slower or within noise), or at its last look: when
 ``pairs`` pairs are done, or when another pair would not end within ``max_minutes`` (the
 session's time limit, start, stores and report included). Each side
@@ -139,16 +139,16 @@ class SideProcess:
 
     def block(self) -> dict[str, Any]:
         """One launch of this side; its block message."""
-        self.send("block")
         self.busy = True
+        self.send("block")
         message = self.expect("block", BLOCK_TIMEOUT_S)
         self.busy = False
         return message
 
     def open(self) -> None:
         """Open a launch (its ranks built and warm, waiting for rounds: :mod:`vpipe.sweep.gate`)."""
-        self.send("open")
         self.busy = True
+        self.send("open")
         self.expect("opened", BLOCK_TIMEOUT_S)
 
     def round(self) -> None:
@@ -243,13 +243,11 @@ def pairs_that_fit(seconds_left: float, pair_seconds: list[float], loaded: bool 
 
 
 def last_pair_loaded(session: Session) -> bool:
-    """Whether other processes kept half a core busy in the busiest round of either of the
-    last pair's launches (:func:`vpipe.report.pairs.make_pair`'s loaded)."""
-    from vpipe.report.pairs import busiest
-    from vpipe.trace.host_state import LIMITS
+    """Whether other processes loaded either of the last pair's launches
+    (:func:`vpipe.report.pairs.loaded`)."""
+    from vpipe.report.pairs import busiest, loaded
 
-    other = [busiest(m.get("host", [])).get("other_cores") for _, m in session.launches[-2:]]
-    return any(x is not None and x >= LIMITS["other_cores"] for x in other)
+    return loaded(busiest(m.get("host", [])) for _, m in session.launches[-2:])
 
 
 def process_start() -> float:

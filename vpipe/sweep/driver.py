@@ -27,12 +27,16 @@ import time
 from collections.abc import Sequence
 from dataclasses import asdict, dataclass, field, replace
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from vpipe.errors import VpipeError
 from vpipe.schedules import catalogue
 from vpipe.sweep.harness import IMPLS, RankSpec
 from vpipe.sweep.progress import Progress
+
+if TYPE_CHECKING:  # the rank's side of the gate and its rounds, imported where they run
+    from vpipe.sweep.gate import RankGate
+    from vpipe.sweep.rounds import Rounds
 
 # Fixed when this module is imported: families registered later join only when named.
 DEFAULT_SCHEDULES = catalogue.names(lambda f: f.default_sweep)
@@ -333,10 +337,11 @@ def rank_worker(
         everyone = list(range(len(configs)))
         if spec.gate is not None:  # vpipe ab's rounds, one at a time (vpipe.sweep.gate)
             gated_rounds(RankGate(spec.gate, rank), timed, everyone)
-        for r in range(0 if spec.gate is not None else spec.rounds):
-            timed.run(r, everyone)
-            if r < profile_rounds:
-                profile_round(r)
+        else:
+            for r in range(spec.rounds):
+                timed.run(r, everyone)
+                if r < profile_rounds:
+                    profile_round(r)
         for r in range(spec.rounds, profile_rounds):
             profile_round(r)
         r = spec.rounds
@@ -375,7 +380,7 @@ def rank_worker(
     }
 
 
-def gated_rounds(gate: Any, timed: Any, configs: list[int]) -> None:
+def gated_rounds(gate: RankGate, timed: Rounds, configs: list[int]) -> None:
     """The timed rounds of a gated launch: ready once warm, then one round each time the
     paced side says so, until it says stop."""
     try:

@@ -16,9 +16,9 @@ configs and reference shape, then reads commands from stdin:
   blocks (``vpipe bench --blocks K``'s layout, so ``vpipe report`` reads it), print
   ``written``, exit.
 
-A Ctrl-C (SIGINT) during a block (or an open launch) abandons that block only (its ranks are stopped, the finished
-blocks are kept) and prints ``aborted``; a block that fails prints ``failed`` with the one-line
-error; either way the side waits for the next command. Every reply is one line,
+A Ctrl-C (SIGINT) during a block (or an open launch) abandons that block only (its ranks
+are stopped, the finished blocks are kept) and prints ``aborted``; a block that fails prints
+``failed`` with the one-line error; either way the side waits for the next command. Every reply is one line,
 ``vpipe-paced {json}``, so that anything else a rank prints on stdout is ignored by the reader.
 The side starts the ranks from one fork server, so a block costs its steps, not a new
 interpreter and a torch import.
