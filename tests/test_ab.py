@@ -31,11 +31,14 @@ from vpipe.report.pairs import (
     ALPHA,
     FINAL_SHARE,
     FIT_PAIRS,
+    GATED_LOADED_LAUNCH_SD,
     LOADED_LAUNCH_SD,
+    PAIR_LAUNCH_SD,
     PRIOR_WEIGHT,
     RAW,
     Figure,
     Pair,
+    Spread,
     differences,
     fit_figure,
     levels,
@@ -253,6 +256,52 @@ def test_a_pair_under_a_hog_carries_the_launch_spread_measured_under_one():
     assert math.log(wide.high / wide.value) == pytest.approx(
         1.96 * math.sqrt((2 * LOADED_LAUNCH_SD**2 + 2 * 0.03**2 * 1.57 / 9) / 5), rel=0.35
     )
+
+
+
+def _half_width(r) -> float:
+    return math.log(r.high / r.value)
+
+
+def _expected_half(pairs, tau2: float, q: float) -> float:
+    """q x the sd of the inverse-variance weighted mean of the pairs' differences."""
+    _, v = differences(pairs, 0.0)
+    return q * math.sqrt(1 / float((1 / (v + tau2)).sum()))
+
+
+def test_a_gated_pair_under_a_hog_takes_the_gated_floor_and_a_floor_is_taken_as_known():
+    from vpipe.report.crossrun import Block, t_quantile
+
+    rng = np.random.default_rng(8)
+
+    def block(scale):
+        return Block.of(0.07 * scale * np.exp(0.03 * rng.standard_normal(9)))
+
+    base = [Pair(block(1.0), block(1.05), steps_per_round=1) for _ in range(5)]
+    quiet, gated = base, [Pair(p.a, p.b, loaded=True, steps_per_round=1) for p in base]
+    in_turn = [Pair(p.a, p.b, loaded=True) for p in base]
+    floor = session_spread([])  # the quiet floor, known
+    widths = [_half_width(paired_ratio(ps, RAW, floor, 0.95)) for ps in (quiet, gated, in_turn)]
+    assert widths[0] < widths[1] < widths[2]
+    assert widths[1] == pytest.approx(
+        _expected_half(gated, 2 * GATED_LOADED_LAUNCH_SD**2, 1.959964), rel=1e-6
+    )
+    # a spread measured over 4 dof, above the quiet floor but under the gated loaded one: the
+    # quiet pairs take it with Student's t, the loaded ones the floor with the normal quantile
+    measured = Spread(1.2 * 2 * PAIR_LAUNCH_SD**2, 4, "measured")
+    assert 2 * PAIR_LAUNCH_SD**2 < measured.tau2 < 2 * GATED_LOADED_LAUNCH_SD**2
+    assert _half_width(paired_ratio(quiet, RAW, measured, 0.95)) == pytest.approx(
+        _expected_half(quiet, measured.tau2, t_quantile(4, 0.95)), rel=1e-6
+    )
+    assert _half_width(paired_ratio(gated, RAW, measured, 0.95)) == pytest.approx(
+        _expected_half(gated, 2 * GATED_LOADED_LAUNCH_SD**2, 1.959964), rel=1e-6
+    )
+    # one quiet pair among them uses the measured spread: Student's t again
+    mixed = [*quiet[:1], *gated[1:]]
+    _, v = differences(mixed, 0.0)
+    tau2 = np.array([measured.tau2] + [2 * GATED_LOADED_LAUNCH_SD**2] * 4)
+    expected = t_quantile(4, 0.95) * math.sqrt(1 / float((1 / (v + tau2)).sum()))
+    assert _half_width(paired_ratio(mixed, RAW, measured, 0.95)) == pytest.approx(expected, rel=1e-6)
 
 
 def _wandering(pairs: int, gated: bool, seed: int, b_scale: float = 1.0) -> list:

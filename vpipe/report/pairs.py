@@ -23,11 +23,11 @@ so that a steady drift favours neither side.
 - **Interval** (:func:`paired_ratio`): a random-effects model: d_i = delta + launch effects +
   sampling noise, with variance v_i + tau^2, tau^2 the pairs' spread beyond their sampling
   noise (:func:`pair_spread`, pooled over configs, never below two launches'
-  :data:`PAIR_LAUNCH_SD`). delta is the inverse-variance weighted mean (a
-  noisy pair, such as one under a hog, counts less) and its interval delta +- q x its sd
-  (with the fitted weight's error), q the normal quantile while the floor holds and Student's
-  t for the pooled degrees of freedom (less one for a fitted weight) when the pairs spread
-  more. The host's slow drift is what the pairs cancel, so no run drift
+  :data:`PAIR_LAUNCH_SD`, nor for a pair under a hog below its :func:`launch_floor`). delta
+  is the inverse-variance weighted mean (a noisy pair, such as one under a hog, counts less)
+  and its interval delta +- q x its sd (with the fitted weight's error), q the normal
+  quantile while floors give every pair's tau^2 and Student's t for the pooled degrees of
+  freedom (less one for a fitted weight) when the measured spread counts. The host's slow drift is what the pairs cancel, so no run drift
   is added (it is in :mod:`vpipe.report.crossrun` for runs made apart).
 - **Confidence**: simultaneous over the configs and over every look the session takes at its
   verdicts, so stopping when the verdict is settled does not raise the false-alarm rate: the
@@ -80,6 +80,13 @@ PAIR_LAUNCH_SD = 0.02
 # a hog spread 1.45 standard errors (2 false verdicts over all configs, both in sessions that
 # were under the hog almost from their start)
 LOADED_LAUNCH_SD = 0.045
+# The same for a gated pair: its launches ran beside the hog at once, their rounds alternating,
+# so what the hog takes from them differs far less. python -m bench.gated_spread --sessions 8
+# --pairs 6, 2026-12-06 (a quiet hour, the hog pinned to a core throughout): loaded gated pairs
+# 0.040 per pair (72 dof, 95% upper bound 0.052), quiet gated pairs 0.029 (72 dof); with the
+# in-turn floor, A/A sessions under the hog throughout sat 0.62 of their standard errors from
+# 1 (sd over 6; 1 expected)
+GATED_LOADED_LAUNCH_SD = 0.03
 PAIR_LIMITS = {**LIMITS, "ref_ratio": math.inf}  # the reference's moves are what normalising undoes
 
 
@@ -374,8 +381,8 @@ def paired_ratio(pairs: Sequence[Pair], figure: Figure, spread: Spread, level: f
     spread and the fitted weight's error; ``noise_sd``: the sd of one launch's figure)."""
     kept = [p for p in pairs if not p.host_differences]
     d, v = differences(kept, figure.weight)
-    loaded = np.array([p.loaded for p in kept], dtype=bool)
-    return _ratio(d, v, log_ratios(kept)[1], loaded, _counts([kept]), figure, spread, level)
+    floors = np.array([launch_floor(p) for p in kept])
+    return _ratio(d, v, log_ratios(kept)[1], floors, _counts([kept]), figure, spread, level)
 
 
 def overall_differences(
@@ -402,8 +409,17 @@ def overall_ratio(
     kept = [[p for p in ps if not p.host_differences] for ps in configs]
     d, v = overall_differences(kept, figure.weight)
     refs = np.mean([log_ratios(ps)[1] for ps in kept], axis=0)
-    loaded = np.any([[p.loaded for p in ps] for ps in kept], axis=0).astype(bool)
-    return _ratio(d, v, refs, loaded, _counts(kept), figure, spread, level)
+    floors = np.max([[launch_floor(p) for p in ps] for ps in kept], axis=0)
+    return _ratio(d, v, refs, floors, _counts(kept), figure, spread, level)
+
+
+def launch_floor(pair: Pair) -> float:
+    """The least tau^2 a pair takes beyond the session's: two launches'
+    :data:`LOADED_LAUNCH_SD` where other processes loaded the host (its launches one after the
+    other) or :data:`GATED_LOADED_LAUNCH_SD` (gated), else none."""
+    if not pair.loaded:
+        return 0.0
+    return 2 * (GATED_LOADED_LAUNCH_SD if pair.steps_per_round else LOADED_LAUNCH_SD) ** 2
 
 
 def _counts(kept: Sequence[Sequence[Pair]]) -> tuple[int, tuple[int, int], int]:
@@ -416,25 +432,26 @@ def _counts(kept: Sequence[Sequence[Pair]]) -> tuple[int, tuple[int, int], int]:
 
 
 def _ratio(
-    d: np.ndarray, v: np.ndarray, refs: np.ndarray, loaded: np.ndarray,
+    d: np.ndarray, v: np.ndarray, refs: np.ndarray, floors: np.ndarray,
     counts: tuple[int, tuple[int, int], int], figure: Figure, spread: Spread, level: float,
 ) -> CrossRatio:  # fmt: skip
     """The random-effects estimate of the module's doc from pairs' differences ``d``, their
-    sampling variances ``v``, their references' differences ``refs`` and whether each was
-    ``loaded`` (its launches' spread then at least two launches' :data:`LOADED_LAUNCH_SD`): a
-    fitted weight's error moves the estimate by the weighted mean of ``refs`` times that
-    error, so its variance adds that mean squared times the weight's variance (an
-    intercept's, in least squares; nothing where the references' differences average out)."""
+    sampling variances ``v``, their references' differences ``refs`` and the least tau^2 each
+    takes (``floors``, :func:`launch_floor`). A floor is taken as known: Student's t only
+    where some pair's tau^2 is the one measured. A fitted weight's error moves the estimate
+    by the weighted mean of ``refs`` times that error, so its variance adds that mean squared
+    times the weight's variance (an intercept's, in least squares; nothing where the
+    references' differences average out)."""
     n, steps, dropped = counts
     nan = float("nan")
     normalised = figure.weight != 0
     if not d.size:
         return CrossRatio(nan, nan, nan, (0, 0), steps, normalised, dropped, nan, nan, False)
-    tau2 = np.where(loaded, max(spread.tau2, 2 * LOADED_LAUNCH_SD**2), spread.tau2)
+    tau2 = np.maximum(floors, spread.tau2)
     w = 1 / (v + tau2)
     estimate = float((w * d).sum() / w.sum())
     from_weight = float((w * refs).sum() / w.sum()) ** 2 * figure.weight_var
-    q = t_quantile(spread.dof, level)
+    q = t_quantile(spread.dof if bool((floors < spread.tau2).any()) else None, level)
     pooled = 1 / float(w.sum())
     half = q * math.sqrt(pooled + from_weight)
     share = float(v.mean()) / float((v + tau2).mean())  # sampling's part of the variance
