@@ -123,7 +123,7 @@ def session(
         raise SystemExit(f"vpipe ab failed: {done.stderr.strip().splitlines()[-1:]}")
     record = json.loads((out / "session.json").read_text())
     from vpipe.report.ab_report import session_table
-    from vpipe.report.pairs import report_alpha
+    from vpipe.report.looks import report_alpha
 
     labels = {"A": "A", "B": "B"}
     launches = [(x["side"], x) for x in record["launches"]]

@@ -27,9 +27,8 @@ from vpipe.report.ab_report import (
     session_table,
     settled,
 )
+from vpipe.report.looks import ALPHA, FINAL_SHARE, levels, look_alpha, report_alpha
 from vpipe.report.pairs import (
-    ALPHA,
-    FINAL_SHARE,
     FIT_PAIRS,
     GATED_LOADED_LAUNCH_SD,
     LOADED_LAUNCH_SD,
@@ -41,12 +40,9 @@ from vpipe.report.pairs import (
     Spread,
     differences,
     fit_figure,
-    levels,
-    look_alpha,
     overall_ratio,
     pair_verdict,
     paired_ratio,
-    report_alpha,
     session_order,
     session_spread,
 )

@@ -165,10 +165,10 @@ def run_ab(args: argparse.Namespace) -> int:
 
 def write_report(out: Path, session: Session, labels: dict[str, str], delay_b: str) -> str:
     """report.html and report.md of the session's finished pairs, at the error rate of the look
-    that ended it (:func:`vpipe.report.pairs.report_alpha`); its one-line verdict."""
+    that ended it (:func:`vpipe.report.looks.report_alpha`); its one-line verdict."""
     from vpipe.outputs import atomic_write
     from vpipe.report.ab_report import ab_report
-    from vpipe.report.pairs import report_alpha
+    from vpipe.report.looks import report_alpha
 
     if len(session.ready) < 2:
         return "no verdict: a side did not start"

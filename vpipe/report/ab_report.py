@@ -16,6 +16,7 @@ import pandas as pd
 from vpipe.report.crossrun import Block, CrossRatio
 from vpipe.report.crossrun_table import headline
 from vpipe.report.document import render_html, render_markdown, table_section, text_section
+from vpipe.report.looks import levels
 from vpipe.report.pairs import (
     PAIR_LAUNCH_SD,
     Figure,
@@ -24,7 +25,6 @@ from vpipe.report.pairs import (
     busiest,
     differences,
     fit_figure,
-    levels,
     make_pair,
     overall_ratio,
     pair_verdict,
@@ -98,8 +98,8 @@ def session_table(
     configs a last row over all of them (:data:`OVERALL`: the geometric mean of their ratios,
     :func:`vpipe.report.pairs.overall_ratio`); with the spread the configs' intervals used and
     the figure compared, in words. ``alpha``: the error rate this look spends over all its
-    verdicts (:func:`vpipe.report.pairs.look_alpha`, split by
-    :func:`vpipe.report.pairs.levels`); ``delay_b``: the delay injected into B alone, in words
+    verdicts (:func:`vpipe.report.looks.look_alpha`, split by
+    :func:`vpipe.report.looks.levels`); ``delay_b``: the delay injected into B alone, in words
     (e.g. "7 ms"), if any."""
     pairs = session_pairs(ready, launches)
     figure, spread = session_figure(ready, pairs)

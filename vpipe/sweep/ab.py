@@ -276,7 +276,7 @@ def run_session(
 ) -> tuple[Session, list[str]]:
     """Start both sides, alternate their launches, and after every pair from the
     :data:`~vpipe.report.pairs.MIN_PAIRS`-th look at the verdicts (``settled(session, alpha)``,
-    alpha the error rate the look spends: :func:`vpipe.report.pairs.look_alpha`). The session
+    alpha the error rate the look spends: :func:`vpipe.report.looks.look_alpha`). The session
     ends at a look that settles, or at the last look: after ``pairs`` pairs, or when another
     pair would not end within ``max_minutes`` of the start (:func:`pairs_that_fit`); then both
     sides write their stores. Returns the session and what each side wrote. A side that fails,
@@ -284,7 +284,8 @@ def run_session(
     in progress is dropped), and both sides still write what finished. ``started``: the
     :func:`time.monotonic` moment the session's time counts from (the command's start, so that
     preparing the versions counts too); now by default."""
-    from vpipe.report.pairs import MIN_PAIRS, look_alpha, session_order
+    from vpipe.report.looks import look_alpha
+    from vpipe.report.pairs import MIN_PAIRS, session_order
 
     session = Session(ready={})
     t0 = time.monotonic() if started is None else started
