@@ -32,9 +32,10 @@ config's median step time over the median time of the host-speed reference timed
 every step (:mod:`vpipe.sweep.reference`), in units of the reference (a dimensionless figure
 that a uniformly slower host leaves unchanged), the median over ``VPIPE_ASV_BLOCKS`` launches
 per round (default 1); raw seconds and bubble ratios are in the reports, not tracked. A sweep
-during which other processes kept more than half a core busy gives no sample (the reason goes
-to stderr, which ``--show-stderr`` shows): the reference over-corrects for a busy core
-(``VPIPE_ASV_ALLOW_BUSY=1`` records it anyway). ``VPIPE_ASV_INJECT_DELAY_MS`` sleeps that long
+during which other processes kept more than half a core busy gives no sample of its timings
+(the reason goes to stderr, which ``--show-stderr`` shows): the reference over-corrects for a
+busy core (``VPIPE_ASV_ALLOW_BUSY=1`` records it anyway). Its peak bytes, which other
+processes do not move, are still samples. ``VPIPE_ASV_INJECT_DELAY_MS`` sleeps that long
 per step on rank 0 (``vpipe bench --inject-delay-ms``), to check that a real slowdown shows.
 """
 
@@ -73,7 +74,7 @@ def busy_host(host_rounds: list[dict[str, Any]]) -> str | None:
         return None
     return (
         f"other processes kept {other:.2f} cores busy during the sweep (limit "
-        f"{LIMITS['other_cores']}): no figure recorded; VPIPE_ASV_ALLOW_BUSY=1 records it anyway"
+        f"{LIMITS['other_cores']}): no timing recorded; VPIPE_ASV_ALLOW_BUSY=1 records it anyway"
     )
 
 
@@ -112,7 +113,7 @@ def _track(metric: Metric) -> Callable[..., Any]:
 
     def track(self: Any, cache: dict, schedule: str, microbatches: int) -> Any:
         key = f"{name}/{schedule}/{microbatches}"
-        if BUSY in cache:
+        if BUSY in cache and metric.asv.host_bound:
             import sys
 
             print(f"no sample this round: {cache[BUSY]}", file=sys.stderr)
@@ -168,9 +169,7 @@ class PipelineCPU:
             spec.trace_dir = tmp
             res = collect(spec, run_blocks(spec, "asv"), "asv", 0.0, simulate=False)
         busy = None if ALLOW_BUSY else busy_host(res.host.to_dict("records"))
-        if busy:
-            return {BUSY: busy}
-        return {
+        return ({BUSY: busy} if busy else {}) | {
             f"{row['schedule']}/{int(row['microbatches'])}": {
                 m.asv.name: m.asv.value(row[m.name]) for m in tracked()
             }

@@ -120,7 +120,7 @@ def test_a_sweep_on_a_busy_host_records_no_figure():
 
 def test_each_round_gives_one_sample_and_a_busy_round_none(tmp_path, monkeypatch, capsys):
     """asv keeps samples across interleaved rounds (each a fresh cache); without interleaving
-    every round reads the same cache, which counts once; a busy sweep gives no sample."""
+    every round reads the same cache, which counts once; a busy sweep gives no timing sample."""
     from benchmarks.benchmarks import BUSY, ROUNDS, PipelineCPU
 
     assert ROUNDS >= 7  # Mann-Whitney can reach p < 0.002 from 7 rounds
@@ -131,9 +131,10 @@ def test_each_round_gives_one_sample_and_a_busy_round_none(tmp_path, monkeypatch
     assert first == {"samples": [9.5], "number": 1}
     assert bench.track_normalised_step_in_ref_units(cache, "zbv", 4) == {"samples": [], "number": 1}
     assert bench.track_peak_bytes_per_rank(cache, "zbv", 4)["samples"] == [1.0]
-    monkeypatch.chdir(tmp_path / "..")
-    busy = bench.track_normalised_step_in_ref_units(
-        {BUSY: "other processes kept 0.90 cores busy"}, "zbv", 4
-    )
-    assert busy == {"samples": [], "number": 1}
+    (tmp_path / "busy").mkdir()
+    monkeypatch.chdir(tmp_path / "busy")  # the next round's cache directory
+    busy = {BUSY: "other processes kept 0.90 cores busy", **cache}
+    assert bench.track_normalised_step_in_ref_units(busy, "zbv", 4) == {"samples": [], "number": 1}
     assert "no sample this round: other processes kept 0.90 cores busy" in capsys.readouterr().err
+    # the busy host moves no byte: the round's peak memory is still a sample
+    assert bench.track_peak_bytes_per_rank(busy, "zbv", 4)["samples"] == [1.0]
