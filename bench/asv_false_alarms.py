@@ -127,7 +127,8 @@ def continuous(
     skipped = out.count("no sample this round")  # a sweep on a busy host gives no sample
     if skipped:
         words.append(f"{skipped} benchmark readings without a sample (busy host)")
-    if "Traceback" in out or "failed" in out.lower():
+    # a crash or a timeout (asv shows its stderr); not the "failed" of a round without a sample
+    if "Traceback" in out or "timed out" in out:
         words.append("BENCHMARK FAILED")
     return " and ".join(words) or "no change", changes
 

@@ -106,9 +106,9 @@ def test_asv_continuous_builds_both_commits_with_every_dependency(tmp_path):
         assert isinstance(value, float) and value > 0
 
 
-def test_a_sweep_on_a_busy_host_records_no_figure():
+def test_a_sweep_on_a_busy_host_records_no_timing():
     """Under a busy core the normalised step over-corrects (0.89x for the same code), so the
-    suite skips the pipeline benchmarks of such a sweep, saying why."""
+    suite takes no timing from such a sweep, saying why."""
     from benchmarks.benchmarks import busy_host
 
     quiet = [{"other_cores": 0.02}, {"other_cores": 0.1}, {"other_cores": 0.05}]
@@ -118,7 +118,7 @@ def test_a_sweep_on_a_busy_host_records_no_figure():
     assert why is not None and "0.85 cores" in why and "VPIPE_ASV_ALLOW_BUSY" in why
 
 
-def test_each_round_gives_one_sample_and_a_busy_round_none(tmp_path, monkeypatch, capsys):
+def test_each_round_gives_one_sample_and_a_busy_round_no_timing(tmp_path, monkeypatch, capsys):
     """asv keeps samples across interleaved rounds (each a fresh cache); without interleaving
     every round reads the same cache, which counts once; a busy sweep gives no timing sample."""
     from benchmarks.benchmarks import BUSY, ROUNDS, PipelineCPU

@@ -1,7 +1,7 @@
 """The error rate of a ``vpipe ab`` session, spent over its looks at its verdicts and split
 over the verdicts each look shows.
 
-A session's confidence is simultaneous over the configs and over every look the session takes at its
+A session's confidence is simultaneous over the configs and over every look it takes at its
 verdicts, so stopping when the verdict is settled does not raise the false-alarm rate: the
 session's 5% is spent over its looks (:func:`look_alpha`; their union bounds the false
 alarms whatever the looks' correlation), half of it kept for the last look (the one a

@@ -25,10 +25,11 @@ so that a steady drift favours neither side.
   noise (:func:`pair_spread`, pooled over configs, never below two launches'
   :data:`PAIR_LAUNCH_SD`, nor for a pair under a hog below its :func:`launch_floor`). delta
   is the inverse-variance weighted mean (a noisy pair, such as one under a hog, counts less)
-  and its interval delta +- q x its sd (with the fitted weight's error), q the normal
-  quantile while floors give every pair's tau^2 and Student's t for the pooled degrees of
-  freedom (less one for a fitted weight) when the measured spread counts. The host's slow drift is what the pairs cancel, so no run drift
-  is added (it is in :mod:`vpipe.report.crossrun` for runs made apart).
+  and its interval delta +- q x its sd (with the fitted weight's error): q the normal
+  quantile while floors give every pair's tau^2, Student's t for the pooled degrees of
+  freedom (less one for a fitted weight) when the measured spread counts. The host's slow
+  drift is what the pairs cancel, so no run drift is added (it is in
+  :mod:`vpipe.report.crossrun` for runs made apart).
 - **Confidence**: simultaneous over the configs and over the session's looks at its verdicts
   (:mod:`vpipe.report.looks`).
 - **Over all configs** (:func:`overall_ratio`): the geometric mean of the configs' ratios,
