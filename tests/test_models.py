@@ -10,6 +10,7 @@ SMALL = {
     "mlp": {"d_model": 16, "d_hidden": 32, "n_blocks": 4},
     "gpt": {"vocab": 50, "d_model": 16, "n_heads": 2, "n_layers": 2, "seq_len": 8},
     "tuple": {"d_model": 16, "d_hidden": 24, "n_blocks": 4, "n_buckets": 3},
+    "looped-mlp": {"d_model": 16, "d_hidden": 32, "n_blocks": 4, "loops": 2},
 }
 
 
@@ -117,4 +118,4 @@ def test_uneven_split_and_errors():
         build_model("gpt", 2, d_model=10, n_heads=3)
     with pytest.raises(ModelError, match="n_stages"):
         build_model("mlp", 0)
-    assert set(model_names()) == {"mlp", "gpt", "tuple"}
+    assert set(model_names()) == {"mlp", "gpt", "tuple", "looped-mlp"}

@@ -41,8 +41,8 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     p.add_argument(
         "--model",
         default=None,
-        help="mlp, gpt, tuple, or your own package.module:function (default mlp; on cuda gpt "
-        "at GPU sizes; see examples/custom_model.py)",
+        help="mlp, gpt, tuple, looped-mlp, or your own package.module:function (default mlp; "
+        "on cuda gpt at GPU sizes; see examples/custom_model.py)",
     )
     p.add_argument(
         "--sizes",
@@ -240,7 +240,7 @@ def sweep_spec(args: argparse.Namespace) -> SweepSpec:
         batch=opts["batch"],
         schedules=tuple(parse_list(opts["schedules"])),
         microbatches=tuple(_ints(opts["microbatches"])),
-        impls=tuple(parse_list(args.impl or ("vpipe" if args.dp > 1 else "vpipe,torch"))),
+        impls=tuple(parse_list(_impls(args.impl, args.dp))),
         warmup=opts["warmup"],
         steps=opts["steps"],
         rounds=opts["rounds"],
@@ -300,6 +300,8 @@ def _sweep_and_write(args: argparse.Namespace) -> int:
     for line in res.verdict():
         print(line)
     print(res.summary_text())
+    for line in res.failure_lines():  # torch configs that could not run
+        print(line)
     if spec.dp > 1:
         from vpipe.report.dp_section import dp_share_table
 
@@ -310,6 +312,14 @@ def _sweep_and_write(args: argparse.Namespace) -> int:
         f"{time.time() - started:.1f} s{budget}; report: {out / 'report.html'}"
     )
     return 0
+
+
+def _impls(text: str | None, dp: int) -> str:
+    """``--impl``: a comma-separated list, ``both`` (vpipe,torch), or the default (both; with
+    ``--dp``, vpipe)."""
+    if text is None:
+        return "vpipe" if dp > 1 else "vpipe,torch"
+    return "vpipe,torch" if text.strip() == "both" else text
 
 
 def _ints(text: str) -> list[int]:

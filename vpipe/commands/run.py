@@ -49,7 +49,8 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     p.add_argument(
         "--model",
         default="mlp",
-        help="mlp, gpt, tuple, or your own package.module:function (see examples/custom_model.py)",
+        help="mlp, gpt, tuple, looped-mlp, or your own package.module:function "
+        "(see examples/custom_model.py)",
     )
     p.add_argument(
         "--sizes", default="", help="model sizes, e.g. d_model=64,n_blocks=8 (model defaults)"

@@ -5,7 +5,7 @@ from __future__ import annotations
 import argparse
 
 COLUMNS = ("run_id", "source", "impl", "schedule", "ranks", "microbatches", "model", "step_time_s",
-           "profiled_step_time_s")  # fmt: skip
+           "profiled_step_time_s", "status")  # fmt: skip
 
 
 def register(subparsers: argparse._SubParsersAction) -> None:

@@ -1,5 +1,6 @@
 """Benchmark models split into pipeline stages: an MLP block stack, a small GPT-style decoder,
-and a model that passes a tuple of tensors between stages.
+a model that passes a tuple of tensors between stages, and an MLP whose blocks each run their
+weights twice (weight reuse within a stage).
 
 Every model is built as an ordered list of *pieces* (embedding, blocks, head) from one seeded
 RNG, then the pieces are grouped into contiguous stages. Parameters therefore depend only on the
@@ -30,6 +31,7 @@ DEFAULT_SIZES: dict[str, dict[str, int]] = {
     "mlp": {"d_model": 512, "d_hidden": 2048, "n_blocks": 4},
     "gpt": {"vocab": 512, "d_model": 128, "n_heads": 4, "n_layers": 4, "seq_len": 64},
     "tuple": {"d_model": 64, "d_hidden": 128, "n_blocks": 4, "n_buckets": 4},
+    "looped-mlp": {"d_model": 512, "d_hidden": 2048, "n_blocks": 4, "loops": 2},
 }
 
 # Sizes a model accepts but leaves out of its defaults (absent: off), with their allowed values.
@@ -40,6 +42,8 @@ _DESCRIPTIONS = {
     "mlp": "residual MLP blocks (LayerNorm, Linear, GELU, Linear); MSE loss",
     "gpt": "GPT-style decoder (embedding on the first stage, LM head + cross-entropy on the last)",
     "tuple": "MLP blocks passing (hidden, skip, int64 bucket ids) between stages; MSE loss",
+    "looped-mlp": "residual MLP blocks, each applied `loops` times with the same weights "
+    "(a weight used twice in a stage); MSE loss",
 }
 
 
@@ -50,10 +54,11 @@ def model_names() -> dict[str, str]:
 
 
 def build_model(name: str, n_stages: int, seed: int = 0, **sizes: int) -> BenchModel:
-    """Build model ``name`` ("mlp", "gpt", "tuple", or a user's ``package.module:function``:
+    """Build model ``name`` ("mlp", "gpt", "tuple", "looped-mlp", or a user's
+    ``package.module:function``:
     see :mod:`vpipe.models.custom`) split into ``n_stages`` stages.
 
-    Sizes default to ``DEFAULT_SIZES[name]``, except that ``n_blocks`` ("mlp", "tuple") and
+    Sizes default to ``DEFAULT_SIZES[name]``, except that ``n_blocks`` (the MLPs, "tuple") and
     ``n_layers`` ("gpt") grow to fit ``n_stages`` when not given. Pass sizes explicitly when
     comparing different splits of one model.
     """
@@ -144,6 +149,29 @@ def _build_mlp(n_stages: int, seed: int, sizes: dict[str, int]) -> BenchModel:
         blocks = [MLPBlock(d, h) for _ in range(n)]
     stages = split_pieces(blocks, n_stages, "MLP blocks")
     return BenchModel("mlp", stages, mse_loss, sizes, seed, _random_pair(d))
+
+
+class LoopedBlock(MLPBlock):
+    """An :class:`MLPBlock` applied ``loops`` times in a row: every weight is used ``loops``
+    times in one forward (a looped, weight-shared block), so its gradient sums over the uses."""
+
+    def __init__(self, d: int, h: int, loops: int) -> None:
+        super().__init__(d, h)
+        self.loops = loops
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        for _ in range(self.loops):
+            x = super().forward(x)
+        return x
+
+
+def _build_looped_mlp(n_stages: int, seed: int, sizes: dict[str, int]) -> BenchModel:
+    d, h, n, loops = sizes["d_model"], sizes["d_hidden"], sizes["n_blocks"], sizes["loops"]
+    with torch.random.fork_rng(devices=[]):
+        torch.manual_seed(seed)
+        blocks = [LoopedBlock(d, h, loops) for _ in range(n)]
+    stages = split_pieces(blocks, n_stages, "looped MLP blocks")
+    return BenchModel("looped-mlp", stages, mse_loss, sizes, seed, _random_pair(d))
 
 
 # ---------------------------------------------------------------------------------------------
@@ -287,4 +315,5 @@ _BUILDERS: dict[str, Callable[[int, int, dict[str, int]], BenchModel]] = {
     "mlp": _build_mlp,
     "gpt": _build_gpt,
     "tuple": _build_tuple,
+    "looped-mlp": _build_looped_mlp,
 }

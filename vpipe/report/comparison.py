@@ -304,7 +304,7 @@ STEP_COLUMNS = ("step_time_s", "profiled_step_time_s")
 
 def load_runs(path: str | Path) -> pd.DataFrame:
     """Measured rows of the runs table of a ``vpipe bench`` output directory or results store,
-    or of a runs Parquet file."""
+    or of a runs Parquet file (not those of torch configs that failed to run)."""
     from vpipe.trace.store import Store, runs_frame
 
     p = Path(path)
@@ -326,7 +326,8 @@ def load_runs(path: str | Path) -> pd.DataFrame:
         missing.append(" or ".join(STEP_COLUMNS))
     if missing:
         raise ReportError(f"{p}: runs table has no values for {missing}")
-    return df[df["source"].fillna("measured") == "measured"].reset_index(drop=True)
+    ran = df["status"].fillna("ok") != "failed"  # a torch config that could not run has no figures
+    return df[(df["source"].fillna("measured") == "measured") & ran].reset_index(drop=True)
 
 
 def load_steps(path: str | Path) -> tuple[pd.DataFrame | None, str | None]:

@@ -125,6 +125,8 @@ class SweepSpec:
     # command's start plus max_minutes); 0: the rounds are fixed
     max_minutes: float = 0.0
     deadline: float | None = None
+    # torch configs that failed to run, key -> cause (vpipe.sweep.torch_failures): left out
+    failed: dict[str, str] = field(default_factory=dict)
 
     @property
     def world_size(self) -> int:
@@ -140,14 +142,14 @@ class SweepSpec:
 
     def configs(self) -> list[Config]:
         """Every (schedule, microbatches, impl), less torch for families torch has no class
-        for: those run on vpipe only."""
+        for (those run on vpipe only) and less the torch configs that ``failed``."""
         vpipe_only = catalogue.names(lambda f: f.torch_class is None)
         return [
             Config(s, m, i)
             for s in self.schedules
             for m in self.microbatches
             for i in self.impls
-            if not (i == "torch" and s in vpipe_only)
+            if not (i == "torch" and s in vpipe_only) and Config(s, m, i).key not in self.failed
         ]
 
     def leave_out_unrunnable(self) -> str | None:
@@ -272,9 +274,11 @@ class SweepSpec:
 
 
 def rank_worker(
-    rank: int, world: int, spec: SweepSpec, run_id: str, rank_specs: dict[Config, RankSpec]
-) -> dict[str, Any]:
-    """Run the whole sweep on one rank (process group already initialised).
+    rank: int, world: int, spec: SweepSpec, run_id: str, rank_specs: dict[Config, RankSpec],
+    failures: str | None = None,
+) -> dict[str, Any]:  # fmt: skip
+    """Run the whole sweep on one rank (process group already initialised); a torch config
+    that fails its warm-up is written to ``failures`` (:mod:`vpipe.sweep.torch_failures`).
 
     Returns this rank's results: per config its step times (already the max over ranks),
     reference times and each step's round (:mod:`vpipe.sweep.rounds`), per-config memory and,
@@ -288,6 +292,7 @@ def rank_worker(
     from vpipe.sweep.harness import build
     from vpipe.sweep.reference import DeviceReference, Reference, device_round
     from vpipe.sweep.rounds import Rounds
+    from vpipe.sweep.torch_failures import warm_up
 
     if world != spec.world_size:
         asks = f"{spec.ranks} x {spec.dp} replicas" if spec.dp > 1 else f"{spec.ranks}"
@@ -302,10 +307,10 @@ def rank_worker(
     try:
         harnesses = []
         for cfg in configs:
-            h = build(rank_specs[cfg], rank)
-            for _ in range(spec.warmup):
-                h.timed_step()
-            harnesses.append(h)
+            make = lambda c=cfg: build(rank_specs[c], rank)  # noqa: E731
+            harnesses.append(
+                warm_up(cfg.key, cfg.impl, cfg.schedule, make, spec.warmup, rank, failures)
+            )
             progress.advance(f"warm up {cfg.key}")
         ref_shape = sweep_reference_shape(spec, rank_specs)
         device = harnesses[0].device
@@ -425,12 +430,15 @@ def _trace_meta(spec: SweepSpec, cfg: Config, h: Any, bench_id: str) -> dict[str
 
 def run_sweep(spec: SweepSpec, run_id: str | None = None) -> list[dict[str, Any]]:
     """Launch (or join, under torchrun) the sweep; return every rank's results on the
-    coordinating process (the spawning parent, or rank 0 of a torchrun job) and [] elsewhere."""
+    coordinating process (the spawning parent, or rank 0 of a torchrun job) and [] elsewhere.
+    A torch config that fails its warm-up goes into ``spec.failed`` and the sweep is launched
+    again without it (:mod:`vpipe.sweep.torch_failures`)."""
     from vpipe.runtime import launch
+    from vpipe.sweep.torch_failures import launch_until_done
 
     run_id = run_id or new_run_id()
-    rank_specs = spec.rank_specs()
     if launch.in_torchrun():
+        rank_specs = spec.rank_specs()
         import torch.distributed as dist
 
         rank, world, _ = launch.init_from_env(device=spec.device, backend=spec.backend)
@@ -441,15 +449,14 @@ def run_sweep(spec: SweepSpec, run_id: str | None = None) -> list[dict[str, Any]
         finally:
             launch.leave_job()
         return list(gathered) if rank == 0 else []
-    return launch.spawn(
-        rank_worker,
-        spec.world_size,
-        spec,
-        run_id,
-        rank_specs,
-        backend=spec.backend,
-        timeout_s=1800,
-    )
+    return launch_until_done(
+        lambda failures: launch.spawn(
+            rank_worker, spec.world_size, spec, run_id, spec.rank_specs(), failures,
+            backend=spec.backend, timeout_s=1800,
+        ),
+        spec.failed,
+        lambda: len(spec.configs()),
+    )  # fmt: skip
 
 
 def new_run_id() -> str:
@@ -463,6 +470,8 @@ def spec_dict(spec: SweepSpec) -> dict[str, Any]:
     del d["deadline"]  # a moment of this launch, not the sweep's definition
     del d["gate"]  # how the rounds were paced, not what the sweep is
     del d["memory_step"]  # which of its blocks measure memory, not what the sweep is
+    if not spec.failed:
+        del d["failed"]
     if spec.dp == 1:
         del d["dp"], d["dp_bucket_bytes"]
     for k in ("schedules", "microbatches", "impls"):

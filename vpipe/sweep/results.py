@@ -14,7 +14,7 @@ import json
 import platform
 import subprocess
 import time
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any
 
@@ -23,7 +23,7 @@ import pandas as pd
 from vpipe.events import COMPUTE_KINDS, events_frame, memory_frame
 from vpipe.metrics.catalogue import Inputs, Simulated, compute
 from vpipe.metrics.per_run import SAVED_ACTIVATIONS
-from vpipe.report.document import summary_table
+from vpipe.report.document import failure_lines, summary_table
 from vpipe.report.dp_section import DPSweep
 from vpipe.sweep.driver import Config, SweepSpec, spec_dict
 from vpipe.sweep.harness import default_dtype
@@ -47,7 +47,14 @@ class BenchResults:
 
     @property
     def measured(self) -> pd.DataFrame:
-        return self.runs[self.runs["source"] == "measured"].reset_index(drop=True)
+        """The measured rows of the configs that ran (not the torch configs that failed)."""
+        ran = (self.runs["source"] == "measured") & (self.runs["status"] == "ok")
+        return self.runs[ran].reset_index(drop=True)
+
+    def failure_lines(self) -> list[str]:
+        """One line per torch config that failed to run, with its cause
+        (:mod:`vpipe.sweep.torch_failures`)."""
+        return failure_lines(self.runs)
 
     def summary_text(self) -> str:
         """The summary table as plain text for the terminal."""
@@ -274,6 +281,7 @@ def collect(
             runs.append(
                 {**config, **sim_row, "run_id": sim_id, "source": "simulated", "status": "ok"}
             )
+    runs += failed_rows(spec, common, bench_id)
     from vpipe.trace.store import runs_frame
 
     return BenchResults(
@@ -288,6 +296,23 @@ def collect(
         host_table(r0.get("host_rounds", []), pd.DataFrame(steps)),
         dp_steps,
     )
+
+
+def failed_rows(spec: SweepSpec, common: dict[str, Any], bench_id: str) -> list[dict[str, Any]]:
+    """A runs-table row per torch config that failed to run (``spec.failed``): its metadata,
+    status ``failed`` and the cause in ``error``; no metrics."""
+    from vpipe.schedules import make_schedule
+
+    rows = []
+    for cfg in replace(spec, failed={}).configs():
+        if cfg.key in spec.failed:
+            stages = make_schedule(cfg.schedule, spec.ranks, cfg.microbatches).n_stages
+            rows.append({
+                **common, "impl": cfg.impl, "schedule": cfg.schedule,
+                "microbatches": cfg.microbatches, "stages": stages, "run_id": cfg.run_id(bench_id),
+                "source": "measured", "status": "failed", "error": spec.failed[cfg.key],
+            })  # fmt: skip
+    return rows
 
 
 def host_table(rounds: list[dict[str, Any]], steps: pd.DataFrame) -> pd.DataFrame:

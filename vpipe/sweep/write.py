@@ -71,6 +71,8 @@ def report_sections(res: BenchResults) -> list[Section]:
     regime = regime_section(runs)
     verdict = text_section("Verdict", res.verdict())
     sections = [verdict, regime] if regime else [verdict]
+    if failed := res.failure_lines():  # torch configs that could not run, one line each
+        sections.append(text_section("Configs that failed", failed))
     sections.append(table_section("Setup", meta_table(res.meta)))
     sections.append(
         table_section(
