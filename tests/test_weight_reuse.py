@@ -182,9 +182,10 @@ def test_launches_repeat_without_each_failed_config():
         def launch(directory: str) -> list:
             left = [k for k in planned if k not in failed]
             launches.append(left)
-            if left[0].endswith("-torch"):  # the first torch config left fails, on both ranks
-                for rank in (1, 0):
-                    (Path(directory) / f"{left[0]}.rank{rank}").write_text(f"why r{rank}\n")
+            if left[0].endswith("-torch"):  # the first torch config left fails, rank 1 first
+                for rank, when in ((0, 20), (1, 10)):
+                    cause = f"{when} why r{rank}\n"
+                    (Path(directory) / f"{left[0]}.rank{rank}").write_text(cause)
                 raise PipelineError("rank 1 failed: it broke")
             return ["done"]
 
@@ -195,7 +196,7 @@ def test_launches_repeat_without_each_failed_config():
     left = lambda: len([k for k in planned if k not in failed])  # noqa: E731
     assert torch_failures.launch_until_done(launcher(failed, launches), failed, left) == ["done"]
     assert launches == [planned, planned[1:], planned[2:]]
-    assert failed == {"a-m1-torch": "why r0", "b-m1-torch": "why r0"}
+    assert failed == {"a-m1-torch": "why r1", "b-m1-torch": "why r1"}  # the first to fail
 
     def other_error(directory: str) -> list:
         raise PipelineError("rank 0 failed: something else")

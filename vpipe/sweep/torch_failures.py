@@ -22,6 +22,7 @@ import logging
 import re
 import sys
 import tempfile
+import time
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from pathlib import Path
@@ -69,7 +70,9 @@ def warm_up(
             "without it), or let vpipe bench launch the ranks, which records the failure and "
             "goes on"
         )
-    (Path(failures) / f"{key}.rank{rank}").write_text(cause + "\n", encoding="utf-8")
+    # the time says which rank failed first: its peers fail after it (connection reset)
+    text = f"{time.monotonic_ns()} {cause}\n"
+    (Path(failures) / f"{key}.rank{rank}").write_text(text, encoding="utf-8")
     raise TorchConfigFailed(f"torch config {key} failed: {cause}")
 
 
@@ -113,15 +116,16 @@ def torch_error_log() -> Iterator[list[str]]:
 
 
 def read_failures(directory: str | Path) -> dict[str, str]:
-    """Config key -> cause, as ranks wrote them (the lowest rank's cause per config)."""
+    """Config key -> cause, as ranks wrote them: per config the first rank's to fail (the
+    others fail after it, on the connection it closed)."""
     found: dict[str, tuple[int, str]] = {}
     for f in Path(directory).iterdir():
         key, _, rank = f.name.rpartition(".rank")
         if not key or not rank.isdigit():
             continue
-        cause = f.read_text(encoding="utf-8").strip()
-        if key not in found or int(rank) < found[key][0]:
-            found[key] = (int(rank), cause)
+        when, _, cause = f.read_text(encoding="utf-8").strip().partition(" ")
+        if key not in found or int(when) < found[key][0]:
+            found[key] = (int(when), cause)
     return {k: cause for k, (_, cause) in sorted(found.items())}
 
 
