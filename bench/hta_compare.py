@@ -1,0 +1,222 @@
+"""Per-rank idle time of the same traces read by HolisticTraceAnalysis (HTA) and by vpipe.
+
+HTA is what people use to read PyTorch traces; this prints its per-rank idle time beside
+vpipe's for the same files, with the definitions that differ:
+
+- **HTA** (``get_temporal_breakdown``) reads the GPU side only: per rank, from its first GPU
+  kernel to its last (all streams), the time no kernel ran is idle; compute and non-compute
+  (communication, memory copies and sets) kernels share the rest. ``get_idle_time_breakdown``
+  splits each stream's idle time into host wait (the GPU waiting for the host to launch),
+  kernel wait (short gaps between kernels) and other. A CPU-only trace has no kernels, so HTA
+  has no idle time to give for it.
+- **vpipe** (:func:`vpipe.metrics.per_run.rank_metrics` on :func:`vpipe.trace.kineto.convert`'s
+  events) reads per rank and profiled step: the window is the rank's step span (vpipe's
+  ``PP:STEP``; else the step's extent over all ranks), busy is the union of its compute rows
+  (F, B, I, W; on a GPU each from its first device op to its last), idle = window - busy, and
+  the bubble is idle / window. ``device busy`` is the sum of the compute rows' ``busy_ns``
+  (the union of the device ops each launched): the nearest figure to HTA's compute kernels.
+
+Run: ``python -m bench.hta_compare DIR [DIR ...]`` (directories of one run's per-rank traces,
+``.json`` or ``.json.gz``), or ``--record DIR`` to first record a small CPU run of torch's own
+runtime (torch.distributed.pipelining's ScheduleInterleaved1F1B, 2 gloo ranks, torch.profiler,
+no vpipe code in the recording) into ``DIR/torch-interleaved-1f1b`` and read it too. Without
+HTA installed the vpipe side still prints, with one line saying how to install HTA
+(``pip install 'vpipe[hta]'``).
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import platform
+import shlex
+import sys
+import time
+from collections.abc import Iterator, Sequence
+from contextlib import contextmanager
+from pathlib import Path
+from typing import Any
+
+import pandas as pd
+
+INSTALL = "pip install 'vpipe[hta]' (HolisticTraceAnalysis and psutil)"
+
+
+def vpipe_idle(trace_dir: str | Path) -> pd.DataFrame:
+    """vpipe's figures per rank (the last profiled step): window, busy, idle and device busy
+    in ms, and the bubble."""
+    from vpipe.events import COMPUTE_KINDS
+    from vpipe.metrics.per_run import rank_metrics
+    from vpipe.trace.kineto import convert
+
+    ev = convert([trace_dir]).events
+    per_rank = rank_metrics(ev)
+    per_rank = per_rank[per_rank["step"] == per_rank["step"].max()].set_index("rank")
+    compute = ev[ev["kind"].astype(str).isin(COMPUTE_KINDS) & (ev["step"] == per_rank["step"].max())]
+    on_device = compute[compute["clock"].astype(str) == "device"]
+    device_busy = on_device.groupby("rank", observed=True)["busy_ns"].sum() / 1e6
+    return pd.DataFrame(
+        {
+            "vpipe window ms": per_rank["window_s"] * 1e3,
+            "vpipe busy ms": per_rank["busy_s"] * 1e3,
+            "vpipe idle ms": per_rank["idle_s"] * 1e3,
+            "vpipe bubble": per_rank["bubble_ratio"],
+            "vpipe device busy ms": device_busy.reindex(per_rank.index),
+        }
+    ).rename_axis("rank")
+
+
+def hta_idle(trace_dir: str | Path) -> tuple[pd.DataFrame | None, str]:
+    """HTA's per-rank GPU figures in ms (kernel span, idle, compute, non-compute, idle share,
+    and each rank's idle split by category over its streams), or None and why not."""
+    try:
+        from hta.trace_analysis import TraceAnalysis
+    except ImportError as e:
+        return None, f"HTA is not installed ({e.name} missing): {INSTALL}"
+    with _quiet():  # HTA prints a few lines per file it parses, from its worker processes too
+        try:
+            analysis = TraceAnalysis(trace_dir=str(trace_dir))
+        except Exception as e:  # HTA's own errors on traces it cannot read
+            return None, f"HTA could not read {trace_dir}: {type(e).__name__}: {e}"
+        ranks = sorted(int(r) for r in analysis.t.traces)
+        kernels = sum(int((analysis.t.get_trace(r)["stream"] >= 0).sum()) for r in ranks)
+        if not kernels:
+            events = ", ".join(f"rank {r}: {len(analysis.t.get_trace(r))}" for r in ranks)
+            return None, (
+                f"HTA parsed these traces (events in profiler step(s) "
+                f"{[int(s) for s in analysis.get_profiler_steps()]}: {events}) but they hold "
+                "no GPU kernels: its temporal and idle-time breakdowns measure GPU streams "
+                "only, so HTA gives no idle time for a CPU trace"
+            )
+        temporal = analysis.get_temporal_breakdown(visualize=False)
+        idle = analysis.get_idle_time_breakdown(ranks=ranks, visualize=False)
+    t = temporal.set_index("rank")
+    out = pd.DataFrame(
+        {
+            "HTA kernel span ms": t["kernel_time(us)"] / 1e3,
+            "HTA idle ms": t["idle_time(us)"] / 1e3,
+            "HTA compute ms": t["compute_time(us)"] / 1e3,
+            "HTA non-compute ms": t["non_compute_time(us)"] / 1e3,
+            "HTA busy ms": (t["compute_time(us)"] + t["non_compute_time(us)"]) / 1e3,
+            "HTA idle share": t["idle_time_pctg"] / 100,
+        }
+    )
+    idle = idle[0] if isinstance(idle, tuple) else idle
+    by_cat = idle.groupby(["rank", "idle_category"])["idle_time"].sum().unstack(fill_value=0)
+    for cat in by_cat.columns:
+        out[f"HTA {cat.replace('_', ' ')} ms (sum over streams)"] = by_cat[cat] / 1e3
+    return out.rename_axis("rank"), ""
+
+
+@contextmanager
+def _quiet() -> Iterator[None]:
+    """Standard output and error, this process's and its children's, dropped meanwhile."""
+    sys.stdout.flush()
+    sys.stderr.flush()
+    saved = [os.dup(1), os.dup(2)]
+    with open(os.devnull, "wb") as null:
+        os.dup2(null.fileno(), 1)
+        os.dup2(null.fileno(), 2)
+        try:
+            yield
+        finally:
+            sys.stdout.flush()
+            sys.stderr.flush()
+            for fd, copy in zip((1, 2), saved, strict=True):
+                os.dup2(copy, fd)
+                os.close(copy)
+
+
+def compare(trace_dir: str | Path) -> tuple[pd.DataFrame, str]:
+    """vpipe's and HTA's per-rank figures for one run's traces side by side, and HTA's note
+    (empty when it read them)."""
+    mine = vpipe_idle(trace_dir)
+    theirs, note = hta_idle(trace_dir)
+    table = mine if theirs is None else mine.join(theirs, how="outer")
+    return table.reset_index(), note
+
+
+# ---------------------------------------------------------------------------------------------
+# A CPU trace written by torch's own runtime
+
+
+def _record_rank(rank: int, n_ranks: int, out: str, n_microbatches: int, width: int) -> str:
+    """One rank of torch's ScheduleInterleaved1F1B (2 stages per rank, loop placement) on an
+    MLP, profiled by torch.profiler (wait 1, warm-up 1, active 1), its trace written as
+    ``rank{N}_trace.json`` as torchtitan names them."""
+    import torch
+    from torch import nn
+    from torch.distributed.pipelining import PipelineStage, ScheduleInterleaved1F1B
+    from torch.profiler import ProfilerActivity, profile, schedule
+
+    n_stages = 2 * n_ranks
+    torch.manual_seed(0)
+    blocks = [
+        nn.Sequential(nn.Linear(width, 2 * width), nn.GELU(), nn.Linear(2 * width, width))
+        for _ in range(n_stages)
+    ]
+    mine = [s for s in range(n_stages) if s % n_ranks == rank]
+    stages = [PipelineStage(blocks[s], s, n_stages, torch.device("cpu")) for s in mine]
+    pipe = ScheduleInterleaved1F1B(stages, n_microbatches, loss_fn=nn.functional.mse_loss)
+    x = torch.randn(16 * n_microbatches, width)
+    y = torch.randn(16 * n_microbatches, width)
+    path = Path(out) / f"rank{rank}_trace.json"
+    with profile(
+        activities=[ProfilerActivity.CPU],
+        schedule=schedule(wait=1, warmup=1, active=1),
+        on_trace_ready=lambda p: p.export_chrome_trace(str(path)),
+    ) as prof:
+        for _ in range(3):
+            kwargs: dict[str, Any] = {}
+            if 0 in mine:
+                kwargs["x"] = x
+            if n_stages - 1 in mine:
+                kwargs["target"] = y
+            args = (kwargs.pop("x"),) if "x" in kwargs else ()
+            pipe.step(*args, **kwargs)
+            prof.step()
+    return str(path)
+
+
+def record_torch_cpu(out: str | Path, n_microbatches: int = 4, width: int = 256) -> Path:
+    """Record a 2-rank CPU run of torch's own pipelining runtime into ``out`` (made if
+    needed); returns the directory of its two traces."""
+    from vpipe.runtime.launch import spawn
+
+    d = Path(out)
+    d.mkdir(parents=True, exist_ok=True)
+    spawn(_record_rank, 2, str(d), n_microbatches, width, timeout_s=300)
+    return d
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    p = argparse.ArgumentParser(
+        prog="python -m bench.hta_compare", description=__doc__.split("\n\n")[0]
+    )
+    p.add_argument("dirs", nargs="*", help="directories of one run's per-rank traces each")
+    p.add_argument("--record", metavar="DIR", help="record torch's runtime on the CPU into DIR "
+                   "first (DIR/torch-interleaved-1f1b) and read it too")  # fmt: skip
+    args = p.parse_args(argv)
+    dirs = [Path(d) for d in args.dirs]
+    if args.record:
+        dirs.append(record_torch_cpu(Path(args.record) / "torch-interleaved-1f1b"))
+    if not dirs:
+        p.error("give trace directories, or --record DIR")
+    for d in dirs:
+        if not d.is_dir():
+            p.error(f"{d}: not a directory of traces")
+    command = shlex.join(["python", "-m", "bench.hta_compare", *(argv or sys.argv[1:])])
+    when = time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime())
+    print(f"{when} on {platform.node()}: {command}")
+    pd.set_option("display.width", 250)
+    for d in dirs:
+        table, note = compare(d)
+        print(f"\n{d}:")
+        print(table.to_string(index=False, float_format=lambda v: f"{v:.3f}"))
+        if note:
+            print(note)
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
