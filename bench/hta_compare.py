@@ -1,32 +1,25 @@
 """Per-rank idle time of the same traces read by HolisticTraceAnalysis (HTA) and by vpipe.
 
 HTA is what people use to read PyTorch traces; this prints its per-rank idle time beside
-vpipe's for the same files, with the definitions that differ:
-
-- **HTA** (``get_temporal_breakdown``) reads the GPU side only: per rank, from its first GPU
-  kernel to its last (all streams), the time no kernel ran is idle; compute and non-compute
-  (communication, memory copies and sets) kernels share the rest. ``get_idle_time_breakdown``
-  splits each stream's idle time into host wait (the GPU waiting for the host to launch),
-  kernel wait (short gaps between kernels) and other. A CPU-only trace has no kernels, so HTA
-  has no idle time to give for it.
-- **vpipe** (:func:`vpipe.metrics.per_run.rank_metrics` on :func:`vpipe.trace.kineto.convert`'s
-  events) reads per rank and profiled step: the window is the rank's step span (vpipe's
-  ``PP:STEP``; else the step's extent over all ranks), busy is the union of its compute rows
-  (F, B, I, W; on a GPU each from its first device op to its last), idle = window - busy, and
-  the bubble is idle / window. ``device busy`` is the sum of the compute rows' ``busy_ns``
-  (the union of the device ops each launched): the nearest figure to HTA's compute kernels.
+vpipe's for the same files, and the definitions, which differ (:data:`DEFINITIONS`): HTA reads
+the GPU side only, per rank from its first GPU op to its last and per stream, while vpipe's
+bubble is per rank over its step, idle being what its compute rows (F, B, I, W) leave. A
+CPU-only trace has no GPU ops, so HTA has no idle time to give for it; the script says what
+HTA did read there.
 
 Run: ``python -m bench.hta_compare DIR [DIR ...]`` (directories of one run's per-rank traces,
 ``.json`` or ``.json.gz``), or ``--record DIR`` to first record a small CPU run of torch's own
-runtime (torch.distributed.pipelining's ScheduleInterleaved1F1B, 2 gloo ranks, torch.profiler,
-no vpipe code in the recording) into ``DIR/torch-interleaved-1f1b`` and read it too. Without
-HTA installed the vpipe side still prints, with one line saying how to install HTA
-(``pip install 'vpipe[hta]'``).
+runtime (torch.distributed.pipelining's ScheduleInterleaved1F1B on 2 gloo ranks under
+torch.profiler; vpipe only starts the processes) into ``DIR/torch-interleaved-1f1b`` and read
+it too. Without HTA installed the vpipe side still prints, with one line saying how to
+install HTA (``pip install 'vpipe[hta]'``).
 """
 
 from __future__ import annotations
 
 import argparse
+import gzip
+import json
 import os
 import platform
 import shlex
@@ -57,11 +50,11 @@ def vpipe_idle(trace_dir: str | Path) -> pd.DataFrame:
     device_busy = on_device.groupby("rank", observed=True)["busy_ns"].sum() / 1e6
     return pd.DataFrame(
         {
-            "vpipe window ms": per_rank["window_s"] * 1e3,
-            "vpipe busy ms": per_rank["busy_s"] * 1e3,
-            "vpipe idle ms": per_rank["idle_s"] * 1e3,
+            "vpipe window": per_rank["window_s"] * 1e3,
+            "vpipe busy": per_rank["busy_s"] * 1e3,
+            "vpipe idle": per_rank["idle_s"] * 1e3,
             "vpipe bubble": per_rank["bubble_ratio"],
-            "vpipe device busy ms": device_busy.reindex(per_rank.index),
+            "vpipe dev busy": device_busy.reindex(per_rank.index),
         }
     ).rename_axis("rank")
 
@@ -93,18 +86,18 @@ def hta_idle(trace_dir: str | Path) -> tuple[pd.DataFrame | None, str]:
     t = temporal.set_index("rank")
     out = pd.DataFrame(
         {
-            "HTA kernel span ms": t["kernel_time(us)"] / 1e3,
-            "HTA idle ms": t["idle_time(us)"] / 1e3,
-            "HTA compute ms": t["compute_time(us)"] / 1e3,
-            "HTA non-compute ms": t["non_compute_time(us)"] / 1e3,
-            "HTA busy ms": (t["compute_time(us)"] + t["non_compute_time(us)"]) / 1e3,
+            "HTA span": t["kernel_time(us)"] / 1e3,
+            "HTA idle": t["idle_time(us)"] / 1e3,
+            "HTA compute": t["compute_time(us)"] / 1e3,
+            "HTA non-compute": t["non_compute_time(us)"] / 1e3,
+            "HTA busy": (t["compute_time(us)"] + t["non_compute_time(us)"]) / 1e3,
             "HTA idle share": t["idle_time_pctg"] / 100,
         }
     )
     idle = idle[0] if isinstance(idle, tuple) else idle
     by_cat = idle.groupby(["rank", "idle_category"])["idle_time"].sum().unstack(fill_value=0)
     for cat in by_cat.columns:
-        out[f"HTA {cat.replace('_', ' ')} ms (sum over streams)"] = by_cat[cat] / 1e3
+        out[f"HTA {cat.replace('_', ' ')}*"] = by_cat[cat] / 1e3
     return out.rename_axis("rank"), ""
 
 
@@ -127,12 +120,41 @@ def _quiet() -> Iterator[None]:
                 os.close(copy)
 
 
+def raw_gpu_ops(trace_dir: str | Path) -> pd.Series:
+    """Per rank, the union of every GPU op in its file (kernels, copies, memsets), in ms, read
+    from the JSON directly: what both readers start from. Empty for CPU traces."""
+    out = {}
+    paths = sorted(p for p in Path(trace_dir).iterdir() if p.name.endswith((".json", ".json.gz")))
+    for i, path in enumerate(paths):
+        with (gzip.open if path.suffix == ".gz" else open)(path, "rb") as f:
+            doc = json.load(f)
+        if not isinstance(doc, dict):
+            continue
+        events = doc.get("traceEvents", [])
+        rank = doc.get("distributedInfo", {}).get("rank", i)
+        spans = sorted(
+            (e["ts"], e["ts"] + e["dur"]) for e in events
+            if e.get("ph") == "X" and e.get("cat") in ("kernel", "gpu_memcpy", "gpu_memset")
+        )  # fmt: skip
+        total, end = 0.0, float("-inf")
+        for a, b in spans:
+            total += max(0.0, b - max(a, end))
+            end = max(end, b)
+        if spans:
+            out[int(rank)] = total / 1e3
+    return pd.Series(out, name="raw GPU ops", dtype=float)
+
+
 def compare(trace_dir: str | Path) -> tuple[pd.DataFrame, str]:
-    """vpipe's and HTA's per-rank figures for one run's traces side by side, and HTA's note
-    (empty when it read them)."""
-    mine = vpipe_idle(trace_dir)
+    """vpipe's and HTA's per-rank figures for one run's traces side by side (with the union of
+    the files' GPU ops), and HTA's note (empty when it read them)."""
+    table = vpipe_idle(trace_dir)
+    raw = raw_gpu_ops(trace_dir)
+    if len(raw):
+        table = table.join(raw)
     theirs, note = hta_idle(trace_dir)
-    table = mine if theirs is None else mine.join(theirs, how="outer")
+    if theirs is not None:
+        table = table.join(theirs, how="outer")
     return table.reset_index(), note
 
 
@@ -182,11 +204,28 @@ def record_torch_cpu(out: str | Path, n_microbatches: int = 4, width: int = 256)
     """Record a 2-rank CPU run of torch's own pipelining runtime into ``out`` (made if
     needed); returns the directory of its two traces."""
     from vpipe.runtime.launch import spawn
+    from vpipe.trace.quiet import filtered_stderr
 
     d = Path(out)
     d.mkdir(parents=True, exist_ok=True)
-    spawn(_record_rank, 2, str(d), n_microbatches, width, timeout_s=300)
+    with filtered_stderr():  # the profiler's start and stop lines
+        spawn(_record_rank, 2, str(d), n_microbatches, width, timeout_s=300)
     return d
+
+
+DEFINITIONS = """\
+Times in ms, per rank, over the profiled step.
+vpipe window: the rank's step span (PP:STEP; without one, the step's extent over all ranks);
+  busy: the union of its compute rows (F, B, I, W; on a GPU each from its first device op to its
+  last, gaps between them included); idle = window - busy; bubble = idle / window.
+vpipe dev busy: the sum of the compute rows' busy_ns, the union of the GPU ops each launched.
+raw GPU ops: the union of every kernel, copy and memset in the rank's file, read here from the JSON.
+HTA span: the rank's first GPU op to its last, all streams; HTA busy: the union of its GPU ops
+  (HTA rounds each op's start and length down to whole microseconds); HTA idle = span - busy;
+  compute: compute kernels; non-compute: the rest (communication, copies, memsets).
+HTA host wait*, kernel wait*, other*: get_idle_time_breakdown's categories of each stream's idle
+  time (the GPU waiting for the host to launch; short gaps between kernels; the rest), summed
+  over the rank's streams, so a gap on two streams counts twice."""
 
 
 def main(argv: Sequence[str] | None = None) -> int:
@@ -215,6 +254,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         print(table.to_string(index=False, float_format=lambda v: f"{v:.3f}"))
         if note:
             print(note)
+    print("\n" + DEFINITIONS)
     return 0
 
 

@@ -36,9 +36,9 @@ def test_vpipe_side_per_rank_without_hta(tmp_path, capsys, no_hta, gpu):
         window, busy, idle = r[1], r[2], r[3]
         assert 0 < busy < window and idle == pytest.approx(window - busy)
         assert r[4] == pytest.approx(idle / window)
-    device_busy = table["vpipe device busy ms"]
+    device_busy = table["vpipe dev busy"]
     if gpu:  # the compute rows' device ops: at most the rows' own extent on the device
-        assert (device_busy > 0).all() and (device_busy <= table["vpipe busy ms"] + 1e-9).all()
+        assert (device_busy > 0).all() and (device_busy <= table["vpipe busy"] + 1e-9).all()
     else:
         assert device_busy.isna().all()
 
@@ -46,7 +46,9 @@ def test_vpipe_side_per_rank_without_hta(tmp_path, capsys, no_hta, gpu):
     out = capsys.readouterr().out.splitlines()
     assert out[0].endswith(f"python -m bench.hta_compare {tmp_path / 'run'}")  # what ran
     assert out[2] == f"{tmp_path / 'run'}:" and "vpipe bubble" in out[3] and "HTA" not in out[3]
-    assert out[-1].startswith("HTA is not installed") and "pip install 'vpipe[hta]'" in out[-1]
+    install = [line for line in out if line.startswith("HTA is not installed")]
+    assert len(install) == 1 and "pip install 'vpipe[hta]'" in install[0]
+    assert "HTA span: the rank's first GPU op to its last" in "\n".join(out)  # the definitions
 
 
 def test_a_directory_that_is_not_there_is_one_line(tmp_path, capsys):
