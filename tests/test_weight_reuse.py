@@ -27,14 +27,6 @@ SIZES = {"d_model": 12, "d_hidden": 16}
 BACKWARD_TWICE = "Trying to backward through the graph a second time"
 
 
-@pytest.fixture(autouse=True)
-def _one_thread():
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(threads)
-
-
 def test_a_looped_block_runs_its_weights_twice():
     model = build_model("looped-mlp", 2, seed=0, **SIZES)
     block = model.stages[0].pieces[0]
@@ -205,3 +197,21 @@ def test_launches_repeat_without_each_failed_config():
         torch_failures.launch_until_done(other_error, {}, lambda: 1)
     with pytest.raises(torch_failures.TorchConfigFailed, match="every config of the sweep failed"):
         torch_failures.launch_until_done(launcher({}, []), {}, lambda: 0)
+
+
+def test_warm_up_records_a_torch_failure_and_lets_vpipes_errors_through(tmp_path):
+    class Broken:
+        def timed_step(self) -> None:
+            raise RuntimeError("Trying to backward through the graph a second time (or so). More.")
+
+    with pytest.raises(torch_failures.TorchConfigFailed) as e:
+        torch_failures.warm_up("zbv-m4-torch", "torch", "zbv", Broken, 0, 1, str(tmp_path))
+    cause = "torch's ScheduleZBVZeroBubble (rank 1): RuntimeError: Trying to backward through " \
+        "the graph a second time (or so)."  # fmt: skip
+    assert str(e.value) == f"torch config zbv-m4-torch failed: {cause}"  # one step despite 0
+    assert torch_failures.read_failures(tmp_path) == {"zbv-m4-torch": cause}
+    with pytest.raises(torch_failures.TorchConfigFailed, match="let vpipe bench launch the ranks"):
+        torch_failures.warm_up("zbv-m4-torch", "torch", "zbv", Broken, 2, 0, None)  # torchrun
+    with pytest.raises(RuntimeError, match="second time"):  # vpipe's own failures stay loud
+        torch_failures.warm_up("zbv-m4-vpipe", "vpipe", "zbv", Broken, 1, 0, str(tmp_path))
+    assert torch_failures.warm_up("zbv-m4-vpipe", "vpipe", "zbv", Broken, 0, 0, None)

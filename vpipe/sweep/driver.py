@@ -125,7 +125,8 @@ class SweepSpec:
     # command's start plus max_minutes); 0: the rounds are fixed
     max_minutes: float = 0.0
     deadline: float | None = None
-    # torch configs that failed to run, key -> cause (vpipe.sweep.torch_failures): left out
+    # torch configs that failed to run, key -> cause (vpipe.sweep.torch_failures): left out;
+    # run_sweep fills it in, and copies made by dataclasses.replace share it
     failed: dict[str, str] = field(default_factory=dict)
 
     @property
@@ -449,14 +450,9 @@ def run_sweep(spec: SweepSpec, run_id: str | None = None) -> list[dict[str, Any]
         finally:
             launch.leave_job()
         return list(gathered) if rank == 0 else []
-    return launch_until_done(
-        lambda failures: launch.spawn(
-            rank_worker, spec.world_size, spec, run_id, spec.rank_specs(), failures,
-            backend=spec.backend, timeout_s=1800,
-        ),
-        spec.failed,
-        lambda: len(spec.configs()),
-    )  # fmt: skip
+    once = lambda failures: launch.spawn(rank_worker, spec.world_size, spec, run_id,  # noqa: E731
+        spec.rank_specs(), failures, backend=spec.backend, timeout_s=1800)  # fmt: skip
+    return launch_until_done(once, spec.failed, lambda: len(spec.configs()))
 
 
 def new_run_id() -> str:
