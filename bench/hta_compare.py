@@ -32,6 +32,8 @@ from typing import Any
 
 import pandas as pd
 
+from vpipe.errors import VpipeError
+
 INSTALL = "pip install 'vpipe[hta]' (HolisticTraceAnalysis and psutil)"
 
 
@@ -237,25 +239,31 @@ def main(argv: Sequence[str] | None = None) -> int:
                    "first (DIR/torch-interleaved-1f1b) and read it too")  # fmt: skip
     args = p.parse_args(argv)
     dirs = [Path(d) for d in args.dirs]
-    if args.record:
-        dirs.append(record_torch_cpu(Path(args.record) / "torch-interleaved-1f1b"))
-    if not dirs:
+    if not dirs and not args.record:
         p.error("give trace directories, or --record DIR")
     for d in dirs:
         if not d.is_dir():
             p.error(f"{d}: not a directory of traces")
+    if args.record:
+        dirs.append(record_torch_cpu(Path(args.record) / "torch-interleaved-1f1b"))
     command = shlex.join(["python", "-m", "bench.hta_compare", *(argv or sys.argv[1:])])
     when = time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime())
     print(f"{when} on {platform.node()}: {command}")
     pd.set_option("display.width", 250)
+    failed = 0
     for d in dirs:
-        table, note = compare(d)
+        try:
+            table, note = compare(d)
+        except VpipeError as e:  # not a run's traces: say so, go on with the others
+            print(f"{d}: vpipe cannot read it: {e}", file=sys.stderr)
+            failed += 1
+            continue
         print(f"\n{d}:")
         print(table.to_string(index=False, float_format=lambda v: f"{v:.3f}"))
         if note:
             print(note)
     print("\n" + DEFINITIONS)
-    return 0
+    return 1 if failed else 0
 
 
 if __name__ == "__main__":

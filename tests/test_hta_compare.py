@@ -51,12 +51,18 @@ def test_vpipe_side_per_rank_without_hta(tmp_path, capsys, no_hta, gpu):
     assert "HTA span: the rank's first GPU op to its last" in "\n".join(out)  # the definitions
 
 
-def test_a_directory_that_is_not_there_is_one_line(tmp_path, capsys):
+def test_bad_directories_are_one_line_each(tmp_path, capsys, no_hta):
     with pytest.raises(SystemExit) as e:
         hta_compare.main([str(tmp_path / "nope")])
     assert e.value.code == 2
     err = capsys.readouterr().err.strip().splitlines()[-1]
     assert err.endswith("nope: not a directory of traces")
+    (tmp_path / "empty").mkdir()
+    write_synthetic_run(tmp_path / "run", PROGRAMS)
+    assert hta_compare.main([str(tmp_path / "empty"), str(tmp_path / "run")]) == 1
+    out, err = capsys.readouterr()
+    assert err.strip().startswith(f"{tmp_path / 'empty'}: vpipe cannot read it: ")
+    assert "\n" not in err.strip() and f"{tmp_path / 'run'}:" in out  # the others still read
 
 
 def test_vpipe_never_imports_hta():
