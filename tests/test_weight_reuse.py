@@ -215,3 +215,16 @@ def test_warm_up_records_a_torch_failure_and_lets_vpipes_errors_through(tmp_path
     with pytest.raises(RuntimeError, match="second time"):  # vpipe's own failures stay loud
         torch_failures.warm_up("zbv-m4-vpipe", "vpipe", "zbv", Broken, 1, 0, str(tmp_path))
     assert torch_failures.warm_up("zbv-m4-vpipe", "vpipe", "zbv", Broken, 0, 0, None)
+
+
+def test_failure_lines_read_any_runs_table():
+    from vpipe.report.document import failure_lines
+    from vpipe.trace.store import runs_frame
+
+    runs = runs_frame([
+        {"run_id": "a", "schedule": "zbv", "microbatches": 4, "impl": "torch",
+         "status": "failed", "error": "torch's X (rank 0): RuntimeError: no."},
+        {"run_id": "b", "schedule": "zbv", "microbatches": 4, "impl": "vpipe"},  # no status
+    ])  # fmt: skip
+    assert failure_lines(runs) == ["zbv M=4 torch: failed: torch's X (rank 0): RuntimeError: no."]
+    assert failure_lines(runs.drop(columns="status")) == []

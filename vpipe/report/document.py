@@ -205,7 +205,7 @@ def vpipe_only_note(schedules: Sequence[str], impls: Sequence[str]) -> str:
 def failure_lines(runs: pd.DataFrame) -> list[str]:
     """``schedule M=m impl: failed: cause``, one line per config of a runs table whose status
     is ``failed`` (a torch config that could not run; its cause in the ``error`` column)."""
-    failed = runs[runs["status"] == "failed"] if "status" in runs.columns else runs.iloc[:0]
+    failed = runs[runs["status"].fillna("") == "failed"] if "status" in runs else runs.iloc[:0]
     return [
         f"{r['schedule']} M={r['microbatches']} {r['impl']}: failed: {r.get('error', '')}"
         for r in failed.to_dict("records")
