@@ -48,7 +48,9 @@ class BenchResults:
     @property
     def measured(self) -> pd.DataFrame:
         """The measured rows of the configs that ran (not the torch configs that failed)."""
-        ran = (self.runs["source"] == "measured") & (self.runs["status"].fillna("ok") != "failed")
+        ran = self.runs["source"] == "measured"
+        if "status" in self.runs:
+            ran &= self.runs["status"].fillna("ok") != "failed"
         return self.runs[ran].reset_index(drop=True)
 
     def failure_lines(self) -> list[str]:
