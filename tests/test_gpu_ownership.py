@@ -126,3 +126,19 @@ def test_side_stream_work_is_shown_apart():
     assert sorted(side["name"].astype(str)) == ["1B0 stream 9", "1B1 stream 9"]
     b = ev[ev["kind"].astype(str) == "B"]
     assert (b["busy_ns"] == 3 * 10 * US).all()  # its three compute-stream kernels only
+
+
+def test_which_threads_launch_for_actions():
+    """The spans' thread; autograd's by its name; an unnamed thread (or one carrying the
+    process's name) by launching only inside compute spans; a named thread never."""
+    import numpy as np
+
+    from vpipe.trace.gpu_owners import action_threads
+
+    compute = (np.array([0, 100]), np.array([50, 150]))
+    tid = np.array([1, 2, 3, 4, 5, 6, 6])
+    at = np.array([60, 10, 70, 20, 30, 20, 120])
+    names = {2: "thread 2 (pt_autograd_0)", 4: "thread 4 (pt_data_loader)",
+             5: "thread 5 (python3)", 6: ""}  # fmt: skip
+    # 3: unnamed, launched between compute spans; 5, 6: unnamed, only inside them
+    assert action_threads(tid, at, {1}, compute, names) == {1, 2, 5, 6}
