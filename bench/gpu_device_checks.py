@@ -98,14 +98,10 @@ def timeline_findings(events: Any) -> dict[str, Any]:
 
 def union_ns(starts: Any, ends: Any) -> int:
     """The total length of the union of intervals [start, end)."""
-    order = np.argsort(starts, kind="stable")
-    total, reach = 0, None
-    for a, b in zip(np.asarray(starts)[order], np.asarray(ends)[order], strict=True):
-        if reach is None or a > reach:
-            total, reach = total + int(b - a), int(b)
-        elif b > reach:
-            total, reach = total + int(b - reach), int(b)
-    return total
+    from vpipe.trace.gpu_owners import merged_intervals
+
+    a, b = merged_intervals(np.asarray(starts), np.asarray(ends))
+    return int((b - a).sum())
 
 
 def trace_ops_ns(path: Path) -> tuple[np.ndarray, np.ndarray]:

@@ -1,5 +1,6 @@
-"""``make gpu-check`` (bench/gpu_check.py): a clear one-line exit without CUDA, and both checks
-passing when run on the CPU with a tiny model (the GPU run differs only in the device)."""
+"""``make gpu-check`` (bench/gpu_check.py): a clear one-line exit without CUDA, the checks
+passing when run on the CPU with a tiny model (the GPU run differs only in the device), and
+every check failing on an input built to break it."""
 
 import numpy as np
 import pytest

@@ -10,6 +10,7 @@ import orjson
 import pandas as pd
 import pytest
 
+from bench.gpu_device_checks import union_ns
 from vpipe.events import COMPUTE_KINDS
 from vpipe.ir.lowering import lower
 from vpipe.metrics.per_run import rank_metrics
@@ -100,13 +101,8 @@ def test_other_gpu_work_is_its_own_row_and_device_busy(case):
     m = rank_metrics(ev).set_index(["rank", "step"])
     for (rank, step), g in gpu.groupby(["rank", "step"], observed=True):
         c = compute[(compute["rank"] == rank) & (compute["step"] == step)]
-        both = pd.concat([c, g])[["start_ns", "end_ns"]].sort_values("start_ns").to_numpy()
-        union, reach = 0, None
-        for s, e in both:
-            if reach is None or s > reach:
-                union, reach = union + e - s, e
-            elif e > reach:
-                union, reach = union + e - reach, e
+        both = pd.concat([c, g])
+        union = union_ns(both["start_ns"], both["end_ns"])
         assert m.loc[(rank, step), "busy_s"] == pytest.approx(union / 1e9)
 
 

@@ -48,7 +48,7 @@ def action_threads(
     docstring): the spans' threads, autograd's by name, and unnamed threads that launched
     only inside compute spans (``compute``: their starts and ends)."""
     out = set(span_tids)
-    c0, c1 = _merged(*compute)
+    c0, c1 = merged_intervals(*compute)
     for tid in np.unique(launch_tid):
         tid = int(tid)
         if tid in out:
@@ -64,8 +64,8 @@ def action_threads(
     return out
 
 
-def _merged(starts: np.ndarray, ends: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
-    """The union of intervals as sorted disjoint intervals."""
+def merged_intervals(starts: np.ndarray, ends: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """The union of intervals [start, end) as sorted disjoint intervals."""
     order = np.argsort(starts, kind="stable")
     out0: list[int] = []
     out1: list[int] = []
