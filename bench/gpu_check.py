@@ -1,10 +1,12 @@
 """``make gpu-check``: does vpipe run, time, meter and trace correctly on a GPU, and what does
 one GPU's quick sweep say? One script for a few minutes of a GPU (about four on one H200).
 
-Checks (one ``PASS``/``FAIL``/``SKIP`` line each):
+Checks (one ``PASS``/``FAIL``/``SKIP`` line each; every check has a test that feeds it an
+input built to break it and sees it fail):
 
-- ``device-reference``: a fixed bf16 matrix product timed by CUDA events, and the GPU's clocks,
-  temperature, power and throttle reasons (NVML): how still a device reference holds here.
+- ``device-reference`` (a ``MEASURED`` line: a measurement, never a pass, not counted among
+  the checks): a fixed bf16 matrix product timed by CUDA events, and the GPU's clocks,
+  temperature, power and slowdown reasons (NVML, each figure read on its own).
 - ``v-one-rank``: the V placement on one rank (zbv, P=1: stages 0 and 1 both on rank 0, handed
   over locally), small GPT model in the default precision (bf16 on CUDA), a few steps in this
   process through :mod:`vpipe.sweep.harness`; losses and every gradient against the
@@ -16,9 +18,9 @@ Checks (one ``PASS``/``FAIL``/``SKIP`` line each):
   (two processes sharing the GPU, gloo through host copies): each rank's compute rows per
   profiled step against its program, every one on the device clock, no profiler ``USDT`` lines.
 - the session figures of :mod:`bench.gpu_sweeps`: a quick compute-bound sweep on the GPU with
-  each config's own-config prediction error (goal: within 10%) and the profiler's overhead, an
-  A/A of two launches compared by ``vpipe report``, and two ranks over gloo on the one GPU (the
-  regime the report states).
+  each prediction of a config from another config's calibration (goal: within 10%) and the
+  profiler's overhead, an A/A of two launches compared by ``vpipe report`` (passes only on
+  "within noise"), and two ranks over gloo on the one GPU (the regime the report states).
 
 Everything lands in ``--out`` (default results/gpu-check): ``gpu-check.txt`` (every line
 printed), ``figures.json`` (every figure), ``traces.tar.gz`` (the checks' Kineto traces) and
@@ -43,6 +45,7 @@ import time
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import asdict, dataclass
 from pathlib import Path
+from typing import Any
 
 SCHEDULE = "zbv"
 MICROBATCHES = 4
@@ -58,9 +61,11 @@ class Outcome:
     ok: bool | None
     detail: str
     figures: dict | None = None
+    measurement: bool = False  # figures only (ok None): reported, never counted as a pass
 
     def line(self) -> str:
-        word = "SKIP" if self.ok is None else "PASS" if self.ok else "FAIL"
+        word = "MEASURED" if self.measurement else "SKIP" if self.ok is None else (
+            "PASS" if self.ok else "FAIL")
         return f"{word} {self.name}: {self.detail}"
 
 
@@ -121,7 +126,6 @@ def check_two_ranks_one_gpu(
 ) -> Outcome:
     """``vpipe run`` with two gloo ranks on one device, profiled; the traces converted and
     compared with the programs."""
-    from vpipe.events import COMPUTE_KINDS
     from vpipe.metrics.catalogue import summarize
     from vpipe.schedules import make_schedule
     from vpipe.trace.kineto import convert
@@ -151,71 +155,95 @@ def check_two_ranks_one_gpu(
         rank: sum(len(a.compute_parts()) for a in program.actions[rank] if a.is_compute)
         for rank in range(ranks)
     }
-    compute = events[events["kind"].astype(str).isin(COMPUTE_KINDS)]
-    got = compute.groupby(["rank", "step"], observed=True).size()
-    rows = {rank: sorted(set(got[rank].tolist())) if rank in got else [] for rank in want}
-    on_device = int((compute["clock"].astype(str) == "device").sum())
-    clock_ok = device == "cpu" or on_device == len(compute)
+    rows_ok, rows, on_device, n_compute = rows_verdict(events, want, device)
     bubble = summarize(events)["bubble_ratio"]
     usdt = sum("USDT" in line for line in printed.splitlines())
-    ok = (
-        files == [f"rank{k}.pt.trace.json" for k in range(ranks)]
-        and all(rows[k] == [want[k]] for k in want)
-        and usdt == 0
-        and clock_ok
-    )
+    ok = files == [f"rank{k}.pt.trace.json" for k in range(ranks)] and rows_ok and usdt == 0
     counts = ", ".join(
         f"rank {k} {'/'.join(map(str, rows[k])) or 'none'} (program {want[k]})" for k in want
     )
     detail = (
         f"{SCHEDULE} P={ranks} on one {device} device over gloo: compute rows per profiled "
-        f"step {counts}, {on_device} of {len(compute)} on the device clock; bubble ratio "
+        f"step {counts}, {on_device} of {n_compute} on the device clock; bubble ratio "
         f"{bubble:.3f}; traces {', '.join(files)}; {usdt} USDT lines printed"
     )
     return Outcome(name, ok, detail, {"bubble_ratio": bubble, "on_device": on_device})
 
 
-def probe_device_reference(repeats: int = 20) -> Outcome:
-    """A fixed bf16 matrix product timed by CUDA events, one at a time, and the GPU's clocks,
-    temperature, power and throttle reasons (NVML, where nvidia-ml-py is installed): how still
-    a device reference holds on this GPU, for comparisons across launches."""
+def rows_verdict(
+    events: Any, want: Mapping[int, int], device: str
+) -> tuple[bool, dict[int, list[int]], int, int]:
+    """(ok, compute rows per profiled step of each rank, rows on the device clock, compute
+    rows): ok when every rank's every step has its program's ``want[rank]`` rows and, on a
+    GPU, every one is on the device clock."""
+    from vpipe.events import COMPUTE_KINDS
+
+    compute = events[events["kind"].astype(str).isin(COMPUTE_KINDS)]
+    got = compute.groupby(["rank", "step"], observed=True).size()
+    rows = {rank: sorted(set(got[rank].tolist())) if rank in got else [] for rank in want}
+    on_device = int((compute["clock"].astype(str) == "device").sum())
+    clock_ok = device == "cpu" or on_device == len(compute)
+    return all(rows[k] == [want[k]] for k in want) and clock_ok, rows, on_device, len(compute)
+
+
+def probe_device_reference(
+    device: str = "cuda", size: int = 8192, repeats: int = 20, nvml_lib: Any = None
+) -> Outcome:
+    """A fixed matrix product (bf16 on CUDA) timed one at a time (CUDA events; the host clock
+    on the CPU, for tests), and the GPU's clocks, temperature, power and slowdown reasons
+    (NVML, each figure read on its own: one refused or deprecated call loses that figure
+    only): how still a device reference holds here. A measurement, never a pass."""
     import torch
 
-    a = torch.randn(8192, 8192, device="cuda", dtype=torch.bfloat16)
-    b = torch.randn(8192, 8192, device="cuda", dtype=torch.bfloat16)
+    from vpipe.trace.device_state import nvml, sample
+
+    cuda = device.startswith("cuda")
+    dtype = torch.bfloat16 if cuda else torch.float32
+    a = torch.randn(size, size, device=device, dtype=dtype)
+    b = torch.randn(size, size, device=device, dtype=dtype)
     for _ in range(3):
         a @ b
-    ms = []
-    for _ in range(repeats):
-        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        start.record()
-        a @ b
-        end.record()
-        end.synchronize()
-        ms.append(start.elapsed_time(end))
-    ms.sort()
+    ms = sorted(_timed_ms(lambda: a @ b, cuda) for _ in range(repeats))
     med = statistics.median(ms)
-    figures: dict = {"matmul_ms": ms, "tflops": 2 * 8192**3 / (med / 1e3) / 1e12}
-    try:
-        import pynvml as nv
-
-        nv.nvmlInit()
-        h = nv.nvmlDeviceGetHandleByIndex(torch.cuda.current_device())
-        figures.update(
-            sm_clock_mhz=nv.nvmlDeviceGetClockInfo(h, nv.NVML_CLOCK_SM),
-            mem_clock_mhz=nv.nvmlDeviceGetClockInfo(h, nv.NVML_CLOCK_MEM),
-            temperature_c=nv.nvmlDeviceGetTemperature(h, nv.NVML_TEMPERATURE_GPU),
-            power_w=nv.nvmlDeviceGetPowerUsage(h) / 1e3,
-            throttle_reasons=nv.nvmlDeviceGetCurrentClocksThrottleReasons(h),
-        )
-    except Exception as e:  # noqa: BLE001 (NVML is optional: say why it is missing)
-        figures["nvml"] = f"unavailable: {type(e).__name__}: {e}"
-    nvml = {k: v for k, v in figures.items() if k not in ("matmul_ms", "tflops")}
+    figures: dict = {"matmul_ms": ms, "tflops": 2 * size**3 / (med / 1e3) / 1e12}
+    lib = nvml_lib if nvml_lib is not None else nvml()
+    index = torch.cuda.current_device() if cuda else 0
+    state = sample(index, lib) if lib is not None else {}
+    figures.update(state or {"nvml": "unavailable (nvidia-ml-py not installed, or no driver)"})
+    nvml_shown = {k: v for k, v in figures.items() if k not in ("matmul_ms", "tflops")}
     detail = (
-        f"8192^3 bf16 matmul x{repeats}: median {med:.3f} ms ({figures['tflops']:.0f} TFLOP/s), "
-        f"spread {ms[0]:.3f}-{ms[-1]:.3f} ms ({(ms[-1] - ms[0]) / med:.1%}); NVML {nvml}"
+        f"{size}^3 {str(dtype).removeprefix('torch.')} matmul x{repeats}: median {med:.3f} ms "
+        f"({figures['tflops']:.0f} TFLOP/s), spread {ms[0]:.3f}-{ms[-1]:.3f} ms "
+        f"({(ms[-1] - ms[0]) / med:.1%}); NVML {nvml_shown}"
     )
-    return Outcome("device-reference", True, detail, figures)
+    return Outcome("device-reference", None, detail, figures, measurement=True)
+
+
+def _timed_ms(fn: Callable[[], Any], cuda: bool) -> float:
+    """One call of ``fn`` in milliseconds: by a CUDA event pair on the device, else the host."""
+    if not cuda:
+        t0 = time.perf_counter()
+        fn()
+        return (time.perf_counter() - t0) * 1e3
+    import torch
+
+    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    start.record()
+    fn()
+    end.record()
+    end.synchronize()
+    return start.elapsed_time(end)
+
+
+def summary(outcomes: Sequence[Outcome]) -> str:
+    """The closing line: checks passed of those run; measurements and skips said apart
+    (a measurement is reported, never counted as a pass)."""
+    checks = [o for o in outcomes if not o.measurement and o.ok is not None]
+    passed = sum(o.ok is True for o in checks)
+    measured = sum(o.measurement for o in outcomes)
+    skipped = sum(o.ok is None and not o.measurement for o in outcomes)
+    return (f"{passed} of {len(checks)} checks passed; {measured} measurement"
+            f"{'s' * (measured != 1)} reported (not checks), {skipped} skipped")  # fmt: skip
 
 
 def _pack(out: Path, name: str, folders: Sequence[Path]) -> None:
@@ -280,8 +308,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         _pack(out, "traces.tar.gz", sorted(traces.iterdir()) if traces.exists() else [])
         _pack(out, "sweeps.tar.gz", sorted(sweeps.iterdir()) if sweeps.exists() else [])
     failed = sum(o.ok is False for o in outcomes)
-    ran = sum(o.ok is not None for o in outcomes)
-    say(f"gpu-check: {ran - failed} of {ran} checks passed in {time.perf_counter() - t0:.0f} s")
+    say(f"gpu-check: {summary(outcomes)} in {time.perf_counter() - t0:.0f} s")
     figures = {"gpu": gpu, "torch": torch.__version__, "checks": [asdict(o) for o in outcomes]}
     (out / "figures.json").write_text(json.dumps(figures, indent=1, default=str))
     log.close()

@@ -164,3 +164,37 @@ def test_reductions_on_a_gpu_are_timed_by_events_not_by_their_enqueue():
     assert len(records) >= 2 and {x["clock"] for x in records} == {"device"}
     assert all(x["end_ns"] >= x["start_ns"] for x in records)
     assert r.device_wait_s is not None and r.device_wait_s >= 0
+
+
+def test_packing_a_bucket_is_the_reductions_work_not_the_actions():
+    """The concatenation of a bucket's gradients runs inside its REDUCE span: a profiled
+    trace charges it to the reduction, not to the W or B that completed the gradients."""
+    import torch
+    import torch.distributed as dist
+    from torch import nn
+    from torch.profiler import ProfilerActivity, profile, record_function
+
+    from vpipe.runtime.data_parallel import GradientReducer
+
+    own = not dist.is_initialized()
+    if own:
+        dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
+    try:
+        mods = {0: nn.Linear(4, 4)}
+        mods[0](torch.ones(1, 4)).sum().backward()
+        r = GradientReducer(mods, dist.group.WORLD, bucket_bytes=1 << 20)
+        r.profiling = True
+        with profile(activities=[ProfilerActivity.CPU]) as prof:
+            with record_function("PP:0W0"):
+                r.start(0)
+            r.finish()
+    finally:
+        if own:
+            dist.destroy_process_group()
+    ev = prof.events()
+    reduce = [e for e in ev if e.name == "PP:0REDUCE0"]
+    cats = [e for e in ev if e.name == "aten::cat"]
+    assert len(reduce) == 1 and cats
+    span = reduce[0].time_range
+    for c in cats:
+        assert span.start <= c.time_range.start and c.time_range.end <= span.end, (span, c)

@@ -31,7 +31,7 @@ EVENT_COLUMNS: dict[str, str] = {
     "step": "int32",
     "stage": "int32",
     "microbatch": "int32",
-    "kind": "category",  # F B I W SEND_F RECV_F SEND_B RECV_B WAIT REDUCE other
+    "kind": "category",  # F B I W SEND_F RECV_F SEND_B RECV_B WAIT REDUCE GPU other
     "name": "category",  # the action string (e.g. 2F3) or span name
     "start_ns": "int64",
     "end_ns": "int64",
@@ -50,7 +50,10 @@ CLOCKS = ("host", "device", "sim")
 
 COMPUTE_KINDS = ("F", "B", "I", "W")
 COMM_KINDS = ("SEND_F", "RECV_F", "SEND_B", "RECV_B")
-EVENT_KINDS = (*COMPUTE_KINDS, *COMM_KINDS, "WAIT", "REDUCE", "other")  # REDUCE: data parallel
+# REDUCE: data parallel. GPU: other GPU work on a CUDA trace (another thread's launches, an
+# action's side-stream work): the device was busy, but with no action's computing
+EVENT_KINDS = (*COMPUTE_KINDS, *COMM_KINDS, "WAIT", "REDUCE", "GPU", "other")
+DEVICE_BUSY_KINDS = (*COMPUTE_KINDS, "GPU")  # what counts as the rank's device being busy
 
 MEMORY_COLUMNS: dict[str, str] = {
     "run_id": "category",

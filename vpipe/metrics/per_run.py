@@ -6,8 +6,10 @@ Definitions (per run, step and rank; a step's figures are then combined over ran
   table has one (measured runs), else the step's extent over all ranks, first event start to
   last event end (simulated runs, where every rank starts at the step's time 0).
 - **step time**: the longest window over the ranks.
-- **busy**: the union of the rank's compute spans (F, B, I, W) in the step; communication and
-  waiting are not busy. **idle** = window - busy.
+- **busy**: the union of the rank's compute spans (F, B, I, W) in the step, and on a CUDA trace
+  its other GPU work (``GPU`` rows: another thread's launches, side-stream work, which kept the
+  device busy though no action computed); communication and waiting are not busy.
+  **idle** = window - busy.
 - **bubble ratio** (whole step) = idle / (idle + busy) = 1 - busy / window.
 - **bubble ratio excluding start-up skew** = 1 - busy / span, where span runs from the rank's
   first compute start to its last compute end, so the wait before a rank's first action and
@@ -31,7 +33,7 @@ from typing import Any
 import numpy as np
 import pandas as pd
 
-from vpipe.events import COMM_KINDS, COMPUTE_KINDS
+from vpipe.events import COMM_KINDS, COMPUTE_KINDS, DEVICE_BUSY_KINDS
 
 KEYS = ["run_id", "step", "rank"]
 # Kind of memory sample of ``vpipe bench``'s meter: bytes of tensors saved for backward.
@@ -76,7 +78,7 @@ def rank_metrics(events: pd.DataFrame) -> pd.DataFrame:
     out = span.join(steps, how="outer")
     out = out.join(whole, on=["run_id", "step"])
     window = (out["w1"] - out["w0"]).fillna(out["g1"] - out["g0"])
-    busy = _union_ns(compute, KEYS).reindex(out.index).fillna(0)
+    busy = _union_ns(ev[kind.isin(DEVICE_BUSY_KINDS)], KEYS).reindex(out.index).fillna(0)
     wait = _union_ns(ev[kind == "WAIT"], KEYS).reindex(out.index).fillna(0)
     span_ns = (out["c1"] - out["c0"]).fillna(0)
     res = pd.DataFrame(

@@ -253,7 +253,7 @@ def _posting_share(ev: pd.DataFrame) -> float:
     kind = ev["kind"].astype(str)
     compute = ev[kind.isin(COMPUTE_KINDS)]
     step = ev.loc[ev["step"] >= 0, "step"].min()
-    rows = ev[(ev["step"] == step) & ~kind.isin(["WAIT", "other"])].sort_values("start_ns")
+    rows = ev[(ev["step"] == step) & ~kind.isin(["WAIT", "GPU", "other"])].sort_values("start_ns")
     try:
         actions = [
             [parse_action(str(n)) for n in g["name"].drop_duplicates()]
@@ -274,9 +274,9 @@ def _gap_per_action_us(ev: pd.DataFrame) -> float:
     """Per rank and step: time in the step covered by no span, over the number of actions."""
     r = rank_metrics(ev).set_index(KEYS)
     kind = ev["kind"].astype(str)
-    spans = ev[kind != "other"]
+    spans = ev[~kind.isin(["other", "GPU"])]  # (GPU: other work on the device, no action)
     covered = _union_ns(spans, KEYS) / 1e9
-    n_actions = spans[kind[kind != "other"] != "WAIT"].groupby(KEYS, observed=True).size()
+    n_actions = spans[kind[spans.index] != "WAIT"].groupby(KEYS, observed=True).size()
     gap = (r["window_s"] - covered.reindex(r.index).fillna(0)).clip(lower=0)
     n = n_actions.reindex(r.index).fillna(0)
     return float(gap.sum() / n.sum() * 1e6) if n.sum() else 0.0

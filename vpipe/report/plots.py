@@ -47,6 +47,7 @@ KIND_COLORS = {
     "SEND_B": "#937860",
     "RECV_B": "#ccb974",
     "WAIT": "#8c8c8c",
+    "GPU": "#64b5cd",  # other GPU work (another thread's, a side stream's)
     "other": "#dddddd",
 }
 

@@ -199,18 +199,23 @@ class GradientReducer:
     def start(self, stage: int) -> None:
         """Start the all-reduce of every bucket of ``stage``."""
         for b, params in enumerate(self.buckets[stage]):
-            grads = [
-                p.grad.reshape(-1) if p.grad is not None else p.new_zeros(p.numel()) for p in params
-            ]
-            flight = _Flight(stage, b, params, torch.cat(grads))
-            if self._event is not None:
-                flight.events.append(self._event())
-                flight.events[0].record()  # the stream reaches the reduction: it may start
-            span = None
+            # the span and the device's start event come first: packing the bucket (the
+            # concatenation) is the reduction's work, not the action's that completed it
+            span, t0 = None, time.time_ns()
             if self.profiling:
                 span = torch.ops.profiler._record_function_enter_new(
                     f"PP:{format_reduce(stage, b)}", None
                 )
+            started = self._event() if self._event is not None else None
+            if started is not None:
+                started.record()  # the stream reaches the reduction: it may start
+            grads = [
+                p.grad.reshape(-1) if p.grad is not None else p.new_zeros(p.numel()) for p in params
+            ]
+            flight = _Flight(stage, b, params, torch.cat(grads))
+            flight.start_ns = t0
+            if started is not None:
+                flight.events.append(started)
             work = dist.all_reduce(flight.flat, group=self.group, async_op=True)
             flight.done = work.get_future().then(_on_done(flight, span))
             self._flights.append(flight)

@@ -33,7 +33,7 @@ class Machine:
     name: str
     peak_flops: dict[str, float]  # dense, per precision ("bf16", "fp16", "fp32")
     memory_bandwidth: float  # bytes/s
-    memory: float  # bytes per GPU
+    memory: float  # bytes per GPU (the datasheet's GB: 1e9 bytes, for every preset)
     gpus_per_node: int
     intra_node_bandwidth: float  # bytes/s per GPU, one direction
     inter_node_bandwidth: float  # bytes/s per GPU, one direction
@@ -96,7 +96,7 @@ _LATENCY = (
 PRESETS: dict[str, Machine] = {
     "a100": Machine(
         "a100", {"bf16": 312e12, "fp16": 312e12, "fp32": 19.5e12}, memory_bandwidth=2039e9,
-        memory=80 * GIB, gpus_per_node=8, intra_node_bandwidth=300e9,
+        memory=80e9, gpus_per_node=8, intra_node_bandwidth=300e9,
         inter_node_bandwidth=25e9, intra_node_latency=5e-6, inter_node_latency=10e-6,
         sources={
             "peak_flops": "NVIDIA A100 Tensor Core GPU datasheet: BF16/FP16 Tensor Core 312 "
@@ -112,7 +112,7 @@ PRESETS: dict[str, Machine] = {
     ),
     "h100": Machine(
         "h100", {"bf16": 989e12, "fp16": 989e12, "fp32": 67e12}, memory_bandwidth=3.35e12,
-        memory=80 * GIB, gpus_per_node=8, intra_node_bandwidth=450e9,
+        memory=80e9, gpus_per_node=8, intra_node_bandwidth=450e9,
         inter_node_bandwidth=50e9, intra_node_latency=5e-6, inter_node_latency=10e-6,
         sources={
             "peak_flops": "NVIDIA H100 Tensor Core GPU datasheet, H100 SXM: BF16/FP16 Tensor "

@@ -7,12 +7,18 @@ call that launched it by its correlation id. Kineto's ``gpu_user_annotation`` co
 not enough: it covers only kernels launched from the span's own thread, and autograd launches
 every backward kernel from its worker thread.
 
-**Ownership.** A GPU op belongs to the innermost ``PP:`` span that holds its launch in time
-(the latest-starting span open at the launch, whatever thread launched it: the main thread is
-blocked inside the action while autograd's thread launches for it). Ops launched by a
-communication library's own threads (gloo's, NCCL's) belong to no action. So a ``WAIT`` nested
-in an action owns the copy that lands its received data, a ``SEND`` the copy that stages its
-message, a ``RECV`` its NCCL kernel, and the action keeps its computing only.
+**Ownership** (:mod:`vpipe.trace.gpu_owners`). A GPU op belongs to the innermost ``PP:`` span
+that holds its launch in time (the latest-starting span open at the launch), when a thread
+that works for actions launched it: the spans' own thread, and autograd's workers (the main
+thread is blocked inside the action while autograd's thread launches for it). Ops launched by
+a communication library's own threads (gloo's, NCCL's) belong to no action; those of any
+other thread (a data loader's) are other GPU work. So a ``WAIT`` nested in an action owns
+the copy that lands its received data, a ``SEND`` the copy that stages its message, and the
+action keeps its computing only. An action's ops on a stream other than the rank's compute
+stream are side-stream work, other GPU work too. On NCCL the runtime posts a run of adjacent
+communication actions as one batch from the last one's span: a received message's device op
+is its batch's NCCL kernel (the grouped kernel, which lands every message of the batch, or the
+message's own), whichever span launched it.
 
 **Rows** (one rank's rows are rewritten; ``clock`` says which clock a row is on):
 
@@ -24,10 +30,12 @@ message, a ``RECV`` its NCCL kernel, and the action keeps its computing only.
   before the host got there.
 - a ``WAIT`` row is the device's wait for the received data: from the later of the device's
   previous work end and the host asking for the data (the WAIT span's start), to the end of the
-  data's own device op (the copy its WAIT launched, else the NCCL kernel its RECV launched),
+  data's own device op (the copy its WAIT launched, else its message's NCCL kernel),
   never past the consumer's start; empty where the data was there before. What follows the data until the consumer starts is launch
   lag, not waiting. A WAIT whose data op is unknown ends at the consumer's device start.
 - a ``REDUCE`` row (data parallel) is its all-reduce kernel on the device, not its enqueue.
+- a ``GPU`` row is other GPU work (another thread's ops, an action's side-stream ops), per
+  source and step, overlapping ops merged: device busy, no action's.
 - every other row (the step span, SEND/RECV posts) stays on the host clock: the step span ends
   after the step's device synchronise, so it covers the device work, and posting is host work.
 """
@@ -37,7 +45,8 @@ from __future__ import annotations
 import numpy as np
 import pandas as pd
 
-from vpipe.events import COMPUTE_KINDS
+from vpipe.events import COMM_KINDS, COMPUTE_KINDS
+from vpipe.trace.gpu_owners import action_threads, compute_stream, message_ends
 from vpipe.trace.kineto_json import GpuActivity
 
 SPAN = "span_index"  # the column that ties a row to its raw span (its position in the trace)
@@ -46,7 +55,7 @@ _COMM_THREADS = ("gloo", "nccl")  # a thread named so belongs to the communicati
 
 def gpu_ops(gpu: GpuActivity, base_ns: int) -> pd.DataFrame:
     """The trace's GPU ops joined to their launches, in launch order: ``start_ns``, ``end_ns``,
-    ``launch_ns``, ``nccl``; ops launched by the communication library's threads (or by no
+    ``launch_ns``, ``nccl``, ``stream``, ``tid`` (the launching thread); ops launched by the communication library's threads (or by no
     recorded call) are left out."""
     ops = pd.DataFrame(
         {
@@ -56,6 +65,7 @@ def gpu_ops(gpu: GpuActivity, base_ns: int) -> pd.DataFrame:
         }
     )
     ops["end_ns"] = ops["start_ns"] + np.rint(np.asarray(gpu.op_dur) * 1000.0).astype(np.int64)
+    ops["stream"] = np.asarray(gpu.op_stream, np.int64)
     comm = {t for t, name in gpu.thread_names.items() if any(c in name.lower() for c in _COMM_THREADS)}
     launches = pd.DataFrame(
         {
@@ -66,7 +76,7 @@ def gpu_ops(gpu: GpuActivity, base_ns: int) -> pd.DataFrame:
     )
     launches = launches[~launches["tid"].isin(comm)].drop_duplicates("correlation")
     joined = ops.merge(launches, on="correlation", how="inner")
-    cols = ["start_ns", "end_ns", "launch_ns", "nccl"]
+    cols = ["start_ns", "end_ns", "launch_ns", "nccl", "stream", "tid"]
     return joined.sort_values("launch_ns", kind="stable")[cols].reset_index(drop=True)
 
 
@@ -102,8 +112,10 @@ def owned_intervals(ops: pd.DataFrame, owner: np.ndarray, n_spans: int) -> pd.Da
     if mine.empty:
         return out
     g = mine.groupby("owner", sort=False)
-    reach = g["end_ns"].cummax().groupby(mine["owner"], sort=False).shift(1)
-    from_ = np.maximum(mine["start_ns"].to_numpy(), reach.fillna(-(2**62)).to_numpy(np.int64))
+    # shifted with an integer fill: a NaN would make the column float64, which rounds
+    # nanoseconds since the epoch to a few hundred
+    reach = g["end_ns"].cummax().groupby(mine["owner"], sort=False).shift(1, fill_value=-(2**62))
+    from_ = np.maximum(mine["start_ns"].to_numpy(), reach.to_numpy(np.int64))
     mine = mine.assign(covered=np.maximum(0, mine["end_ns"].to_numpy() - from_))
     agg = mine.groupby("owner").agg(
         dev_start=("start_ns", "min"),
@@ -115,19 +127,38 @@ def owned_intervals(ops: pd.DataFrame, owner: np.ndarray, n_spans: int) -> pd.Da
     return out
 
 
-def to_device_clock(df: pd.DataFrame, spans: pd.DataFrame, ops: pd.DataFrame) -> pd.DataFrame:
+def to_device_clock(
+    df: pd.DataFrame,
+    spans: pd.DataFrame,
+    ops: pd.DataFrame,
+    thread_names: dict[int, str] | None = None,
+) -> pd.DataFrame:
     """One rank's rows on the device clock, as the module docstring says.
 
     ``df`` holds the rows (host intervals, compute rows already trimmed of nested waits) with
     their raw span's index in :data:`SPAN`; ``spans`` the raw spans (``name``, ``start_ns``,
-    ``end_ns``, in trace order); ``ops`` :func:`gpu_ops`'s table. Adds ``busy_ns``; drops
+    ``end_ns``, ``tid``, in trace order); ``ops`` :func:`gpu_ops`'s table; ``thread_names``
+    the trace's names of threads. Adds ``busy_ns`` and the rows of other GPU work; drops
     :data:`SPAN`."""
     s0, s1 = spans["start_ns"].to_numpy(), spans["end_ns"].to_numpy()
-    dev = owned_intervals(ops, owners(s0, s1, ops["launch_ns"].to_numpy()), len(spans))
+    idx = df[SPAN].to_numpy()
+    kind = df["kind"].astype(str).to_numpy()
+    compute = np.isin(kind, COMPUTE_KINDS)
+    c_spans = np.unique(idx[compute])
+    launch = ops["launch_ns"].to_numpy()
+    tids = ops["tid"].to_numpy()
+    span_tids = set(spans["tid"].tolist()) - {0} if "tid" in spans else set()
+    mine = np.isin(tids, list(action_threads(
+        tids, launch, span_tids, (s0[c_spans], s1[c_spans]), thread_names or {}
+    )))  # fmt: skip
+    owner = np.where(mine, owners(s0, s1, launch), -1)
+    in_compute = np.isin(owner, c_spans)
+    stream = compute_stream(ops, in_compute)
+    side = in_compute & (ops["stream"].to_numpy() != stream) & ~ops["nccl"].to_numpy()
+    dev = owned_intervals(ops, np.where(side, -1, owner), len(spans))
     d0, d1, dbusy = (dev[c].to_numpy() for c in ("dev_start", "dev_end", "busy_ns"))
     has = dev["n_ops"].to_numpy() > 0
     # the device's reach before a launch at t: the latest end of the ops launched before t
-    launch = ops["launch_ns"].to_numpy()
     reach = np.maximum.accumulate(np.where(ops["nccl"].to_numpy(), -1, ops["end_ns"].to_numpy()))
 
     def reach_before(t: np.ndarray) -> np.ndarray:
@@ -135,14 +166,11 @@ def to_device_clock(df: pd.DataFrame, spans: pd.DataFrame, ops: pd.DataFrame) ->
         return np.where(i >= 0, reach[np.maximum(i, 0)] if len(reach) else -1, -1)
 
     df = df.copy()
-    idx = df[SPAN].to_numpy()
     df["launch_start_ns"], df["launch_end_ns"] = s0[idx], s1[idx]
     start, end = df["start_ns"].to_numpy().copy(), df["end_ns"].to_numpy().copy()
     busy = end - start
     clock = np.full(len(df), "host", dtype=object)
-    kind = df["kind"].astype(str).to_numpy()
 
-    compute = np.isin(kind, COMPUTE_KINDS)
     on_ops = (compute | (kind == "REDUCE")) & has[idx]
     start[on_ops], end[on_ops], busy[on_ops] = d0[idx[on_ops]], d1[idx[on_ops]], dbusy[idx[on_ops]]
     empty = compute & ~has[idx]  # launched nothing: an empty row where the device was then
@@ -153,7 +181,7 @@ def to_device_clock(df: pd.DataFrame, spans: pd.DataFrame, ops: pd.DataFrame) ->
     waits = np.flatnonzero(kind == "WAIT")
     if len(waits):
         w = idx[waits]
-        data_end = _data_end(w, spans, has, d1)
+        data_end = _data_end(w, spans, has, d1, _message_ends(df, spans, owner, ops))
         rows_c = np.flatnonzero(compute)
         at = owners(s0[idx[rows_c]], s1[idx[rows_c]], s0[w]) if len(rows_c) else np.full(len(w), -1)
         consumer_start = np.where(at >= 0, start[rows_c[np.maximum(at, 0)]] if len(rows_c) else -1, -1)
@@ -168,15 +196,86 @@ def to_device_clock(df: pd.DataFrame, spans: pd.DataFrame, ops: pd.DataFrame) ->
         busy[waits[ok]] = stop[ok] - begin[ok]
         clock[waits[ok]] = "device"
     df["start_ns"], df["end_ns"], df["busy_ns"], df["clock"] = start, end, busy, clock
-    return df.drop(columns=SPAN)
+    other = ~mine & ~ops["nccl"].to_numpy()
+    extra = other_work_rows(df, spans, ops, other, side, owner, thread_names or {})
+    return pd.concat([df, extra], ignore_index=True).drop(columns=SPAN)
+
+
+def _message_ends(
+    df: pd.DataFrame, spans: pd.DataFrame, owner: np.ndarray, ops: pd.DataFrame
+) -> dict[int, int]:
+    """Per RECV span: its message's device end (:func:`gpu_owners.message_ends`), the
+    batches being the runs of adjacent communication spans in posting order."""
+    acts = df[~df["kind"].astype(str).isin(("WAIT", "other"))].drop_duplicates(SPAN)
+    acts = acts.assign(_t=spans["start_ns"].to_numpy()[acts[SPAN].to_numpy()])
+    batch_of, is_recv, batch, prev_comm = {}, {}, 0, False
+    for span, k in zip(acts.sort_values("_t", kind="stable")[SPAN], acts.sort_values(
+            "_t", kind="stable")["kind"].astype(str), strict=True):  # fmt: skip
+        comm = k in COMM_KINDS
+        if comm:
+            batch += not prev_comm
+            batch_of[int(span)], is_recv[int(span)] = batch, k.startswith("RECV")
+        prev_comm = comm
+    return message_ends(batch_of, is_recv, owner, ops)
+
+
+def other_work_rows(
+    df: pd.DataFrame,
+    spans: pd.DataFrame,
+    ops: pd.DataFrame,
+    other: np.ndarray,
+    side: np.ndarray,
+    owner: np.ndarray,
+    thread_names: dict[int, str],
+) -> pd.DataFrame:
+    """Rows of kind ``GPU`` (other GPU work: device busy, no action's) for the ops of other
+    threads and the side-stream ops of actions, per step and source, overlapping ops merged:
+    named ``thread T (name)`` or ``{action} stream S``."""
+    pick = other | side
+    if not pick.any():
+        return df.iloc[:0]
+    names = spans["name"].astype(str).to_numpy()
+    src = np.where(
+        side,
+        [f"{names[o].removeprefix('PP:')} stream {s}" if o >= 0 else "" for o, s in
+         zip(owner, ops["stream"], strict=True)],
+        [thread_names.get(int(t)) or f"thread {int(t)}" for t in ops["tid"]],
+    )[pick]  # fmt: skip
+    steps = df[(df["kind"].astype(str) == "other") & (df["name"].astype(str) == "STEP")]
+    st0, st1, stk = (steps[c].to_numpy() for c in ("launch_start_ns", "launch_end_ns", "step"))
+    o0, o1 = ops["start_ns"].to_numpy()[pick], ops["end_ns"].to_numpy()[pick]
+    ol = ops["launch_ns"].to_numpy()[pick]
+    at = owners(st0, st1, ol) if len(steps) else np.full(len(ol), -1)
+    rows = []
+    table = pd.DataFrame({"src": src, "step": np.where(at >= 0, stk[np.maximum(at, 0)], -1),
+                          "s": o0, "e": o1, "l": ol})[at >= 0]  # fmt: skip
+    for (name, step), g in table.sort_values("s").groupby(["src", "step"], sort=False):
+        cur = None
+        for s_, e_, l_ in zip(g["s"], g["e"], g["l"], strict=True):
+            if cur is not None and s_ <= cur[1]:
+                cur[1] = max(cur[1], e_)
+                cur[3] = max(cur[3], l_)
+                continue
+            if cur is not None:
+                rows.append((name, step, *cur))
+            cur = [s_, e_, l_, l_]
+        rows.append((name, step, *cur))
+    out = pd.DataFrame(rows, columns=["name", "step", "start_ns", "end_ns",
+                                      "launch_start_ns", "launch_end_ns"])  # fmt: skip
+    return out.assign(kind="GPU", stage=-1, microbatch=-1, clock="device",
+                      busy_ns=out["end_ns"] - out["start_ns"], **{SPAN: -1})  # fmt: skip
 
 
 def _data_end(
-    waits: np.ndarray, spans: pd.DataFrame, has: np.ndarray, dev_end: np.ndarray
+    waits: np.ndarray,
+    spans: pd.DataFrame,
+    has: np.ndarray,
+    dev_end: np.ndarray,
+    message_end: dict[int, int],
 ) -> np.ndarray:
     """Per WAIT span: the end of its received data on the device (-1 where unknown): its own
-    ops (a copy into the device), else those of the latest span it waits for (``WAIT:X`` ->
-    ``X``) started before it."""
+    ops (a copy into the device), else its message's NCCL kernel (``message_end`` of the
+    latest span it waits for, ``WAIT:X`` -> ``X``, started before it), else that span's ops."""
     names = spans["name"].astype(str).to_numpy()
     starts = spans["start_ns"].to_numpy()
     by_name: dict[str, np.ndarray] = {}
@@ -191,6 +290,8 @@ def _data_end(
             by_name[target] = found[np.argsort(starts[found], kind="stable")]
         cand = by_name[target]
         j = int(np.searchsorted(starts[cand], starts[i], side="right")) - 1 if len(cand) else -1
-        if j >= 0 and has[cand[j]]:
+        if j >= 0 and int(cand[j]) in message_end:
+            out[k] = message_end[int(cand[j])]
+        elif j >= 0 and has[cand[j]]:
             out[k] = dev_end[cand[j]]
     return out

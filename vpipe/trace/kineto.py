@@ -178,7 +178,7 @@ def _convert_file(raw: RawTrace, rank: int) -> tuple[pd.DataFrame, pd.DataFrame,
     )
     df["end_ns"] = df["start_ns"] + np.rint(np.asarray(spans["dur"]) * 1000.0).astype(np.int64)
     df[SPAN] = np.arange(len(df))
-    raw_spans = df[["name", "start_ns", "end_ns"]].assign(name=list(spans["name"]))
+    raw_spans = df[["name", "start_ns", "end_ns"]].assign(name=list(spans["name"]), tid=spans["tid"])
     parts_of = {t[3]: t[4] for t in table if t[0] == "overlap"}
 
     # Step spans: vpipe's own if present, else the profiler's.
@@ -192,7 +192,7 @@ def _convert_file(raw: RawTrace, rank: int) -> tuple[pd.DataFrame, pd.DataFrame,
     df = _trim_nested_waits(_drop_shadowed_parts(df[inside]))
     ops = gpu_ops(raw.gpu, base) if len(raw.gpu) else None
     if ops is not None and len(ops):
-        df, clock = to_device_clock(df, raw_spans, ops), "device"
+        df, clock = to_device_clock(df, raw_spans, ops, raw.gpu.thread_names), "device"
     else:
         df, clock = df.drop(columns=SPAN), "host"
         df = df.assign(

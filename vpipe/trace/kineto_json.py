@@ -74,7 +74,7 @@ class RawTrace:
     """What vpipe needs from one trace file."""
 
     header: dict[str, Any]  # the top-level keys except traceEvents
-    spans: dict[str, list]  # name, ts, dur (microseconds) of complete CPU-side PP: /
+    spans: dict[str, list]  # name, ts, dur (microseconds), tid of complete CPU-side PP: /
     # ProfilerStep# spans (not their GPU-stream copies)
     memory: dict[str, np.ndarray]  # ts, alloc, reserved, device of [memory] events
     n_events: int  # events in the file (for speed figures)
@@ -101,7 +101,7 @@ class GpuActivity:
 
 
 def _no_spans() -> dict[str, list]:
-    return {"name": [], "ts": [], "dur": []}
+    return {"name": [], "ts": [], "dur": [], "tid": []}  # tid: the thread holding the span
 
 
 def read_trace(path: str | Path) -> RawTrace:
@@ -186,6 +186,7 @@ def _pick(events: list[tuple[int, dict]], path: Path) -> tuple[dict[str, list], 
                 spans["name"].append(name)
                 spans["ts"].append(float(e["ts"]))
                 spans["dur"].append(float(e["dur"]))
+                spans["tid"].append(e["tid"] if isinstance(e.get("tid"), int) else 0)
         except (AttributeError, KeyError, TypeError, ValueError) as err:
             raise TraceError(
                 f"{path}: malformed trace event #{i} ({e.get('name')!r}): {err!r}"
