@@ -68,9 +68,12 @@ from vpipe.ir import Kind, parse_action
 from vpipe.ir.reduction import parse_reduce
 from vpipe.trace.device_clock import SPAN, gpu_ops, to_device_clock
 from vpipe.trace.kineto_json import RawTrace, read_trace
+from vpipe.trace.operators import read_by_operators
 
 _RANK_IN_NAME = re.compile(r"rank[_-]?(\d+)", re.IGNORECASE)
 _STEP_MARK, _PROF_STEP_MARK = "STEP", "PROFSTEP"
+_SINGLE_STAGE = re.compile(r"(Forward|Backward) (\d+)")
+_OWN_STAGE = -2  # the stage of a single-stage schedule's span: the rank's
 
 
 @dataclass
@@ -103,6 +106,9 @@ def _classify(name: str) -> tuple[str, int, int, str, tuple]:
     """(kind, stage, microbatch, row name, overlap parts) of one span name."""
     if name.startswith("ProfilerStep#") and name[13:].isdigit():
         return _PROF_STEP_MARK, -1, int(name[13:]), "STEP", ()
+    single = _SINGLE_STAGE.fullmatch(name)
+    if single:  # torch's single-stage classes: the rank's one stage, filled in per file
+        return single[1][0], _OWN_STAGE, int(single[2]), name, ()
     body = name[3:] if name.startswith("PP:") else name
     if body.startswith("STEP:") and body[5:].isdigit():
         return _STEP_MARK, -1, int(body[5:]), "STEP", ()
@@ -159,8 +165,11 @@ def _assign_steps(starts: np.ndarray, marks: pd.DataFrame) -> tuple[np.ndarray, 
     return mk[safe], ok
 
 
-def _convert_file(raw: RawTrace, rank: int) -> tuple[pd.DataFrame, pd.DataFrame, bool, str]:
-    """(events, memory, whether it has vpipe's step spans, the clock of its compute rows)."""
+def _convert_file(
+    raw: RawTrace, rank: int
+) -> tuple[pd.DataFrame, pd.DataFrame, bool, str, str | None]:
+    """(events, memory, whether it has vpipe's step spans, the clock of its compute rows, a
+    note on what its operators could not tell)."""
     base = int(raw.header.get("baseTimeNanoseconds") or 0)
     spans = raw.spans
     names = pd.Categorical(spans["name"])
@@ -178,6 +187,14 @@ def _convert_file(raw: RawTrace, rank: int) -> tuple[pd.DataFrame, pd.DataFrame,
     )
     df["end_ns"] = df["start_ns"] + np.rint(np.asarray(spans["dur"]) * 1000.0).astype(np.int64)
     df[SPAN] = np.arange(len(df))
+    df["tid"] = np.asarray(spans["tid"], np.int64)
+    own = df["stage"] == _OWN_STAGE
+    if own.any():
+        df.loc[own, "stage"] = rank
+        df.loc[own, "name"] = [
+            f"{rank}{k}{m}"
+            for k, m in zip(df.loc[own, "kind"], df.loc[own, "microbatch"], strict=True)
+        ]
     raw_spans = df[["name", "start_ns", "end_ns"]].assign(name=list(spans["name"]))
     parts_of = {t[3]: t[4] for t in table if t[0] == "overlap"}
 
@@ -191,15 +208,20 @@ def _convert_file(raw: RawTrace, rank: int) -> tuple[pd.DataFrame, pd.DataFrame,
     df["step"] = steps
     df = _trim_nested_waits(_drop_shadowed_parts(df[inside]))
     ops = gpu_ops(raw.gpu, base) if len(raw.gpu) else None
+    note = None
     if ops is not None and len(ops):
-        df, clock = to_device_clock(df, raw_spans, ops), "device"
+        df, clock = to_device_clock(df.drop(columns="tid"), raw_spans, ops), "device"
     else:
         df, clock = df.drop(columns=SPAN), "host"
+        if len(raw.ops["ts"]) and not is_vstep.any() and not (df["kind"] == "WAIT").any():
+            # not vpipe's runtime (its WAIT spans say where it waited): read the operators
+            df, note = read_by_operators(df, raw.ops, base, rank)
+        df = df.drop(columns="tid").assign(
+            launch_start_ns=df["start_ns"], launch_end_ns=df["end_ns"]
+        )
         df = df.assign(
             clock="host",
-            launch_start_ns=df["start_ns"],
-            launch_end_ns=df["end_ns"],
-            busy_ns=df["end_ns"] - df["start_ns"],
+            busy_ns=df["busy_ns"] if "busy_ns" in df else df["end_ns"] - df["start_ns"],
         )
     df["rank"] = rank
 
@@ -208,7 +230,7 @@ def _convert_file(raw: RawTrace, rank: int) -> tuple[pd.DataFrame, pd.DataFrame,
     )
     mdf["step"] = _last_started(mdf["t_ns"].to_numpy(), marks)
     mdf["rank"] = rank
-    return df, mdf, bool(is_vstep.any()), clock
+    return df, mdf, bool(is_vstep.any()), clock, note
 
 
 def _last_started(times: np.ndarray, marks: pd.DataFrame) -> np.ndarray:
@@ -389,6 +411,7 @@ def convert(
         raise TraceError("no trace files given")
     ev_parts, mem_parts, metas, ranks = [], [], [], {}
     clocks: set[str] = set()
+    notes: list[str] = []
     n_raw = 0
     for path in files:
         raw = read_trace(path)
@@ -398,10 +421,12 @@ def convert(
             raise TraceError(f"{path}: rank {rank} also comes from {ranks[rank]}")
         ranks[rank] = path
         try:
-            ev, mem, vpipe_steps, clock = _convert_file(raw, rank)
+            ev, mem, vpipe_steps, clock, note = _convert_file(raw, rank)
         except TraceError as e:
             raise TraceError(f"{path}: {e}") from None
         clocks.add(clock)
+        if note:
+            notes.append(note)
         if clock == "host" and _is_cuda_trace(raw.header):
             warnings.warn(
                 f"{path}: a CUDA trace without GPU activity (profiled without CUDA activity): "
@@ -419,6 +444,8 @@ def convert(
     meta["schedule"] = schedule or meta.get("schedule") or "unknown"
     meta["ranks_in_trace"] = sorted(ranks)
     meta["clock"] = clocks.pop() if len(clocks) == 1 else "mixed"
+    if notes:
+        meta["note"] = "; ".join(notes)
     events = pd.concat(ev_parts, ignore_index=True).sort_values(["rank", "start_ns", "end_ns"])
     const = {"run_id": meta["run_id"], "source": "measured"}
     events = events_frame(

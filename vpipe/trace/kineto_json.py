@@ -65,7 +65,17 @@ _GPU_COPY = "gpu_user_annotation"
 _GPU_OPS = ("kernel", "gpu_memcpy", "gpu_memset")  # work the device ran, with its launch's id
 _LAUNCHES = ("cuda_runtime", "cuda_driver")  # host calls; those that launched an op share its id
 _CUDA_ACTIVITY = re.compile(rb'"cat"\s*:\s*"(?:kernel|gpu_memcpy|gpu_memset)"')
-_SPAN_NAME = re.compile(rb'"name"\s*:\s*"(PP:|ProfilerStep#)')
+_SPAN_NAME = re.compile(rb'"name"\s*:\s*"(PP:|ProfilerStep#|Forward \d|Backward \d)')
+# torch's single-stage schedules name their actions "Forward i" / "Backward i".
+_SPAN_PREFIXES = ("PP:", "ProfilerStep#", "Forward ", "Backward ")
+# A CPU operator as Kineto writes it (keys in this order); the fast path reads these fields only.
+_CPU_OP = re.compile(
+    rb'"cat":\s*"cpu_op",\s*"name":\s*"((?:[^"\\]|\\.)*)",\s*"pid":\s*-?\d+,\s*'
+    rb'"tid":\s*(-?\d+),\s*"ts":\s*([-+\d.eE]+),\s*"dur":\s*([-+\d.eE]+)'
+)
+# Operators that move data between ranks or wait for it: never the rank's computing.
+_COMM_OP = re.compile(r"c10d::|gloo:|nccl|record_param_comms", re.IGNORECASE)
+_BACKWARD_OP = "autograd::engine::evaluate_function"  # a backward node run by autograd
 _OBJECT_TAIL = re.compile(rb"[^{}]*(?:\{[^{}]*\}[^{}]*)*\}")
 
 
@@ -74,11 +84,14 @@ class RawTrace:
     """What vpipe needs from one trace file."""
 
     header: dict[str, Any]  # the top-level keys except traceEvents
-    spans: dict[str, list]  # name, ts, dur (microseconds) of complete CPU-side PP: /
-    # ProfilerStep# spans (not their GPU-stream copies)
+    spans: dict[str, list]  # name, ts, dur (microseconds), tid of complete CPU-side PP: /
+    # ProfilerStep# / Forward i / Backward i spans (not their GPU-stream copies)
     memory: dict[str, np.ndarray]  # ts, alloc, reserved, device of [memory] events
     n_events: int  # events in the file (for speed figures)
     gpu: GpuActivity = field(default_factory=lambda: GpuActivity())  # empty on CPU traces
+    ops: dict[str, np.ndarray] = field(default_factory=lambda: _ops_arrays([], [], [], []))
+    # ts, dur (microseconds), tid, comm (a communication call) and backward (an autograd
+    # engine's step) of the CPU operators
 
 
 @dataclass
@@ -101,7 +114,31 @@ class GpuActivity:
 
 
 def _no_spans() -> dict[str, list]:
-    return {"name": [], "ts": [], "dur": []}
+    return {"name": [], "ts": [], "dur": [], "tid": []}
+
+
+def _tid(v: Any) -> int:
+    """A thread id as Kineto writes it (an int; a name for the profiler's own rows: -1)."""
+    return v if isinstance(v, int) else -1
+
+
+def is_comm_op(name: str) -> bool:
+    """Whether a CPU operator is a communication call (posting, sending or waiting for data)."""
+    return _COMM_OP.match(name) is not None
+
+
+def _ops_arrays(names: list, ts: list, dur: list, tid: list) -> dict[str, np.ndarray]:
+    """The operator columns; ``comm`` and ``backward`` decided once per distinct name."""
+    text = {n: n.decode() if isinstance(n, bytes) else n for n in set(names)}
+    comm = {n: is_comm_op(t) for n, t in text.items()}
+    backward = {n: t.startswith(_BACKWARD_OP) for n, t in text.items()}
+    return {
+        "ts": np.asarray(ts, np.float64),
+        "dur": np.asarray(dur, np.float64),
+        "tid": np.asarray(tid, np.int64),
+        "comm": np.fromiter((comm[n] for n in names), bool, len(names)),
+        "backward": np.fromiter((backward[n] for n in names), bool, len(names)),
+    }
 
 
 def read_trace(path: str | Path) -> RawTrace:
@@ -137,16 +174,26 @@ def _full(raw: bytes, path: Path) -> RawTrace:
         raise TraceError(f"{path}: not a Kineto/Chrome trace: no 'traceEvents' list")
     events = doc.pop("traceEvents")
     wanted, gpu = [], GpuActivity()
+    ops: tuple[list, list, list, list] = ([], [], [], [])
     for i, e in enumerate(events):
         if not isinstance(e, dict):
             continue
         name, cat = e.get("name"), e.get("cat")
         if cat in _GPU_OPS or cat in _LAUNCHES or (e.get("ph") == "M" and name == "thread_name"):
             _add_gpu_event(gpu, i, e, path)
-        elif isinstance(name, str) and name.startswith(("PP:", "ProfilerStep#", "[memory]")):
+        elif cat == "cpu_op" and e.get("ph") == "X":
+            try:
+                row = (str(name), float(e["ts"]), float(e["dur"]), int(e["tid"]))
+                for col, v in zip(ops, row, strict=True):
+                    col.append(v)
+            except (KeyError, TypeError, ValueError) as err:
+                raise TraceError(
+                    f"{path}: malformed trace event #{i} ({name!r}): {err!r}"
+                ) from None
+        elif isinstance(name, str) and name.startswith((*_SPAN_PREFIXES, "[memory]")):
             wanted.append((i, e))
     spans, memory = _pick(wanted, path)
-    return RawTrace(doc, spans, memory, len(events), gpu)
+    return RawTrace(doc, spans, memory, len(events), gpu, _ops_arrays(*ops))
 
 
 def _add_gpu_event(gpu: GpuActivity, i: int, e: dict, path: Path) -> None:
@@ -166,7 +213,9 @@ def _add_gpu_event(gpu: GpuActivity, i: int, e: dict, path: Path) -> None:
             gpu.launch_tid.append(int(e["tid"]))
             gpu.launch_correlation.append(int(args["correlation"]))
     except (AttributeError, KeyError, TypeError, ValueError) as err:
-        raise TraceError(f"{path}: malformed trace event #{i} ({e.get('name')!r}): {err!r}") from None
+        raise TraceError(
+            f"{path}: malformed trace event #{i} ({e.get('name')!r}): {err!r}"
+        ) from None
 
 
 def _pick(events: list[tuple[int, dict]], path: Path) -> tuple[dict[str, list], dict]:
@@ -182,10 +231,11 @@ def _pick(events: list[tuple[int, dict]], path: Path) -> tuple[dict[str, list], 
                 mem["reserved"].append(int(a.get("Total Reserved", 0)))
                 mem["device"].append(int(a.get("Device Type", 0)))
                 mem["device_id"].append(int(a.get("Device Id", -1)))
-            elif e.get("ph") == "X" and e.get("cat") != _GPU_COPY:
+            elif e.get("ph") == "X" and e.get("cat") not in (_GPU_COPY, "cpu_op"):
                 spans["name"].append(name)
                 spans["ts"].append(float(e["ts"]))
                 spans["dur"].append(float(e["dur"]))
+                spans["tid"].append(_tid(e.get("tid")))
         except (AttributeError, KeyError, TypeError, ValueError) as err:
             raise TraceError(
                 f"{path}: malformed trace event #{i} ({e.get('name')!r}): {err!r}"
@@ -238,7 +288,11 @@ def _fast(raw: bytes, path: Path) -> RawTrace | None:
     except orjson.JSONDecodeError:
         return None
     spans, _ = _pick(list(enumerate(events)), path)
-    return RawTrace(header, spans, memory, n_events)
+    found = _CPU_OP.findall(raw, key)
+    if len(found) != raw.count(b'"cpu_op"', key):
+        return None  # an operator not laid out as expected: the full parse reads it
+    names, tid, ts, dur = zip(*found, strict=True) if found else ((), (), (), ())
+    return RawTrace(header, spans, memory, n_events, ops=_ops_arrays(list(names), ts, dur, tid))
 
 
 def _memory(raw: bytes) -> tuple[dict[str, np.ndarray], int] | None:

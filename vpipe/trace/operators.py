@@ -1,0 +1,126 @@
+"""What a rank computed, read from its CPU operators, for traces whose runtime does not mark
+its waits (torch.distributed.pipelining on CPU).
+
+torch's runtime posts a receive in a RECV action and waits for it at the start of the
+consuming F/I/B, inside that action's ``PP:`` span; nothing in the trace marks the wait except
+that no operator runs. So, on a rank's thread:
+
+- A compute row (a ``PP:`` action, or torch's ``Forward i`` / ``Backward i``) runs from its
+  first operator to the end of its last one, communication calls (``c10d::``, ``gloo:``,
+  ``nccl``, ``record_param_comms``) left out: the time before the first operator is a WAIT row
+  named ``WAIT(ops):{action}`` (found from the operators, not a span of the trace), the time
+  after the last one (posting a send, the interpreter leaving the span) is neither. ``busy_ns``
+  is the union of its operators; the bubble counts the row's extent, which also holds the
+  interpreter's time between operators.
+- A rank that names no actions (torch's Schedule1F1B) gets one row per run of operators
+  between two communication calls, split where autograd's backward nodes start or stop: ``B``
+  for backward runs, ``F`` for the rest, microbatch -1, named ``ops``; the time between two
+  runs that holds a communication call is a ``WAIT(ops)`` row. Busy time, waits and bubble per
+  rank are right; per-action rows (microbatches, F/B costs) are not recoverable.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+
+import numpy as np
+import pandas as pd
+
+from vpipe.events import COMPUTE_KINDS
+
+OPS_WAIT = "WAIT(ops)"  # the name prefix of a wait found from the operators
+RUN_NAME = "ops"  # a compute row that is a run of operators, not an action
+NO_ACTIONS = (
+    "rank {rank} names no actions (e.g. torch's Schedule1F1B): its busy time, waits and bubble "
+    "come from runs of operators between communication calls; microbatches and per-action "
+    "costs are not recoverable"
+)
+
+
+def _ops_ns(ops: Mapping[str, np.ndarray], base: int, tid: int) -> tuple[np.ndarray, ...]:
+    """(start, end, comm, backward) of the operators of thread ``tid``, sorted by start."""
+    on = ops["tid"] == tid
+    start = base + np.rint(ops["ts"][on] * 1000.0).astype(np.int64)
+    end = start + np.rint(ops["dur"][on] * 1000.0).astype(np.int64)
+    order = np.argsort(start, kind="stable")
+    return start[order], end[order], ops["comm"][on][order], ops["backward"][on][order]
+
+
+def _union(start: np.ndarray, end: np.ndarray) -> int:
+    """Length of the union of intervals sorted by start."""
+    if not len(start):
+        return 0
+    reach = np.maximum.accumulate(end)
+    prev = np.concatenate(([start[0]], reach[:-1]))
+    return int(np.maximum(0, end - np.maximum(start, prev)).sum())
+
+
+def read_by_operators(
+    df: pd.DataFrame, ops: Mapping[str, np.ndarray], base: int, rank: int
+) -> tuple[pd.DataFrame, str | None]:
+    """``df`` (one file's rows on the host clock, with ``tid``) with its compute rows read
+    from the operators, WAIT rows added and ``busy_ns`` set; and a note on what could not be
+    recovered (None when every action is named)."""
+    compute = df["kind"].isin(COMPUTE_KINDS).to_numpy()
+    df = df.assign(busy_ns=df["end_ns"] - df["start_ns"])
+    if not compute.any():
+        steps = df[(df["kind"] == "other") & (df["name"] == "STEP")]
+        if steps.empty or not len(ops["ts"]):
+            return df, None
+        runs = [_runs(step, ops, base, rank) for _, step in steps.iterrows()]
+        return pd.concat([df, *runs], ignore_index=True), NO_ACTIONS.format(rank=rank)
+    by_tid = {}
+    waits = []
+    for at in np.flatnonzero(compute):
+        row = df.iloc[at]
+        tid = int(row["tid"])
+        if tid not in by_tid:
+            by_tid[tid] = _ops_ns(ops, base, tid)
+        start, end, comm, _ = by_tid[tid]
+        s, e = int(row["start_ns"]), int(row["end_ns"])
+        lo, hi = np.searchsorted(start, s, "left"), np.searchsorted(start, e, "left")
+        keep = ~comm[lo:hi]
+        os_, oe = start[lo:hi][keep], np.minimum(end[lo:hi][keep], e)
+        first, last = (int(os_[0]), int(oe.max())) if len(os_) else (e, e)
+        df.iat[at, df.columns.get_loc("start_ns")] = first
+        df.iat[at, df.columns.get_loc("end_ns")] = last
+        df.iat[at, df.columns.get_loc("busy_ns")] = _union(os_, oe)
+        if first > s:
+            waits.append({**row.to_dict(), "kind": "WAIT", "name": f"{OPS_WAIT}:{row['name']}",
+                          "start_ns": s, "end_ns": first, "busy_ns": first - s})  # fmt: skip
+    # an overlap action's parts share one span: one WAIT row for it
+    extra = pd.DataFrame(waits).drop_duplicates(["start_ns", "end_ns", "tid"]) if waits else None
+    return (df if extra is None else pd.concat([df, extra], ignore_index=True)), None
+
+
+def _runs(step: pd.Series, ops: Mapping[str, np.ndarray], base: int, rank: int) -> pd.DataFrame:
+    """Compute and WAIT rows of one step of a rank that names no actions."""
+    start, end, comm, backward = _ops_ns(ops, base, int(step["tid"]))
+    s0, s1 = int(step["start_ns"]), int(step["end_ns"])
+    inside = (start >= s0) & (start < s1)
+    start, end, comm, backward = start[inside], end[inside], comm[inside], backward[inside]
+    top = np.concatenate(([True], start[1:] >= np.maximum.accumulate(end)[:-1]))
+    start, end, comm, backward = start[top], end[top], comm[top], backward[top]
+    rows: list[dict] = []
+    i, n = 0, len(start)
+    while i < n:
+        if comm[i]:
+            i += 1
+            continue
+        j = i
+        while j + 1 < n and not comm[j + 1] and backward[j + 1] == backward[i]:
+            j += 1
+        kind = "B" if backward[i] else "F"
+        rows.append({"kind": kind, "name": RUN_NAME, "start_ns": int(start[i]),
+                     "end_ns": int(end[j]), "busy_ns": _union(start[i : j + 1], end[i : j + 1]),
+                     "comm_before": bool(i and comm[i - 1])})  # fmt: skip
+        i = j + 1
+    out = []
+    for k, r in enumerate(rows):
+        if k and r["comm_before"] and r["start_ns"] > rows[k - 1]["end_ns"]:
+            t0 = rows[k - 1]["end_ns"]
+            out.append({"kind": "WAIT", "name": OPS_WAIT, "start_ns": t0,
+                        "end_ns": r["start_ns"], "busy_ns": r["start_ns"] - t0})  # fmt: skip
+        out.append({k2: v for k2, v in r.items() if k2 != "comm_before"})
+    frame = pd.DataFrame(out, columns=["kind", "name", "start_ns", "end_ns", "busy_ns"])
+    return frame.assign(stage=rank, microbatch=-1, step=int(step["step"]), tid=int(step["tid"]))
