@@ -79,6 +79,10 @@ _BACKWARD_OP = "autograd::engine::evaluate_function"  # a backward node run by a
 _OBJECT_TAIL = re.compile(rb"[^{}]*(?:\{[^{}]*\}[^{}]*)*\}")
 
 
+class NotATrace(TraceError):
+    """A file that parses but is not a profiler trace (wrong shape, no events)."""
+
+
 @dataclass
 class RawTrace:
     """What vpipe needs from one trace file."""
@@ -171,8 +175,10 @@ def _full(raw: bytes, path: Path) -> RawTrace:
     if isinstance(doc, list):  # Chrome's bare array form
         doc = {"traceEvents": doc}
     if not isinstance(doc, dict) or not isinstance(doc.get("traceEvents"), list):
-        raise TraceError(f"{path}: not a Kineto/Chrome trace: no 'traceEvents' list")
+        raise NotATrace(f"{path}: not a Kineto/Chrome trace: no 'traceEvents' list")
     events = doc.pop("traceEvents")
+    if not any(isinstance(e, dict) and "ph" in e for e in events):
+        raise NotATrace(f"{path}: not a trace: its 'traceEvents' hold no trace events")
     wanted, gpu = [], GpuActivity()
     ops: tuple[list, list, list, list] = ([], [], [], [])
     for i, e in enumerate(events):
@@ -274,6 +280,8 @@ def _fast(raw: bytes, path: Path) -> RawTrace | None:
     else:
         memory = {"ts": np.zeros(0), **{k: np.zeros(0, np.int64) for k in _MEMORY_ARGS}}
         n_events = raw.count(b'"ph"')
+    if not n_events:
+        return None  # the full parse says what the file is instead
     span_slices = []
     for m in _SPAN_NAME.finditer(raw, key):
         start = raw.rfind(b"{", key, m.start())

@@ -30,11 +30,16 @@ from vpipe.events import COMPUTE_KINDS
 
 OPS_WAIT = "WAIT(ops)"  # the name prefix of a wait found from the operators
 RUN_NAME = "ops"  # a compute row that is a run of operators, not an action
-NO_ACTIONS = (
-    "rank {rank} names no actions (e.g. torch's Schedule1F1B): its busy time, waits and bubble "
-    "come from runs of operators between communication calls; microbatches and per-action "
-    "costs are not recoverable"
-)
+
+
+def no_actions_note(ranks: list[int]) -> str:
+    """The line saying what a trace whose ``ranks`` name no actions cannot tell."""
+    who = f"rank {ranks[0]} names" if len(ranks) == 1 else f"ranks {ranks} name"
+    return (
+        f"{who} no actions (e.g. torch's Schedule1F1B): busy time, waits and bubble come from "
+        "runs of operators between communication calls; microbatches, the schedule and "
+        "per-action costs are not recoverable"
+    )
 
 
 def _ops_ns(ops: Mapping[str, np.ndarray], base: int, tid: int) -> tuple[np.ndarray, ...]:
@@ -57,18 +62,18 @@ def _union(start: np.ndarray, end: np.ndarray) -> int:
 
 def read_by_operators(
     df: pd.DataFrame, ops: Mapping[str, np.ndarray], base: int, rank: int
-) -> tuple[pd.DataFrame, str | None]:
+) -> tuple[pd.DataFrame, bool]:
     """``df`` (one file's rows on the host clock, with ``tid``) with its compute rows read
-    from the operators, WAIT rows added and ``busy_ns`` set; and a note on what could not be
-    recovered (None when every action is named)."""
+    from the operators, WAIT rows added and ``busy_ns`` set; and whether the rank names its
+    actions (else its rows are operator runs)."""
     compute = df["kind"].isin(COMPUTE_KINDS).to_numpy()
     df = df.assign(busy_ns=df["end_ns"] - df["start_ns"])
     if not compute.any():
         steps = df[(df["kind"] == "other") & (df["name"] == "STEP")]
         if steps.empty or not len(ops["ts"]):
-            return df, None
+            return df, True
         runs = [_runs(step, ops, base, rank) for _, step in steps.iterrows()]
-        return pd.concat([df, *runs], ignore_index=True), NO_ACTIONS.format(rank=rank)
+        return pd.concat([df, *runs], ignore_index=True), False
     by_tid = {}
     waits = []
     for at in np.flatnonzero(compute):
@@ -90,7 +95,7 @@ def read_by_operators(
                           "start_ns": s, "end_ns": first, "busy_ns": first - s})  # fmt: skip
     # an overlap action's parts share one span: one WAIT row for it
     extra = pd.DataFrame(waits).drop_duplicates(["start_ns", "end_ns", "tid"]) if waits else None
-    return (df if extra is None else pd.concat([df, extra], ignore_index=True)), None
+    return (df if extra is None else pd.concat([df, extra], ignore_index=True)), True
 
 
 def _runs(step: pd.Series, ops: Mapping[str, np.ndarray], base: int, rank: int) -> pd.DataFrame:
