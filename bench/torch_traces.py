@@ -4,8 +4,9 @@ one ``rank<N>_trace.json`` per rank (torchtitan's name), gloo ranks on CPU. vpip
 in the recording, so the traces carry none of its metadata or spans.
 
 Each stage is a stack of residual MLP blocks (``--width`` wide, ``--rows`` rows a microbatch);
-``--slow S:K`` gives stage S K times the blocks of the others. One launch records every
-schedule given, each into ``OUT/<schedule>/``.
+``--slow S:K`` gives stage S K times the blocks of the others (``--both``: each schedule
+balanced too). One launch records every schedule given, each into ``OUT/<schedule>/`` (with a
+slow stage ``OUT/<schedule>-slow/``).
 
 Run: ``python -m bench.torch_traces OUT --ranks 4 [--schedules ZBVZeroBubble 1F1B] [--slow 1:3]``.
 """
@@ -63,14 +64,14 @@ def _rank(rank: int, n_ranks: int, out: str, init: str, opts: dict) -> None:
     dist.init_process_group("gloo", init_method=f"file://{init}", rank=rank, world_size=n_ranks)
     try:
         m, width, rows = opts["microbatches"], opts["width"], opts["rows"]
-        for name in opts["schedules"]:
+        for name, slow in opts["configs"]:
             placement = CLASSES[name]
             n_stages = n_ranks if placement == "single" else 2 * n_ranks
             torch.manual_seed(0)
             mine = stages_of(placement, rank, n_ranks)
             stages = []
             for s in mine:
-                blocks = opts["blocks"] * (opts["slow_factor"] if s == opts["slow_stage"] else 1)
+                blocks = opts["blocks"] * (slow[1] if slow and s == slow[0] else 1)
                 module = torch.nn.Sequential(*(_block(width) for _ in range(blocks)))
                 stages.append(pipelining.PipelineStage(module, s, n_stages, torch.device("cpu")))
             cls = getattr(pipelining, f"Schedule{name}")
@@ -81,7 +82,7 @@ def _rank(rank: int, n_ranks: int, out: str, init: str, opts: dict) -> None:
             )
             x, t = torch.randn(m * rows, width), torch.randn(m * rows, width)
             first, last = 0 in mine, n_stages - 1 in mine
-            where = Path(out) / name
+            where = Path(out) / (f"{name}-slow" if slow else name)
             where.mkdir(parents=True, exist_ok=True)
             file = str(where / f"rank{rank}_trace.json")
             steps = opts["active"] + 2
@@ -110,18 +111,21 @@ def record(
     rows: int = 32,
     blocks: int = 2,
     slow: tuple[int, int] | None = None,
+    both: bool = False,
     active: int = 1,
 ) -> Path:
     """Record ``schedules`` (torch class names less "Schedule") on ``n_ranks`` spawned gloo
-    ranks into ``out/<schedule>/rank<N>_trace.json``; returns ``out``."""
+    ranks into ``out/<schedule>/rank<N>_trace.json`` (``<schedule>-slow`` with ``slow``'s
+    stage S K times slower; ``both``: each also balanced); returns ``out``."""
     import torch.multiprocessing as mp
 
     unknown = [s for s in schedules if s not in CLASSES]
     if unknown:
         raise SystemExit(f"unknown torch schedule {unknown[0]!r}: choose from {', '.join(CLASSES)}")
-    slow_stage, slow_factor = slow if slow else (-1, 1)
-    opts = dict(schedules=list(schedules), microbatches=microbatches, width=width, rows=rows,
-                blocks=blocks, slow_stage=slow_stage, slow_factor=slow_factor, active=active)  # fmt: skip
+    variants = ([None] if both or not slow else []) + ([slow] if slow else [])
+    configs = [(name, v) for v in variants for name in schedules]
+    opts = dict(configs=configs, microbatches=microbatches, width=width, rows=rows,
+                blocks=blocks, active=active)  # fmt: skip
     with tempfile.TemporaryDirectory() as tmp:
         init = os.path.join(tmp, "init")
         mp.start_processes(_rank, args=(n_ranks, str(out), init, opts), nprocs=n_ranks,
@@ -139,11 +143,12 @@ def main(argv: Sequence[str] | None = None) -> None:
     ap.add_argument("--rows", type=int, default=32)
     ap.add_argument("--blocks", type=int, default=2, help="residual blocks per stage")
     ap.add_argument("--slow", metavar="S:K", help="stage S has K times the blocks")
+    ap.add_argument("--both", action="store_true", help="with --slow: each balanced too")
     ap.add_argument("--active", type=int, default=1, help="profiled steps")
     a = ap.parse_args(argv)
     slow = tuple(int(v) for v in a.slow.split(":")) if a.slow else None
     record(a.out, a.ranks, a.schedules, microbatches=a.microbatches, width=a.width, rows=a.rows,
-           blocks=a.blocks, slow=slow, active=a.active)  # fmt: skip
+           blocks=a.blocks, slow=slow, both=a.both, active=a.active)  # fmt: skip
     for p in sorted(Path(a.out).rglob("*.json")):
         print(f"{p}: {p.stat().st_size:,} bytes")
 
