@@ -74,28 +74,38 @@ def read_by_operators(
             return df, True
         runs = [_runs(step, ops, base, rank) for _, step in steps.iterrows()]
         return pd.concat([df, *runs], ignore_index=True), False
-    by_tid = {}
-    waits = []
-    for at in np.flatnonzero(compute):
-        row = df.iloc[at]
-        tid = int(row["tid"])
-        if tid not in by_tid:
-            by_tid[tid] = _ops_ns(ops, base, tid)
-        start, end, comm, _ = by_tid[tid]
-        s, e = int(row["start_ns"]), int(row["end_ns"])
-        lo, hi = np.searchsorted(start, s, "left"), np.searchsorted(start, e, "left")
-        keep = ~comm[lo:hi]
-        os_, oe = start[lo:hi][keep], np.minimum(end[lo:hi][keep], e)
-        first, last = (int(os_[0]), int(oe.max())) if len(os_) else (e, e)
-        df.iat[at, df.columns.get_loc("start_ns")] = first
-        df.iat[at, df.columns.get_loc("end_ns")] = last
-        df.iat[at, df.columns.get_loc("busy_ns")] = _union(os_, oe)
-        if first > s:
-            waits.append({**row.to_dict(), "kind": "WAIT", "name": f"{OPS_WAIT}:{row['name']}",
-                          "start_ns": s, "end_ns": first, "busy_ns": first - s})  # fmt: skip
+    rows = np.flatnonzero(compute)
+    s_all, e_all = df["start_ns"].to_numpy().copy(), df["end_ns"].to_numpy().copy()
+    busy, tids = df["busy_ns"].to_numpy().copy(), df["tid"].to_numpy()
+    lead = np.zeros(len(df), np.int64)  # wait before the first operator, per compute row
+    for tid in np.unique(tids[rows]):
+        start, end, comm, _ = _ops_ns(ops, base, int(tid))
+        start, end = start[~comm], end[~comm]
+        mine = rows[tids[rows] == tid]
+        lo = np.searchsorted(start, s_all[mine], "left")
+        hi = np.searchsorted(start, e_all[mine], "left")
+        for at, i, j in zip(mine, lo, hi, strict=True):
+            s, e = s_all[at], e_all[at]
+            if i == j:  # no operator ran: the whole span waited
+                lead[at], s_all[at], busy[at] = e - s, e, 0
+                continue
+            oe = np.minimum(end[i:j], e)
+            lead[at] = start[i] - s
+            s_all[at], e_all[at], busy[at] = start[i], oe.max(), _union(start[i:j], oe)
+    waits = df.iloc[rows[lead[rows] > 0]]
+    w_end = s_all[rows[lead[rows] > 0]]
+    df = df.assign(start_ns=s_all, end_ns=e_all, busy_ns=busy)
+    if waits.empty:
+        return df, True
+    waits = waits.assign(
+        kind="WAIT",
+        name=[f"{OPS_WAIT}:{n}" for n in waits["name"]],
+        end_ns=w_end,
+        busy_ns=w_end - waits["start_ns"].to_numpy(),
+    )
     # an overlap action's parts share one span: one WAIT row for it
-    extra = pd.DataFrame(waits).drop_duplicates(["start_ns", "end_ns", "tid"]) if waits else None
-    return (df if extra is None else pd.concat([df, extra], ignore_index=True)), True
+    waits = waits.drop_duplicates(["start_ns", "end_ns", "tid"])
+    return pd.concat([df, waits], ignore_index=True), True
 
 
 def _runs(step: pd.Series, ops: Mapping[str, np.ndarray], base: int, rank: int) -> pd.DataFrame:
