@@ -8,7 +8,8 @@ that no operator runs. So, on a rank's thread:
 - A compute row (a ``PP:`` action, or torch's ``Forward i`` / ``Backward i``) runs from its
   first operator to the end of its last one, communication calls (``c10d::``, ``gloo:``,
   ``nccl``, ``record_param_comms``) left out: the time before the first operator is a WAIT row
-  named ``WAIT(ops):{action}`` (found from the operators, not a span of the trace), the time
+  named ``WAIT(ops):{the receive it waited for}`` (``1RECV_F3`` before ``1F3``: found from the
+  operators, not a span of the trace; a W's or an overlap's names its action), the time
   after the last one (posting a send, the interpreter leaving the span) is neither. ``busy_ns``
   is the union of its operators; the bubble counts the row's extent, which also holds the
   interpreter's time between operators.
@@ -99,13 +100,28 @@ def read_by_operators(
         return df, True
     waits = waits.assign(
         kind="WAIT",
-        name=[f"{OPS_WAIT}:{n}" for n in waits["name"]],
+        name=[
+            _wait_name(k, st, mb, n)
+            for k, st, mb, n in waits[["kind", "stage", "microbatch", "name"]].itertuples(
+                index=False
+            )
+        ],  # fmt: skip
         end_ns=w_end,
         busy_ns=w_end - waits["start_ns"].to_numpy(),
     )
     # an overlap action's parts share one span: one WAIT row for it
     waits = waits.drop_duplicates(["start_ns", "end_ns", "tid"])
     return pd.concat([df, waits], ignore_index=True), True
+
+
+def _wait_name(kind: str, stage: int, microbatch: int, name: str) -> str:
+    """A found wait's name: the receive its action waits for, as vpipe's runtime names its
+    waits (``WAIT(ops):1RECV_F3`` before ``1F3``, ``RECV_B`` before an I or B); an overlap
+    action's, or a W's (which receives nothing), names the action."""
+    recv = {"F": "RECV_F", "I": "RECV_B", "B": "RECV_B"}.get(kind)
+    if recv is None or name.startswith("("):
+        return f"{OPS_WAIT}:{name}"
+    return f"{OPS_WAIT}:{stage}{recv}{microbatch}"
 
 
 def _runs(step: pd.Series, ops: Mapping[str, np.ndarray], base: int, rank: int) -> pd.DataFrame:
