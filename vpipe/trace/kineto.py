@@ -20,6 +20,15 @@ What becomes a row of the event table (:mod:`vpipe.events` schema, ``source="mea
   with the stage and the bucket as ``microbatch``, from the reduction's start to its completion;
   ``PP:WAIT:{stage}REDUCE{bucket}``: a WAIT row, the step's end waiting for it.
 - Other ``PP:`` spans (e.g. torch's ``PP:0UNSHARD``): ``kind="other"``, stage/microbatch -1.
+- torch's single-stage schedules' ``Forward i`` / ``Backward i`` spans: F / B of the rank's
+  one stage, microbatch i.
+
+Traces without vpipe's step and WAIT spans (torch.distributed.pipelining's, which waits for an
+action's inputs inside the action's span) are read by their CPU operators where they hold them
+(:mod:`vpipe.trace.operators`): a compute row runs from its first operator to its last, the
+lead-in is a WAIT row; a rank naming no actions gets runs of operators. Their metadata (ranks,
+program, stages, microbatches, schedule) comes from the trace (:mod:`vpipe.trace.infer`);
+which files are traces and whether they agree: :mod:`vpipe.trace.files`.
 
 Rows come from the CPU-side spans, one per span. On CUDA the trace also holds the GPU's
 work (kernels, copies, memsets, each with the host call that launched it): each compute row
@@ -33,8 +42,7 @@ warning that its times are launch times. The run's ``meta["clock"]`` says which 
 ranks differ).
 
 Times are wall-clock nanoseconds (Kineto's ``baseTimeNanoseconds`` + ``ts``), comparable across
-the ranks of one host. The rank comes from vpipe's embedded metadata, else the trace's
-``distributedInfo``, else a ``rank<N>`` file name.
+the ranks of one host.
 
 Memory table rows: ``[memory]`` instant events (``profile_memory=True``) give ``what`` =
 ``cpu_allocated`` or ``cuda_allocated`` (allocator's bytes in use after each allocation or
@@ -374,7 +382,8 @@ def convert(
 
     ``run_id``, ``impl`` and ``schedule`` override the trace's embedded metadata; without
     either, the run id is the directory name, impl is ``vpipe`` when the trace has vpipe's
-    ``PP:STEP`` spans and ``torch`` otherwise, and the schedule is ``unknown``.
+    ``PP:STEP`` spans and ``torch`` otherwise, and the schedule the catalogue family equal to
+    the program the trace ran (``custom`` if none is, ``unknown`` if the trace names no actions).
     """
     traces = read_traces(paths)
     files = [p for p, _ in traces]
