@@ -85,8 +85,8 @@ def _rank(rank: int, n_ranks: int, out: str, init: str, opts: dict) -> None:
             where = Path(out) / (f"{name}-slow" if slow else name)
             where.mkdir(parents=True, exist_ok=True)
             file = str(where / f"rank{rank}_trace.json")
-            steps = opts["active"] + 2
-            plan = schedule(wait=1, warmup=1, active=opts["active"])
+            steps = opts["wait"] + 1 + opts["active"]
+            plan = schedule(wait=opts["wait"], warmup=1, active=opts["active"])
             with profile(
                 activities=[ProfilerActivity.CPU],
                 schedule=plan,
@@ -113,6 +113,7 @@ def record(
     slow: tuple[int, int] | None = None,
     both: bool = False,
     active: int = 1,
+    wait: int = 1,
 ) -> Path:
     """Record ``schedules`` (torch class names less "Schedule") on ``n_ranks`` spawned gloo
     ranks into ``out/<schedule>/rank<N>_trace.json`` (``<schedule>-slow`` with ``slow``'s
@@ -125,7 +126,7 @@ def record(
     variants = ([None] if both or not slow else []) + ([slow] if slow else [])
     configs = [(name, v) for v in variants for name in schedules]
     opts = dict(configs=configs, microbatches=microbatches, width=width, rows=rows,
-                blocks=blocks, active=active)  # fmt: skip
+                blocks=blocks, active=active, wait=wait)  # fmt: skip
     with tempfile.TemporaryDirectory() as tmp:
         init = os.path.join(tmp, "init")
         mp.start_processes(_rank, args=(n_ranks, str(out), init, opts), nprocs=n_ranks,
