@@ -143,9 +143,7 @@ def _assign_steps(starts: np.ndarray, marks: pd.DataFrame) -> tuple[np.ndarray, 
     return mk[safe], ok
 
 
-def _convert_file(
-    raw: RawTrace, rank: int
-) -> tuple[pd.DataFrame, pd.DataFrame, bool, str, str | None]:
+def _convert_file(raw: RawTrace, rank: int) -> tuple[pd.DataFrame, pd.DataFrame, bool, str, bool]:
     """(events, memory, whether it has vpipe's step spans, the clock of its compute rows,
     whether it names its actions)."""
     base = int(raw.header.get("baseTimeNanoseconds") or 0)
@@ -195,10 +193,9 @@ def _convert_file(
             # not vpipe's runtime (its WAIT spans say where it waited): read the operators
             df, named = read_by_operators(df, raw.ops, base, rank)
         df = df.drop(columns="tid").assign(
-            launch_start_ns=df["start_ns"], launch_end_ns=df["end_ns"]
-        )
-        df = df.assign(
             clock="host",
+            launch_start_ns=df["start_ns"],
+            launch_end_ns=df["end_ns"],
             busy_ns=df["busy_ns"] if "busy_ns" in df else df["end_ns"] - df["start_ns"],
         )
     df["rank"] = rank
