@@ -1,8 +1,10 @@
 """Read a Kineto JSON trace file, keeping only what vpipe converts, fast.
 
 A 30 MB CPU trace holds ~100k events of which vpipe needs the ``PP:`` spans, ``ProfilerStep#``
-spans and ``[memory]`` instant events. A CUDA trace adds the GPU's activity: every kernel, copy
-and memset (stream, correlation id) and the host calls that launched them (thread, correlation
+spans and ``[memory]`` instant events, and, for traces that do not mark their waits (torch's
+runtime), each CPU operator's thread, start and length (read by one regular expression over the
+bytes on the fast path, the full parse where one is laid out otherwise). A CUDA trace adds
+the GPU's activity: every kernel, copy and memset (stream, correlation id) and the host calls that launched them (thread, correlation
 id), which :mod:`vpipe.trace.device_clock` joins to put each action on the device's clock.
 CUDA traces are read by the *full parse* (below): their GPU ops have arbitrary names (C++
 templates with braces), which the fast path's slicing does not handle. Parsing every event into
@@ -219,9 +221,7 @@ def _add_gpu_event(gpu: GpuActivity, i: int, e: dict, path: Path) -> None:
             gpu.launch_tid.append(int(e["tid"]))
             gpu.launch_correlation.append(int(args["correlation"]))
     except (AttributeError, KeyError, TypeError, ValueError) as err:
-        raise TraceError(
-            f"{path}: malformed trace event #{i} ({e.get('name')!r}): {err!r}"
-        ) from None
+        raise TraceError(f"{path}: malformed trace event #{i} ({e.get('name')!r}): {err!r}") from None
 
 
 def _pick(events: list[tuple[int, dict]], path: Path) -> tuple[dict[str, list], dict]:
