@@ -5,7 +5,8 @@ spans and ``[memory]`` instant events, and, for traces that do not mark their wa
 runtime), each CPU operator's thread, start and length (read by one regular expression over the
 bytes on the fast path, the full parse where one is laid out otherwise). A CUDA trace adds
 the GPU's activity: every kernel, copy and memset (stream, correlation id) and the host calls
-that launched them (thread, correlation id), which :mod:`vpipe.trace.device_clock` joins to put each action on the device's clock.
+that launched them (thread, correlation id), which :mod:`vpipe.trace.device_clock` joins to
+put each action on the device's clock.
 CUDA traces are read by the *full parse* (below): their GPU ops have arbitrary names (C++
 templates with braces), which the fast path's slicing does not handle. Parsing every event into
 Python dicts dominates the conversion time of a CPU trace, so :func:`read_trace` first tries a
