@@ -98,14 +98,10 @@ def read_by_operators(
     df = df.assign(start_ns=s_all, end_ns=e_all, busy_ns=busy)
     if waits.empty:
         return df, True
+    what = waits[["kind", "stage", "microbatch", "name"]].itertuples(index=False)
     waits = waits.assign(
         kind="WAIT",
-        name=[
-            _wait_name(k, st, mb, n)
-            for k, st, mb, n in waits[["kind", "stage", "microbatch", "name"]].itertuples(
-                index=False
-            )
-        ],  # fmt: skip
+        name=[_wait_name(*w) for w in what],
         end_ns=w_end,
         busy_ns=w_end - waits["start_ns"].to_numpy(),
     )
