@@ -138,8 +138,8 @@ def test_predict_without_vpipe_metadata(p2):
     table = found["predictions"].set_index("schedule")
     assert found["run"]["schedule"] == "zbv" and found["run"]["microbatches"] == M_OF[2]
     assert (table["predicted_step_ms"] > 0).all() and len(table) == 3
-    with pytest.raises(TraceError, match="--microbatches"):
-        analyze(str(p2 / "1F1B"), run=None, predict=["zbv"])
+    with pytest.raises(TraceError, match="per-action costs.*name no actions"):
+        analyze(str(p2 / "1F1B"), run=None, predict=["zbv"], microbatches=M_OF[2])
 
 
 def test_store_report_and_csv_without_vpipe_metadata(p2, tmp_path):

@@ -60,7 +60,7 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     a.add_argument(
         "--microbatches",
         type=int,
-        help="microbatches per step, where the trace does not name them (default: from the run)",
+        help="microbatches per step, where the trace does not say them (default: from the run)",
     )
     a.add_argument(
         "--w-share",
@@ -376,7 +376,13 @@ def _fidelity(
 ) -> dict[str, Any]:
     from vpipe.predict.calibrate import calibrate, fidelity_table, model_units
     from vpipe.schedules import make_schedule
+    from vpipe.sweep.results import has_actions
 
+    if not has_actions(events, named=True):
+        raise TraceError(
+            "--predict needs per-action costs, which this run does not hold: "
+            + str(meta.get("note") or "it has no compute actions")
+        )
     ranks, mbs = _int(meta.get("ranks")), _int(meta.get("microbatches"))
     if not ranks:
         raise TraceError("--predict needs the run's ranks: the trace does not say them")
