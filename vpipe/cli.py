@@ -7,6 +7,7 @@ import importlib
 import os
 import pkgutil
 import sys
+import warnings
 from collections.abc import Sequence
 from typing import NoReturn
 
@@ -41,7 +42,11 @@ def main(argv: Sequence[str] | None = None) -> int:
     """Run the CLI; user errors print one line to stderr and return 2."""
     args = build_parser().parse_args(argv)
     try:
-        return int(args.func(args) or 0)
+        with warnings.catch_warnings():  # a warning is one line naming the command, too
+            warnings.showwarning = lambda message, *_: print(
+                f"vpipe {args.command}: warning: {message}", file=sys.stderr
+            )
+            return int(args.func(args) or 0)
     except VpipeError as e:
         print(f"vpipe {args.command}: error: {e}", file=sys.stderr)
         _tell_torchrun(f"vpipe {args.command}: error: {e}")

@@ -29,6 +29,11 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     p.add_argument("--impl", help="implementation label (default: from the trace)")
     p.add_argument("--schedule", help="schedule name (default: from the trace)")
     p.add_argument("--batch", type=int, help="samples per step, for throughput in --store")
+    p.add_argument(
+        "--csv",
+        metavar="FILE",
+        help="write the program the trace ran (each rank's compute actions) as a schedule CSV",
+    )
     p.set_defaults(func=trace_command)
 
     a = subparsers.add_parser(
@@ -52,6 +57,11 @@ def register(subparsers: argparse._SubParsersAction) -> None:
         help="schedules to predict; measured counterpart from the store or the given trace",
     )
     a.add_argument("--batch", type=int, help="samples per step (default: from the run's metadata)")
+    a.add_argument(
+        "--microbatches",
+        type=int,
+        help="microbatches per step, where the trace does not say them (default: from the run)",
+    )
     a.add_argument(
         "--w-share",
         type=float,
@@ -80,17 +90,25 @@ def trace_command(args: argparse.Namespace) -> int:
     from vpipe.trace.kineto import convert
     from vpipe.trace.store import Store, meta_columns, write_parquet
 
-    if not args.output and not args.store:
-        raise TraceError("nothing to write: give -o OUT and/or --store ROOT")
+    if not args.output and not args.store and not args.csv:
+        raise TraceError("nothing to write: give -o OUT, --store ROOT and/or --csv FILE")
     if args.output:
         check_output_file(args.output, "-o")
         check_output_file(memory_path(Path(args.output)), "-o (memory table)")
     if args.store:
         check_output_dir(args.store, append=True, flag="--store")
+    if args.csv:
+        check_output_file(args.csv, "--csv")
     t0 = time.perf_counter()
     tr = convert(args.paths, run_id=args.run_id, impl=args.impl, schedule=args.schedule)
     dt = time.perf_counter() - t0
     meta = {k: v for k, v in tr.meta.items()}
+    if args.csv:
+        if "program" not in meta:
+            raise TraceError(
+                "--csv: the trace names no actions on some rank, so its program is unknown"
+            )
+        Path(args.csv).write_text(meta["program"])
     if args.output:
         out = Path(args.output)
         write_parquet(tr.events, out, {"table": "events", **meta})
@@ -109,7 +127,10 @@ def trace_command(args: argparse.Namespace) -> int:
         f" -> {len(tr.events)} event rows, {len(tr.memory)} memory rows, run {meta['run_id']}"
         + (f" -> {args.output}" if args.output else "")
         + (f" -> store {args.store}" if args.store else "")
+        + (f" -> program {args.csv}" if args.csv else "")
     )
+    if meta.get("note"):
+        print(f"note: {meta['note']}")
     return 0
 
 
@@ -130,6 +151,7 @@ def analyze_command(args: argparse.Namespace) -> int:
         batch=args.batch,
         w_share=args.w_share,
         stat=args.stat,
+        microbatches=args.microbatches,
     )
     print(analysis_json(found) if args.json else analysis_text(found))
     return 0
@@ -190,6 +212,7 @@ def analyze(
     batch: int | None = None,
     w_share: float = 0.5,
     stat: str = "median",
+    microbatches: int | None = None,
 ) -> dict[str, Any]:
     """Everything `vpipe analyze` reports about a run: its metrics, peaks, per-kind span
     medians and, with ``predict``, the calibration and the predictions."""
@@ -197,6 +220,8 @@ def analyze(
     from vpipe.metrics.per_run import kind_durations, peak_memory
 
     events, memory, meta = _load(source, run)
+    if microbatches:
+        meta = {**meta, "microbatches": microbatches}
     batch = batch or _int(meta.get("batch"))
     tps = _int(meta.get("tokens_per_sample")) or _gpt_seq_len(meta)
     found: dict[str, Any] = {
@@ -207,6 +232,7 @@ def analyze(
         ),
         "peak_bytes": dict(peak_memory(memory).max()) if memory is not None else {},
         "spans": kind_durations(events),
+        "note": meta.get("note"),
     }
     if predict:
         found.update(_fidelity(source, events, meta, predict, w_share, stat))
@@ -250,6 +276,8 @@ def analysis_text(found: dict[str, Any]) -> str:
         f"under torch.profiler, which slows each step){timed}"
     ]
     lines.extend(metric_lines(s))
+    if found.get("note"):
+        lines.append(f"  note           {found['note']}")
     peaks = found["peak_bytes"]
     if len(peaks):
         lines.append(
@@ -348,15 +376,26 @@ def _fidelity(
 ) -> dict[str, Any]:
     from vpipe.predict.calibrate import calibrate, fidelity_table, model_units
     from vpipe.schedules import make_schedule
+    from vpipe.sweep.results import has_actions
 
+    if not has_actions(events, named=True):
+        raise TraceError(
+            "--predict needs per-action costs, which this run does not hold: "
+            + str(meta.get("note") or "it has no compute actions")
+        )
     ranks, mbs = _int(meta.get("ranks")), _int(meta.get("microbatches"))
-    if not ranks or not mbs:
-        raise TraceError("--predict needs the run's ranks and microbatches in its metadata")
+    if not ranks:
+        raise TraceError("--predict needs the run's ranks: the trace does not say them")
+    if not mbs:
+        raise TraceError(
+            "--predict needs the run's microbatches, which the trace does not name: "
+            "give --microbatches M"
+        )
     cal = calibrate(events, w_share=w_share, stat=stat)
     units = model_units(meta)
     cases = []
     own = str(meta.get("schedule", "unknown"))
-    if own != "unknown":
+    if own not in ("unknown", "custom"):
         timed = _timed_s(meta)
         cases.append((f"{own} (calibration run)", make_schedule(own, ranks, mbs), events, timed))
     for item in predict:

@@ -19,8 +19,8 @@ Definitions (per run, step and rank; a step's figures are then combined over ran
 - **regime figure** (per run): median compute span per action (F, B, I, W) / median cost of
   one message across a stage boundary, the median SEND span plus the median RECV span (the
   sender's and the receiver's post). Both vpipe's and torch's traces have these spans, so the
-  figure means the same for both; blocking waits are left out (torch's traces have no WAIT
-  spans: its compute spans hold them, as if computing), so it errs towards compute-bound.
+  figure means the same for both; blocking waits are left out, so it errs towards
+  compute-bound. (torch's traces mark no waits: :mod:`vpipe.trace.operators` finds them.)
 
 Spread over steps is given as the interquartile range (``*_q1``/``*_q3``) next to the median.
 """

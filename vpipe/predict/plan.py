@@ -177,6 +177,17 @@ class CalibratedCosts:
         return replace(cm, per_stage=per_stage, activation_bytes=act)
 
 
+# what plan --from needs of a run, and where a run converted from traces gets it
+_NEEDED = {
+    "schedule": "vpipe trace --schedule NAME labels it",
+    "ranks": "vpipe trace reads it from the trace's distributedInfo",
+    "microbatches": "vpipe trace reads it from the trace's action spans",
+    "batch": "vpipe trace --batch B labels it",
+    "model": "plan re-splits vpipe's built-in models only; for another model's trace, "
+    "vpipe analyze TRACE --predict compares schedules on its own stages",
+}
+
+
 def from_run(store_root: str, run_id: str) -> CalibratedCosts:
     """Costs from a measured run of a results store (see :func:`calibrated_costs`)."""
     from vpipe.schedules import make_schedule
@@ -184,9 +195,9 @@ def from_run(store_root: str, run_id: str) -> CalibratedCosts:
 
     run = Store(store_root).run(run_id)  # one read of that run's files
     meta = run.meta
-    for key in ("schedule", "ranks", "microbatches", "batch", "model"):
-        if key not in meta:
-            raise PlanError(f"run {run_id!r} records no {key}: cannot plan from it")
+    for key, hint in _NEEDED.items():
+        if key not in meta or meta[key] is None or meta[key] != meta[key]:
+            raise PlanError(f"run {run_id!r} records no {key}: cannot plan from it ({hint})")
     memory = run.memory
     saved = memory[memory["what"].astype(str) == "saved_activations"]
     peaks = saved.groupby("rank")["bytes"].max().to_dict() if len(saved) else {}

@@ -297,7 +297,7 @@ def _ms(seconds: float) -> str:
     return "" if pd.isna(seconds) else f"{seconds * 1e3:.2f}"
 
 
-RUNS_COLUMNS = ("schedule", "microbatches", "impl", "peak_memory_bytes")
+RUNS_COLUMNS = ("schedule", "microbatches", "impl")  # memory: only where the run recorded it
 # a runs table needs one of these: timed steps (a sweep's), or profiled ones alone (traces)
 STEP_COLUMNS = ("step_time_s", "profiled_step_time_s")
 

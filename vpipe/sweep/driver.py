@@ -334,7 +334,9 @@ def rank_worker(
             for cfg, h in zip(configs, harnesses, strict=True):
                 out = Path(spec.trace_dir) / cfg.key / f"round{r}"
                 meta = _trace_meta(spec, cfg, h, run_id)
-                ev = h.profiled_step(out, meta, verbose=spec.verbose, ops=spec.profile_ops)
+                # torch's runtime marks no waits: they are read from its operators
+                ops = spec.profile_ops or cfg.impl == "torch"
+                ev = h.profiled_step(out, meta, verbose=spec.verbose, ops=ops)
                 # one recorded step per round: number it by its round (torch's traces count
                 # their ProfilerStep from 1 again in every round)
                 traced[cfg.key].append(ev.assign(step=ev["step"].where(ev["step"] < 0, r)))

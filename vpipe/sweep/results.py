@@ -242,10 +242,10 @@ def collect(
         ev = _config_events(results, cfg, run_id)
         events[run_id] = ev
         memory[run_id] = _config_memory(results, cfg, run_id)
-        traced = has_actions(ev)  # torch's single-stage classes record no per-action spans
+        traced = has_actions(ev)
         sim_row = None
         mine = [x for x in dp_records if x["config"] == i]
-        if traced and simulate:
+        if simulate and has_actions(ev, named=True):  # torch's Schedule1F1B names none
             sim_row, events[sim_id] = simulate_config(spec, cfg, ev, sim_id, mine or None)
         config = {
             **common,
@@ -328,9 +328,16 @@ def host_table(rounds: list[dict[str, Any]], steps: pd.DataFrame) -> pd.DataFram
     return pd.DataFrame(rows)
 
 
-def has_actions(events: pd.DataFrame) -> bool:
-    """Whether an event table holds compute spans (F, B, I, W) to analyse."""
-    return bool(events["kind"].isin(COMPUTE_KINDS).any())
+def has_actions(events: pd.DataFrame, *, named: bool = False) -> bool:
+    """Whether an event table holds compute rows (F, B, I, W) to analyse; ``named``: compute
+    actions to calibrate from, not only runs of operators (a trace that names no actions,
+    e.g. torch's Schedule1F1B)."""
+    from vpipe.trace.operators import RUN_NAME
+
+    compute = events["kind"].isin(COMPUTE_KINDS)
+    if named:
+        compute &= events["name"].astype(str) != RUN_NAME
+    return bool(compute.any())
 
 
 def simulate_config(

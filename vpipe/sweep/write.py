@@ -138,8 +138,8 @@ def fidelity_sections(res: BenchResults) -> list[Section]:
                 + (
                     ""
                     if impl == "vpipe"
-                    else " torch's traces have no wait spans, so posting "
-                    "and communication costs cannot be calibrated from them."
+                    else " torch's traces mark no waits: vpipe reads them from the operators "
+                    "(the time in an action before its first operator)."
                 ),
             )
         )

@@ -147,7 +147,7 @@ def to_device_clock(
     c_spans = np.unique(idx[compute])
     launch = ops["launch_ns"].to_numpy()
     tids = ops["tid"].to_numpy()
-    span_tids = set(spans["tid"].tolist()) - {0} if "tid" in spans else set()
+    span_tids = set(spans["tid"].tolist()) - {-1} if "tid" in spans else set()
     mine = np.isin(tids, list(action_threads(
         tids, launch, span_tids, (s0[c_spans], s1[c_spans]), thread_names or {}
     )))  # fmt: skip

@@ -20,6 +20,15 @@ What becomes a row of the event table (:mod:`vpipe.events` schema, ``source="mea
   with the stage and the bucket as ``microbatch``, from the reduction's start to its completion;
   ``PP:WAIT:{stage}REDUCE{bucket}``: a WAIT row, the step's end waiting for it.
 - Other ``PP:`` spans (e.g. torch's ``PP:0UNSHARD``): ``kind="other"``, stage/microbatch -1.
+- torch's single-stage schedules' ``Forward i`` / ``Backward i`` spans: F / B of the rank's
+  one stage, microbatch i.
+
+Traces without vpipe's step and WAIT spans (torch.distributed.pipelining's, which waits for an
+action's inputs inside the action's span) are read by their CPU operators where they hold them
+(:mod:`vpipe.trace.operators`): a compute row runs from its first operator to its last, the
+lead-in is a WAIT row; a rank naming no actions gets runs of operators. Their metadata (ranks,
+program, stages, microbatches, schedule) comes from the trace (:mod:`vpipe.trace.infer`);
+which files are traces and whether they agree: :mod:`vpipe.trace.files`.
 
 Rows come from the CPU-side spans, one per span. On CUDA the trace also holds the GPU's
 work (kernels, copies, memsets, each with the host call that launched it): each compute row
@@ -33,8 +42,7 @@ warning that its times are launch times. The run's ``meta["clock"]`` says which 
 ranks differ).
 
 Times are wall-clock nanoseconds (Kineto's ``baseTimeNanoseconds`` + ``ts``), comparable across
-the ranks of one host. The rank comes from vpipe's embedded metadata, else the trace's
-``distributedInfo``, else a ``rank<N>`` file name.
+the ranks of one host.
 
 Memory table rows: ``[memory]`` instant events (``profile_memory=True``) give ``what`` =
 ``cpu_allocated`` or ``cuda_allocated`` (allocator's bytes in use after each allocation or
@@ -67,10 +75,14 @@ from vpipe.events import (
 from vpipe.ir import Kind, parse_action
 from vpipe.ir.reduction import parse_reduce
 from vpipe.trace.device_clock import SPAN, gpu_ops, to_device_clock
-from vpipe.trace.kineto_json import RawTrace, read_trace
+from vpipe.trace.files import check_steps, rank_of, read_traces, world_size
+from vpipe.trace.infer import inferred_meta
+from vpipe.trace.kineto_json import RawTrace
+from vpipe.trace.operators import no_actions_note, read_by_operators
 
-_RANK_IN_NAME = re.compile(r"rank[_-]?(\d+)", re.IGNORECASE)
 _STEP_MARK, _PROF_STEP_MARK = "STEP", "PROFSTEP"
+_SINGLE_STAGE = re.compile(r"(Forward|Backward) (\d+)")
+_OWN_STAGE = -2  # the stage of a single-stage schedule's span: the rank's
 
 
 @dataclass
@@ -83,26 +95,13 @@ class Trace:
     n_trace_events: int = 0  # events in the JSON files (for speed figures)
 
 
-def trace_files(paths: Iterable[str | os.PathLike[str]]) -> list[Path]:
-    """Expand directories to the trace files in them (``*.json``, ``*.json.gz``), sorted."""
-    out: list[Path] = []
-    for p in map(Path, paths):
-        if p.is_dir():
-            found = sorted(q for q in p.iterdir() if q.name.endswith((".json", ".json.gz")))
-            if not found:
-                raise TraceError(f"{p}: no trace files (*.json, *.json.gz) in this directory")
-            out.extend(q for q in found if not q.name.startswith("."))
-        elif p.exists():
-            out.append(p)
-        else:
-            raise TraceError(f"{p}: no such trace file or directory")
-    return out
-
-
 def _classify(name: str) -> tuple[str, int, int, str, tuple]:
     """(kind, stage, microbatch, row name, overlap parts) of one span name."""
     if name.startswith("ProfilerStep#") and name[13:].isdigit():
         return _PROF_STEP_MARK, -1, int(name[13:]), "STEP", ()
+    single = _SINGLE_STAGE.fullmatch(name)
+    if single:  # torch's single-stage classes: the rank's one stage, filled in per file
+        return single[1][0], _OWN_STAGE, int(single[2]), name, ()
     body = name[3:] if name.startswith("PP:") else name
     if body.startswith("STEP:") and body[5:].isdigit():
         return _STEP_MARK, -1, int(body[5:]), "STEP", ()
@@ -131,21 +130,6 @@ def _to_ns(ts: Sequence[float], base: int) -> np.ndarray:
     return base + np.rint(np.asarray(ts, dtype=np.float64) * 1000.0).astype(np.int64)
 
 
-def _rank_of(path: Path, header: Mapping[str, Any], n_files: int) -> int:
-    meta = header.get("vpipe") or {}
-    if isinstance(meta, dict) and "rank" in meta:
-        return int(meta["rank"])
-    dist = header.get("distributedInfo")
-    if isinstance(dist, dict) and "rank" in dist:
-        return int(dist["rank"])
-    m = _RANK_IN_NAME.search(path.name)
-    if m:
-        return int(m.group(1))
-    if n_files == 1:
-        return 0
-    raise TraceError(f"{path}: cannot tell its rank (no metadata, no rank<N> in the file name)")
-
-
 def _assign_steps(starts: np.ndarray, marks: pd.DataFrame) -> tuple[np.ndarray, np.ndarray]:
     """Step of each start by containment in a step span; (steps, inside mask)."""
     if marks.empty:
@@ -159,8 +143,9 @@ def _assign_steps(starts: np.ndarray, marks: pd.DataFrame) -> tuple[np.ndarray, 
     return mk[safe], ok
 
 
-def _convert_file(raw: RawTrace, rank: int) -> tuple[pd.DataFrame, pd.DataFrame, bool, str]:
-    """(events, memory, whether it has vpipe's step spans, the clock of its compute rows)."""
+def _convert_file(raw: RawTrace, rank: int) -> tuple[pd.DataFrame, pd.DataFrame, bool, str, bool]:
+    """(events, memory, whether it has vpipe's step spans, the clock of its compute rows,
+    whether it names its actions)."""
     base = int(raw.header.get("baseTimeNanoseconds") or 0)
     spans = raw.spans
     names = pd.Categorical(spans["name"])
@@ -178,7 +163,15 @@ def _convert_file(raw: RawTrace, rank: int) -> tuple[pd.DataFrame, pd.DataFrame,
     )
     df["end_ns"] = df["start_ns"] + np.rint(np.asarray(spans["dur"]) * 1000.0).astype(np.int64)
     df[SPAN] = np.arange(len(df))
-    raw_spans = df[["name", "start_ns", "end_ns"]].assign(name=list(spans["name"]), tid=spans["tid"])
+    df["tid"] = np.asarray(spans["tid"], np.int64)
+    own = df["stage"] == _OWN_STAGE
+    if own.any():
+        df.loc[own, "stage"] = rank
+        df.loc[own, "name"] = [
+            f"{rank}{k}{m}"
+            for k, m in zip(df.loc[own, "kind"], df.loc[own, "microbatch"], strict=True)
+        ]
+    raw_spans = df[["name", "start_ns", "end_ns", "tid"]].assign(name=list(spans["name"]))
     parts_of = {t[3]: t[4] for t in table if t[0] == "overlap"}
 
     # Step spans: vpipe's own if present, else the profiler's.
@@ -191,15 +184,19 @@ def _convert_file(raw: RawTrace, rank: int) -> tuple[pd.DataFrame, pd.DataFrame,
     df["step"] = steps
     df = _trim_nested_waits(_drop_shadowed_parts(df[inside]))
     ops = gpu_ops(raw.gpu, base) if len(raw.gpu) else None
+    named = True
     if ops is not None and len(ops):
-        df, clock = to_device_clock(df, raw_spans, ops, raw.gpu.thread_names), "device"
+        df, clock = to_device_clock(df.drop(columns="tid"), raw_spans, ops, raw.gpu.thread_names), "device"
     else:
         df, clock = df.drop(columns=SPAN), "host"
-        df = df.assign(
+        if len(raw.ops["ts"]) and not is_vstep.any() and not (df["kind"] == "WAIT").any():
+            # not vpipe's runtime (its WAIT spans say where it waited): read the operators
+            df, named = read_by_operators(df, raw.ops, base, rank)
+        df = df.drop(columns="tid").assign(
             clock="host",
             launch_start_ns=df["start_ns"],
             launch_end_ns=df["end_ns"],
-            busy_ns=df["end_ns"] - df["start_ns"],
+            busy_ns=df["busy_ns"] if "busy_ns" in df else df["end_ns"] - df["start_ns"],
         )
     df["rank"] = rank
 
@@ -208,7 +205,7 @@ def _convert_file(raw: RawTrace, rank: int) -> tuple[pd.DataFrame, pd.DataFrame,
     )
     mdf["step"] = _last_started(mdf["t_ns"].to_numpy(), marks)
     mdf["rank"] = rank
-    return df, mdf, bool(is_vstep.any()), clock
+    return df, mdf, bool(is_vstep.any()), clock, named
 
 
 def _last_started(times: np.ndarray, marks: pd.DataFrame) -> np.ndarray:
@@ -382,26 +379,30 @@ def convert(
 
     ``run_id``, ``impl`` and ``schedule`` override the trace's embedded metadata; without
     either, the run id is the directory name, impl is ``vpipe`` when the trace has vpipe's
-    ``PP:STEP`` spans and ``torch`` otherwise, and the schedule is ``unknown``.
+    ``PP:STEP`` spans and ``torch`` otherwise, and the schedule the catalogue family equal to
+    the program the trace ran (``custom`` if none is, ``unknown`` if the trace names no actions).
     """
-    files = trace_files(paths)
-    if not files:
-        raise TraceError("no trace files given")
+    traces = read_traces(paths)
+    files = [p for p, _ in traces]
     ev_parts, mem_parts, metas, ranks = [], [], [], {}
     clocks: set[str] = set()
+    unnamed: list[int] = []  # ranks whose actions are not named
     n_raw = 0
-    for path in files:
-        raw = read_trace(path)
+    headers, steps = {}, {}
+    for path, raw in traces:
         n_raw += raw.n_events
-        rank = _rank_of(path, raw.header, len(files))
+        rank = rank_of(path, raw.header, len(files))
         if rank in ranks:
             raise TraceError(f"{path}: rank {rank} also comes from {ranks[rank]}")
         ranks[rank] = path
+        headers[rank] = (path, raw.header)
         try:
-            ev, mem, vpipe_steps, clock = _convert_file(raw, rank)
+            ev, mem, vpipe_steps, clock, named = _convert_file(raw, rank)
         except TraceError as e:
             raise TraceError(f"{path}: {e}") from None
         clocks.add(clock)
+        if not named:
+            unnamed.append(rank)
         if clock == "host" and _is_cuda_trace(raw.header):
             warnings.warn(
                 f"{path}: a CUDA trace without GPU activity (profiled without CUDA activity): "
@@ -410,16 +411,28 @@ def convert(
             )
         ev_parts.append(ev)
         mem_parts.append(mem)
+        is_step = (ev["kind"] == "other") & (ev["name"] == "STEP")
+        steps[rank] = (path, sorted(int(k) for k in ev.loc[is_step, "step"]))
         meta = raw.header.get("vpipe")
         meta = meta if isinstance(meta, dict) else {}
         metas.append((path, meta, vpipe_steps))
+    check_steps(steps)
+    n_ranks = world_size(headers)
     meta = _merge_meta(metas)
     meta["run_id"] = run_id or meta.get("run_id") or files[0].resolve().parent.name
     meta["impl"] = impl or meta.get("impl") or ("vpipe" if all(m[2] for m in metas) else "torch")
     meta["schedule"] = schedule or meta.get("schedule") or "unknown"
     meta["ranks_in_trace"] = sorted(ranks)
     meta["clock"] = clocks.pop() if len(clocks) == 1 else "mixed"
+    if unnamed:
+        meta["note"] = no_actions_note(sorted(unnamed))
     events = pd.concat(ev_parts, ignore_index=True).sort_values(["rank", "start_ns", "end_ns"])
+    if meta["impl"] != "vpipe":  # what vpipe's metadata would say, from the trace itself
+        found = inferred_meta(events, n_ranks)
+        if not schedule and meta["schedule"] == "unknown" and "schedule" in found:
+            meta["schedule"] = found["schedule"]
+        for k, v in found.items():
+            meta.setdefault(k, v)
     const = {"run_id": meta["run_id"], "source": "measured"}
     events = events_frame(
         {

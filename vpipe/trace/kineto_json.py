@@ -1,9 +1,12 @@
 """Read a Kineto JSON trace file, keeping only what vpipe converts, fast.
 
 A 30 MB CPU trace holds ~100k events of which vpipe needs the ``PP:`` spans, ``ProfilerStep#``
-spans and ``[memory]`` instant events. A CUDA trace adds the GPU's activity: every kernel, copy
-and memset (stream, correlation id) and the host calls that launched them (thread, correlation
-id), which :mod:`vpipe.trace.device_clock` joins to put each action on the device's clock.
+spans and ``[memory]`` instant events, and, for traces that do not mark their waits (torch's
+runtime), each CPU operator's thread, start and length (read by one regular expression over the
+bytes on the fast path, the full parse where one is laid out otherwise). A CUDA trace adds
+the GPU's activity: every kernel, copy and memset (stream, correlation id) and the host calls
+that launched them (thread, correlation id), which :mod:`vpipe.trace.device_clock` joins to
+put each action on the device's clock.
 CUDA traces are read by the *full parse* (below): their GPU ops have arbitrary names (C++
 templates with braces), which the fast path's slicing does not handle. Parsing every event into
 Python dicts dominates the conversion time of a CPU trace, so :func:`read_trace` first tries a
@@ -65,8 +68,22 @@ _GPU_COPY = "gpu_user_annotation"
 _GPU_OPS = ("kernel", "gpu_memcpy", "gpu_memset")  # work the device ran, with its launch's id
 _LAUNCHES = ("cuda_runtime", "cuda_driver")  # host calls; those that launched an op share its id
 _CUDA_ACTIVITY = re.compile(rb'"cat"\s*:\s*"(?:kernel|gpu_memcpy|gpu_memset)"')
-_SPAN_NAME = re.compile(rb'"name"\s*:\s*"(PP:|ProfilerStep#)')
+_SPAN_NAME = re.compile(rb'"name"\s*:\s*"(PP:|ProfilerStep#|Forward \d|Backward \d)')
+# torch's single-stage schedules name their actions "Forward i" / "Backward i".
+_SPAN_PREFIXES = ("PP:", "ProfilerStep#", "Forward ", "Backward ")
+# A CPU operator as Kineto writes it (keys in this order); the fast path reads these fields only.
+_CPU_OP = re.compile(
+    rb'"cat":\s*"cpu_op",\s*"name":\s*"((?:[^"\\]|\\.)*)",\s*"pid":\s*-?\d+,\s*'
+    rb'"tid":\s*(-?\d+),\s*"ts":\s*([-+\d.eE]+),\s*"dur":\s*([-+\d.eE]+)'
+)
+# Operators that move data between ranks or wait for it: never the rank's computing.
+_COMM_OP = re.compile(r"c10d::|gloo:|nccl|record_param_comms", re.IGNORECASE)
+_BACKWARD_OP = "autograd::engine::evaluate_function"  # a backward node run by autograd
 _OBJECT_TAIL = re.compile(rb"[^{}]*(?:\{[^{}]*\}[^{}]*)*\}")
+
+
+class NotATrace(TraceError):
+    """A file that parses but is not a profiler trace (wrong shape, no events)."""
 
 
 @dataclass
@@ -75,10 +92,13 @@ class RawTrace:
 
     header: dict[str, Any]  # the top-level keys except traceEvents
     spans: dict[str, list]  # name, ts, dur (microseconds), tid of complete CPU-side PP: /
-    # ProfilerStep# spans (not their GPU-stream copies)
+    # ProfilerStep# / Forward i / Backward i spans (not their GPU-stream copies)
     memory: dict[str, np.ndarray]  # ts, alloc, reserved, device of [memory] events
     n_events: int  # events in the file (for speed figures)
     gpu: GpuActivity = field(default_factory=lambda: GpuActivity())  # empty on CPU traces
+    ops: dict[str, np.ndarray] = field(default_factory=lambda: _ops_arrays([], [], [], []))
+    # ts, dur (microseconds), tid, comm (a communication call) and backward (an autograd
+    # engine's step) of the CPU operators
 
 
 @dataclass
@@ -101,7 +121,31 @@ class GpuActivity:
 
 
 def _no_spans() -> dict[str, list]:
-    return {"name": [], "ts": [], "dur": [], "tid": []}  # tid: the thread holding the span
+    return {"name": [], "ts": [], "dur": [], "tid": []}
+
+
+def _tid(v: Any) -> int:
+    """A thread id as Kineto writes it (an int; a name for the profiler's own rows: -1)."""
+    return v if isinstance(v, int) else -1
+
+
+def is_comm_op(name: str) -> bool:
+    """Whether a CPU operator is a communication call (posting, sending or waiting for data)."""
+    return _COMM_OP.match(name) is not None
+
+
+def _ops_arrays(names: list, ts: list, dur: list, tid: list) -> dict[str, np.ndarray]:
+    """The operator columns; ``comm`` and ``backward`` decided once per distinct name."""
+    text = {n: n.decode() if isinstance(n, bytes) else n for n in set(names)}
+    comm = {n: is_comm_op(t) for n, t in text.items()}
+    backward = {n: t.startswith(_BACKWARD_OP) for n, t in text.items()}
+    return {
+        "ts": np.asarray(ts, np.float64),
+        "dur": np.asarray(dur, np.float64),
+        "tid": np.asarray(tid, np.int64),
+        "comm": np.fromiter((comm[n] for n in names), bool, len(names)),
+        "backward": np.fromiter((backward[n] for n in names), bool, len(names)),
+    }
 
 
 def read_trace(path: str | Path) -> RawTrace:
@@ -134,19 +178,31 @@ def _full(raw: bytes, path: Path) -> RawTrace:
     if isinstance(doc, list):  # Chrome's bare array form
         doc = {"traceEvents": doc}
     if not isinstance(doc, dict) or not isinstance(doc.get("traceEvents"), list):
-        raise TraceError(f"{path}: not a Kineto/Chrome trace: no 'traceEvents' list")
+        raise NotATrace(f"{path}: not a Kineto/Chrome trace: no 'traceEvents' list")
     events = doc.pop("traceEvents")
+    if not any(isinstance(e, dict) and "ph" in e for e in events):
+        raise NotATrace(f"{path}: not a trace: its 'traceEvents' hold no trace events")
     wanted, gpu = [], GpuActivity()
+    ops: tuple[list, list, list, list] = ([], [], [], [])
     for i, e in enumerate(events):
         if not isinstance(e, dict):
             continue
         name, cat = e.get("name"), e.get("cat")
         if cat in _GPU_OPS or cat in _LAUNCHES or (e.get("ph") == "M" and name == "thread_name"):
             _add_gpu_event(gpu, i, e, path)
-        elif isinstance(name, str) and name.startswith(("PP:", "ProfilerStep#", "[memory]")):
+        elif cat == "cpu_op" and e.get("ph") == "X":
+            try:
+                row = (str(name), float(e["ts"]), float(e["dur"]), int(e["tid"]))
+                for col, v in zip(ops, row, strict=True):
+                    col.append(v)
+            except (KeyError, TypeError, ValueError) as err:
+                raise TraceError(
+                    f"{path}: malformed trace event #{i} ({name!r}): {err!r}"
+                ) from None
+        elif isinstance(name, str) and name.startswith((*_SPAN_PREFIXES, "[memory]")):
             wanted.append((i, e))
     spans, memory = _pick(wanted, path)
-    return RawTrace(doc, spans, memory, len(events), gpu)
+    return RawTrace(doc, spans, memory, len(events), gpu, _ops_arrays(*ops))
 
 
 def _add_gpu_event(gpu: GpuActivity, i: int, e: dict, path: Path) -> None:
@@ -182,11 +238,11 @@ def _pick(events: list[tuple[int, dict]], path: Path) -> tuple[dict[str, list], 
                 mem["reserved"].append(int(a.get("Total Reserved", 0)))
                 mem["device"].append(int(a.get("Device Type", 0)))
                 mem["device_id"].append(int(a.get("Device Id", -1)))
-            elif e.get("ph") == "X" and e.get("cat") != _GPU_COPY:
+            elif e.get("ph") == "X" and e.get("cat") not in (_GPU_COPY, "cpu_op"):
                 spans["name"].append(name)
                 spans["ts"].append(float(e["ts"]))
                 spans["dur"].append(float(e["dur"]))
-                spans["tid"].append(e["tid"] if isinstance(e.get("tid"), int) else 0)
+                spans["tid"].append(_tid(e.get("tid")))
         except (AttributeError, KeyError, TypeError, ValueError) as err:
             raise TraceError(
                 f"{path}: malformed trace event #{i} ({e.get('name')!r}): {err!r}"
@@ -225,6 +281,8 @@ def _fast(raw: bytes, path: Path) -> RawTrace | None:
     else:
         memory = {"ts": np.zeros(0), **{k: np.zeros(0, np.int64) for k in _MEMORY_ARGS}}
         n_events = raw.count(b'"ph"')
+    if not n_events:
+        return None  # the full parse says what the file is instead
     span_slices = []
     for m in _SPAN_NAME.finditer(raw, key):
         start = raw.rfind(b"{", key, m.start())
@@ -239,7 +297,11 @@ def _fast(raw: bytes, path: Path) -> RawTrace | None:
     except orjson.JSONDecodeError:
         return None
     spans, _ = _pick(list(enumerate(events)), path)
-    return RawTrace(header, spans, memory, n_events)
+    found = _CPU_OP.findall(raw, key)
+    if len(found) != raw.count(b'"cpu_op"', key):
+        return None  # an operator not laid out as expected: the full parse reads it
+    names, tid, ts, dur = zip(*found, strict=True) if found else ((), (), (), ())
+    return RawTrace(header, spans, memory, n_events, ops=_ops_arrays(list(names), ts, dur, tid))
 
 
 def _memory(raw: bytes) -> tuple[dict[str, np.ndarray], int] | None:
