@@ -55,3 +55,41 @@ def test_compare_names_its_ratio_a_step_time_ratio(capsys):
     out = capsys.readouterr().out
     assert "step vs interleaved-1f1b" in out.splitlines()[1]
     assert "step vs interleaved-1f1b: makespan over interleaved-1f1b's, lower is faster" in out
+
+
+def test_the_setup_table_says_which_steps_rounds_and_blocks_and_no_null():
+    from vpipe.report.document import meta_table
+
+    meta = {"commit": None, "dtype": None, "post_thread": None, "steps": 3, "rounds": 3,
+            "rounds_run": 10, "blocks": 1, "sizes": {"n_blocks": 8}}  # fmt: skip
+    table = meta_table(meta)
+    assert "null" not in set(table["value"])
+    assert list(table["field"]) == [
+        "commit", "dtype", "post_thread", "steps per round (--steps)", "rounds asked (--rounds)",
+        "rounds run", "blocks (--blocks)", "model sizes (--sizes)",
+    ]  # fmt: skip
+    means = dict(zip(table["field"], table["means"], strict=True))
+    assert "not the model's n_blocks" in means["blocks (--blocks)"]
+    assert "not launch blocks" in means["model sizes (--sizes)"]
+
+
+def test_memory_is_saved_activations_and_the_allocator_peak_in_columns_of_their_own():
+    from vpipe.report.document import summary_table, v_vs_baseline
+
+    runs = pd.DataFrame(
+        [dict(schedule=s, microbatches=8, impl="vpipe", step_time_s=t, samples_per_s=1 / t,
+              peak_memory_bytes=saved, peak_saved_activations_bytes=saved,
+              peak_cuda_peak_bytes=cuda) for s, t, saved, cuda in
+         (("interleaved-1f1b", 0.1, 8 * 2**20, 40 * 2**20), ("zbv", 0.09, 6 * 2**20, 30 * 2**20))]
+    )  # fmt: skip
+    table = summary_table(runs)
+    assert "peak MiB" not in table.columns
+    assert list(table["saved activations MiB"]) == ["8.00", "6.00"]
+    assert list(table["allocator peak MiB"]) == ["40.00", "30.00"]
+    cpu = summary_table(runs.assign(peak_cuda_peak_bytes=None))
+    assert "allocator peak MiB" not in cpu.columns and "saved activations MiB" in cpu.columns
+    steps = pd.DataFrame([dict(schedule=s, microbatches=8, impl="vpipe", round=r, step=0,
+                               step_time_s=t) for s, t in (("interleaved-1f1b", 0.1), ("zbv", 0.09))
+                          for r in range(6)])  # fmt: skip
+    vv = v_vs_baseline(runs, steps)
+    assert {"saved activations MiB", "interleaved-1f1b saved activations MiB"} <= set(vv.columns)

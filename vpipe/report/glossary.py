@@ -49,6 +49,7 @@ WHEN_UNSET: dict[str, str] = {
     "dtype": "default: bf16 on cuda, fp32 on cpu",
     "post_thread": "default: on with gloo, off otherwise",
     "backend": "default: gloo on cpu, nccl on cuda",
+    "commit": "unknown: vpipe did not run from a git checkout",
 }
 
 
