@@ -8,6 +8,7 @@ import re
 
 import pandas as pd
 import pytest
+from report_reader import contradictions
 
 from vpipe.cli import main
 from vpipe.sweep.driver import SweepSpec
@@ -45,6 +46,19 @@ def test_sweep_configs_cover_the_grid():
     assert len(keys) == len(set(keys)) == 8
     assert "zbv-m2-torch" in keys and spec.backend == "gloo"
     assert SweepSpec(device="cuda").backend == "nccl"
+
+
+def test_quick_has_the_pairs_an_interval_needs_and_rounds_to_settle_it():
+    """--quick once timed 2 rounds of 2 steps: 4 pairs, under the 6 an interval needs, so its
+    verdict was always "too few pairs"."""
+    from vpipe.cli import build_parser
+    from vpipe.commands.bench import sweep_spec
+    from vpipe.stats import MIN_SAMPLES
+
+    spec = sweep_spec(build_parser().parse_args(["bench", "--quick"]))
+    assert spec.rounds * spec.steps >= MIN_SAMPLES and spec.max_minutes > 0
+    fixed = sweep_spec(build_parser().parse_args(["bench", "--quick", "--max-minutes", "0"]))
+    assert fixed.max_minutes == 0 and fixed.rounds * fixed.steps >= MIN_SAMPLES
 
 
 def test_a_proportional_delay_sleeps_its_share_of_the_previous_step(monkeypatch):
@@ -133,15 +147,17 @@ def test_saved_tensor_meter_releases_a_split_backward_after_w():
 
 def test_quick_sweep_writes_store_plots_and_report(tmp_path, capsys):
     out = tmp_path / "out"
-    # --quick: interleaved-1f1b and zbv, M=4, both implementations (a tinier MLP here)
-    rc = main(["bench", "--quick", "--sizes", "d_model=32,d_hidden=64", "--out", str(out)])
+    # --quick: interleaved-1f1b and zbv, M=4, both implementations (a tinier MLP here; its
+    # 3 rounds only: the minute of rounds --quick adds to open configs is left out)
+    rc = main(["bench", "--quick", "--sizes", "d_model=32,d_hidden=64", "--max-minutes", "0",
+               "--out", str(out)])  # fmt: skip
     assert rc == 0
     printed = capsys.readouterr().out
     assert "zbv" in printed and "report:" in printed
     # the verdict comes first, a line per implementation: the schedule to run, and why
     lines = printed.splitlines()
     assert lines[0].startswith("M=4 torch: run ") and lines[1].startswith("M=4 vpipe: run ")
-    assert lines[-1].startswith("2 rounds; sweep ")  # --quick: fixed rounds
+    assert lines[-1].startswith("3 rounds; sweep ")  # --quick: 3 rounds, 6 pairs per config
 
     from vpipe.schedules import make_schedule
     from vpipe.trace.store import Store
@@ -162,10 +178,10 @@ def test_quick_sweep_writes_store_plots_and_report(tmp_path, capsys):
     assert len(simulated) == 4 and (simulated["step_time_s"] > 0).all()
 
     steps = pd.read_parquet(out / "steps.parquet")
-    assert len(steps) == 4 * 2 * 2  # configs x rounds x steps (quick: 2 x 2)
+    assert len(steps) == 4 * 3 * 2  # configs x rounds x steps (quick: 3 x 2)
     assert (steps["ref_s"] > 0).all() and set(steps["block"]) == {0}  # the host-speed reference
     host = pd.read_parquet(out / "host.parquet")
-    assert list(host["round"]) == [0, 1] and (host["other_cores"] >= 0).all()
+    assert list(host["round"]) == [0, 1, 2] and (host["other_cores"] >= 0).all()
 
     for row in measured.itertuples():
         ev = store.events([row.run_id])
@@ -192,3 +208,4 @@ def test_quick_sweep_writes_store_plots_and_report(tmp_path, capsys):
     assert "V-schedules vs interleaved-1f1b" in md and "torch/vpipe" in md
     assert "## Simulator fidelity (vpipe, M=4)" in md and "calibrated on" in md
     assert "## Plan for this host" in md and "Recommended:" in md
+    assert contradictions(md) == []  # the report read back: no statement another contradicts

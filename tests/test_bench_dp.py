@@ -89,7 +89,8 @@ def test_quick_p2_dp2_sweep_reports_the_dp_share_per_schedule(tmp_path, capsys):
     out = tmp_path / "out"
     sizes = {"d_model": 32, "d_hidden": 64}
     rc = main(["bench", "--dp", "2", "-p", "2", "--quick", "--schedules", "1f1b,zbv", "--sizes",
-               ",".join(f"{k}={v}" for k, v in sizes.items()), "--out", str(out)])  # fmt: skip
+               ",".join(f"{k}={v}" for k, v in sizes.items()), "--max-minutes", "0",
+               "--out", str(out)])  # fmt: skip
     assert rc == 0
     printed = capsys.readouterr().out
     assert "DP share" in printed and "report:" in printed
@@ -116,7 +117,7 @@ def test_quick_p2_dp2_sweep_reports_the_dp_share_per_schedule(tmp_path, capsys):
 
     steps = pd.read_parquet(out / "dp_steps.parquet")
     assert set(steps["rank"]) == {0, 1, 2, 3} and set(steps["replica"]) == {0, 1}
-    assert len(steps) == 2 * 4 * 2 * 2  # configs x ranks x rounds x steps (quick: 2 x 2)
+    assert len(steps) == 2 * 4 * 3 * 2  # configs x ranks x rounds x steps (quick: 3 x 2)
     for row in measured.itertuples():  # events and memory of replica 0's pipeline ranks
         ev = Store(out).events([row.run_id])
         assert set(ev["rank"]) == {0, 1}

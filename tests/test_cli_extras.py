@@ -68,7 +68,7 @@ def test_quick_keeps_given_flags_and_bench_takes_p_m(captured_spec, tmp_path):
     assert main(argv) == 0
     spec = captured_spec["spec"]
     assert spec.schedules == ("1f1b", "zbv") and spec.microbatches == (2,) and spec.ranks == 2
-    assert spec.batch == 16 and spec.rounds == 2  # the quick defaults for what was not given
+    assert spec.batch == 16 and spec.rounds == 3  # the quick defaults for what was not given
     assert main(["bench", "--quick", "--out", str(tmp_path)]) == 0
     assert captured_spec["spec"].schedules == ("interleaved-1f1b", "zbv")
 

@@ -106,6 +106,12 @@ def test_analyze_predicts_from_a_bench_store(profiled, tmp_path):
     assert "2 profiled steps" in text and "model in 4 pieces" in text
     row = next(line for line in text.splitlines() if line.strip().startswith("zbv"))
     assert "nan" not in row.lower()  # the measured zbv run was found and compared
+    # the calibration run's own schedule, asked for again, is its one row, not two
+    text = analyze_report(
+        str(tmp_path), run=Config("zbv", 4, "vpipe").run_id(BENCH_ID), predict=["zbv", "1f1b"]
+    )
+    rows = [ln.strip() for ln in text.splitlines() if ln.strip().startswith(("zbv", "1f1b"))]
+    assert [r.split("  ")[0] for r in rows] == ["zbv (calibration run)", "1f1b"], text
 
 
 def test_plan_from_a_measured_run(profiled, tmp_path):

@@ -27,9 +27,39 @@ def test_a_clear_winner_is_named_with_its_interval():
     steps = _steps({"1f1b": 0.10, "zbv": 0.08, "zb-h1": 0.09}, noise=0.01)
     (line,) = verdict_lines(steps)
     assert line.startswith("M=4 vpipe: run zbv: 1.1")  # zb-h1 is the next fastest
-    assert "faster than zb-h1, the next fastest (95% CI 1." in line
+    assert "faster than zb-h1, the next fastest by median step time (paired ratio, 95% CI 1." in line
     assert "every other schedule is slower" in line
     assert open_configs(steps) == set()  # decided: no round would change it
+
+
+def test_the_next_fastest_is_the_second_median_not_the_smallest_paired_ratio():
+    # zb-h1 has the second lowest median, 1f1b the smallest paired ratio to zbv's steps (its
+    # steps follow zbv's): the verdict names zb-h1, as the summary table orders them
+    zbv = [1.0] * 4 + [2.0] * 5
+    sched = {"zbv": zbv, "1f1b": [1.5 * t for t in zbv],
+             "zb-h1": [1.65] * 4 + [3.3] + [2.25] * 4}  # fmt: skip
+    rows = [dict(schedule=s, microbatches=4, impl="vpipe", round=i // 3, step=i % 3,
+                 step_time_s=0.05 * t * (1 + 1e-4 * i)) for s, ts in sched.items()
+            for i, t in enumerate(ts)]  # fmt: skip
+    steps = pd.DataFrame(rows)
+    (st,) = standings(steps)
+    assert st.leader == "zbv" and st.contenders == ["zbv"]
+    assert min(st.ratios, key=lambda s: st.ratios[s].value) == "1f1b"  # what it once named
+    (line,) = verdict_lines(steps)
+    assert "faster than zb-h1, the next fastest by median step time" in line, line
+
+
+def test_an_interval_that_excludes_1_never_prints_an_end_of_1():
+    from vpipe.stats import interval_text
+
+    assert interval_text(1.004, 1.07) == "1.004-1.070"  # not "1.00-1.07"
+    assert interval_text(0.93, 0.997) == "0.930-0.997"
+    assert interval_text(1.01, 1.07) == "1.01-1.07"
+    assert interval_text(0.99, 1.07) == "0.99-1.07"  # it holds 1: as it is
+    steps = _steps({"1f1b": 0.1035, "zbv": 0.100}, noise=0.002, rounds=6)
+    (line,) = verdict_lines(steps)
+    low = float(line.split("95% CI ")[1].split("-")[0])
+    assert "run zbv" in line and low > 1, line
 
 
 def test_schedules_within_two_percent_are_a_tie_broken_by_less_memory():

@@ -63,8 +63,19 @@ class Ratio:
         return "no significant difference"
 
     def interval_text(self, digits: int = 2) -> str:
-        """The interval as ``low-high``, or empty without one."""
-        return f"{self.low:.{digits}f}-{self.high:.{digits}f}" if self.has_interval else ""
+        """The interval as ``low-high`` (:func:`interval_text`), or empty without one."""
+        return interval_text(self.low, self.high, digits) if self.has_interval else ""
+
+
+def interval_text(low: float, high: float, digits: int = 2) -> str:
+    """An interval as ``low-high`` with ``digits`` decimals, or as many more (up to 6) as it
+    takes for an interval that excludes 1 not to print an end of 1: "1.002-1.07", never
+    "1.00-1.07", which reads as if it held 1."""
+    for d in range(digits, max(digits, 6) + 1):
+        lo, hi = f"{low:.{d}f}", f"{high:.{d}f}"
+        if not ((low > 1 and float(lo) <= 1) or (high < 1 and float(hi) >= 1)):
+            break
+    return f"{lo}-{hi}"
 
 
 def outliers(times: npt.ArrayLike, factor: float = OUTLIER_FACTOR) -> np.ndarray:

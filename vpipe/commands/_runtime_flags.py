@@ -4,6 +4,15 @@
 from __future__ import annotations
 
 import argparse
+import re
+
+
+def positive_int(text: str) -> int:
+    """An argparse type: a count of at least 1 (ranks, microbatches, stages per rank), worded
+    alike by every command."""
+    if not re.fullmatch(r"\s*\d+\s*", text) or int(text) < 1:
+        raise argparse.ArgumentTypeError(f"expected a positive integer, got {text!r}")
+    return int(text)
 
 
 def add_runtime_flags(p: argparse.ArgumentParser) -> None:

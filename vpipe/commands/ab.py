@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import argparse
 import time
+from collections.abc import Sequence
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
@@ -139,6 +140,11 @@ def run_ab(args: argparse.Namespace) -> int:
 
         return all_settled(table_of(session, alpha))
 
+    from vpipe.sweep.launched import method
+
+    notes = [n for n in (same_version(versions), method(versions)) if n]
+    for n in notes:
+        print(n, flush=True)
     labels = {k: v.describe.split(" = ", 1)[1] for k, v in versions.items()}
     if labels["A"] == labels["B"]:  # the same version twice: the verdict names the side
         labels = {k: f"{k}: {v}" for k, v in labels.items()}
@@ -151,8 +157,9 @@ def run_ab(args: argparse.Namespace) -> int:
         settled=settled,
         progress=lambda line: print(line, flush=True),
         started=process_start() + making,  # the command's time, but for making environments
+        launched=bool(method(versions)),
     )
-    line = write_report(out, session, labels, " + ".join(delay_b))
+    line = write_report(out, session, labels, " + ".join(delay_b), notes)
     atomic_write(out / "session.json", lambda p: p.write_text(session_record(session, versions, bench)))
     print(line)
     print(f"{session.stopped}; {'; '.join(wrote)}; {session.wall_s:.0f} s; report: {out / 'report.html'}")
@@ -163,7 +170,22 @@ def run_ab(args: argparse.Namespace) -> int:
     return 0
 
 
-def write_report(out: Path, session: Session, labels: dict[str, str], delay_b: str) -> str:
+def same_version(versions: dict[str, Any]) -> str:
+    """A line saying that A and B are one commit (or one checkout), so the session is an A/A
+    comparison; empty otherwise."""
+    a, b = versions["A"], versions["B"]
+    if a.commit and a.commit == b.commit:
+        what = f"the same commit, {a.commit[:12]}"
+    elif a.checkout == b.checkout:
+        what = f"the same checkout, {a.checkout}"
+    else:
+        return ""
+    return f"A ({a.name}) and B ({b.name}) are {what}: an A/A comparison, of noise only"
+
+
+def write_report(
+    out: Path, session: Session, labels: dict[str, str], delay_b: str, notes: Sequence[str] = ()
+) -> str:
     """report.html and report.md of the session's finished pairs, at the error rate of the look
     that ended it (:func:`vpipe.report.looks.report_alpha`); its one-line verdict."""
     from vpipe.outputs import atomic_write
@@ -174,7 +196,7 @@ def write_report(out: Path, session: Session, labels: dict[str, str], delay_b: s
         return "no verdict: a side did not start"
     html, md, _ = ab_report(
         session.ready, session.launches, alpha=report_alpha(session.looks), labels=labels,
-        stopped=session.stopped, delay_b=delay_b,
+        stopped="; ".join([session.stopped, *notes]), delay_b=delay_b,
     )  # fmt: skip
     atomic_write(out / "report.html", lambda p: p.write_text(html, encoding="utf-8"))
     atomic_write(out / "report.md", lambda p: p.write_text(md, encoding="utf-8"))

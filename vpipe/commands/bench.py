@@ -15,7 +15,12 @@ if TYPE_CHECKING:
 
 
 def register(subparsers: argparse._SubParsersAction) -> None:
-    from vpipe.sweep.driver import DEFAULT_MAX_MINUTES, DEFAULT_SCHEDULES, QUICK_SCHEDULES
+    from vpipe.sweep.driver import (
+        DEFAULT_MAX_MINUTES,
+        DEFAULT_SCHEDULES,
+        QUICK_MAX_MINUTES,
+        QUICK_SCHEDULES,
+    )
 
     p = subparsers.add_parser(
         "bench",
@@ -66,17 +71,20 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     )
     p.add_argument("--warmup", type=int, help="warm-up steps per config (default 2; --quick: 1)")
     p.add_argument(
-        "--steps", type=int, help="timed steps per config per round (default 3; --quick: 2)"
+        "--steps", type=int, help="timed steps per config in each round (default 3; --quick: 2)"
     )
     p.add_argument(
-        "--rounds", type=int, help="interleaved rounds over all configs (default 3; --quick: 2)"
+        "--rounds",
+        type=int,
+        help="rounds over all configs, each timing every config's steps in turn (default 3; "
+        "--quick: 3)",
     )
     p.add_argument(
         "--max-minutes",
         type=float,
         help="time budget of the whole command: after --rounds, keep adding rounds to the "
         "configs whose order is still open until none is or the budget would run out (default "
-        f"{DEFAULT_MAX_MINUTES:g}; --quick and --blocks: 0, the rounds fixed)",
+        f"{DEFAULT_MAX_MINUTES:g}; --quick: {QUICK_MAX_MINUTES:g}; --blocks: 0, the rounds fixed)",
     )
     p.add_argument(
         "--profile-steps",
@@ -88,7 +96,8 @@ def register(subparsers: argparse._SubParsersAction) -> None:
         "--blocks",
         type=int,
         default=1,
-        help="independent launches of the whole sweep (default 1); with several, a later "
+        help="blocks: independent launches of the whole sweep (default 1; not the model's "
+        "n_blocks, its layers); with several, a later "
         "`vpipe report A B` measures run-to-run variance instead of assuming it",
     )
     p.add_argument(
@@ -201,7 +210,10 @@ def sweep_spec(args: argparse.Namespace) -> SweepSpec:
         GPU_MODEL,
         GPU_QUICK_BATCH,
         GPU_SIZES,
+        QUICK_MAX_MINUTES,
+        QUICK_ROUNDS,
         QUICK_SCHEDULES,
+        QUICK_STEPS,
         SweepSpec,
         parse_list,
         parse_sizes,
@@ -217,8 +229,9 @@ def sweep_spec(args: argparse.Namespace) -> SweepSpec:
         args.ranks = max(1, int(os.environ.get("WORLD_SIZE", 2 * args.dp)) // args.dp)
     if args.quick:
         defaults = dict(batch=GPU_QUICK_BATCH if on_gpu else 16, schedules=QUICK_SCHEDULES,
-                        microbatches="4", warmup=1, steps=2, rounds=2, profile_steps=1,
-                        max_minutes=0.0)  # fmt: skip
+                        microbatches="4", warmup=1, steps=QUICK_STEPS, rounds=QUICK_ROUNDS,
+                        profile_steps=1,
+                        max_minutes=0.0 if args.blocks > 1 else QUICK_MAX_MINUTES)  # fmt: skip
         if not sizes and model == "mlp":
             sizes = {"d_model": 128, "d_hidden": 512}
     else:

@@ -15,7 +15,7 @@ import sys
 from dataclasses import dataclass, field
 from typing import Any
 
-from vpipe.commands._runtime_flags import add_runtime_flags, dp_fields
+from vpipe.commands._runtime_flags import add_runtime_flags, dp_fields, positive_int
 from vpipe.errors import PipelineError, VpipeError, one_line
 from vpipe.ir import Schedule
 from vpipe.schedules.load import is_csv_source
@@ -36,16 +36,18 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     p.add_argument(
         "--ranks",
         "-p",
-        type=int,
+        type=positive_int,
         help="pipeline ranks (default: inferred from a CSV; under torchrun its world size; else 2)",
     )
     p.add_argument(
         "--microbatches",
         "-m",
-        type=int,
+        type=positive_int,
         help="microbatches per step (default: inferred from a CSV, else max(8, 2 x ranks))",
     )
-    p.add_argument("--stages-per-rank", "-v", type=int, help="stages per rank (schedule default)")
+    p.add_argument(
+        "--stages-per-rank", "-v", type=positive_int, help="stages per rank (schedule default)"
+    )
     p.add_argument(
         "--model",
         default="mlp",
@@ -141,10 +143,6 @@ def run_command(args: argparse.Namespace) -> int:
 
 def build_config(args: argparse.Namespace) -> RunConfig:
     """Resolve and validate schedule, model and sizes in this process, before any rank runs."""
-    for flag in ("ranks", "microbatches", "stages_per_rank"):
-        value = getattr(args, flag)
-        if value is not None and value < 1:
-            raise VpipeError(f"--{flag.replace('_', '-')} must be >= 1, got {value}")
     if args.steps < 1 or args.batch < 1:
         raise VpipeError(f"--steps and --batch must be >= 1, got {args.steps} and {args.batch}")
     if args.profile:  # before any rank starts, as every output path

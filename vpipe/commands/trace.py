@@ -400,6 +400,8 @@ def _fidelity(
         cases.append((f"{own} (calibration run)", make_schedule(own, ranks, mbs), events, timed))
     for item in predict:
         name, _, trace = item.partition("=")
+        if name == own and not trace:
+            continue  # the calibration run's own row above
         measured, timed = (
             (_load(trace, None)[0], None) if trace else _counterpart(source, meta, name)
         )

@@ -341,10 +341,11 @@ def candidates(
                     )  # fmt: skip
                 )
         if left_out is not None and not any(c.schedule == fam.name for c in out):
-            why = [refusals.get(fam.stages_per_rank, next(iter(refusals.values()), ""))]
-            if repeats:
-                why.append(f"the programs it can build are {' and '.join(sorted(repeats))}'s")
-            left_out[fam.name] = "; ".join(filter(None, why))
+            if repeats:  # it built programs, each already listed under another family
+                names = " and ".join(sorted(repeats))
+                left_out[fam.name] = f"every program it builds here is also {names}'s, listed under that name"
+            else:
+                left_out[fam.name] = refusals.get(fam.stages_per_rank, next(iter(refusals.values()), ""))
     return out
 
 

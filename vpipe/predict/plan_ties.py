@@ -33,8 +33,8 @@ def tie_note(result: dict[str, Any]) -> str:
     tie_set = result["tied"]
     fastest = tie_set[0]
     return (
-        f"a tie: {len(tie_set)} candidates predicted within {result['tie']:.0%} (the "
-        f"prediction's error) of the fastest, {candidate_label(fastest)} at "
+        f"a tie: {len(tie_set)} candidates predicted within {result['tie']:.0%} of the "
+        f"fastest (--tie: the error a prediction is taken to have), {candidate_label(fastest)} at "
         f"{fastest['predicted_step_s'] * 1e3:.2f} ms; broken by {result['tie_rule']}"
     )
 

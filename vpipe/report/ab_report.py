@@ -18,6 +18,7 @@ from vpipe.report.crossrun_table import headline
 from vpipe.report.document import render_html, render_markdown, table_section, text_section
 from vpipe.report.looks import levels
 from vpipe.report.pairs import (
+    LAUNCHED_LAUNCH_SD,
     PAIR_LAUNCH_SD,
     Figure,
     Pair,
@@ -81,7 +82,11 @@ def session_figure(
     same = ready["A"].get("reference") == ready["B"].get("reference")
     figure = fit_figure(same, list(pairs.values()))
     kept = ([p for p in ps if not p.host_differences] for ps in pairs.values())
-    spread = session_spread((differences(ps, figure.weight) for ps in kept if ps), figure.fitted)
+    launched = any(r.get("launched") for r in ready.values())  # vpipe.sweep.launched
+    spread = session_spread(
+        (differences(ps, figure.weight) for ps in kept if ps), figure.fitted,
+        LAUNCHED_LAUNCH_SD if launched else PAIR_LAUNCH_SD,
+    )  # fmt: skip
     return figure, spread
 
 
@@ -233,8 +238,7 @@ def ab_report(
         f"speedup = A's figure / B's (> 1: B is faster), the inverse-variance weighted mean "
         f"over the pairs of adjacent launches (A B B A ...) of log(A/B); figure: {why}. "
         f"Interval: each pair's variance is its two launches' sampling variance (bootstrap of "
-        f"their steps) plus the launches' spread, {spread.source} (floor: launch sd "
-        f"{PAIR_LAUNCH_SD} per side); {config_level:.4f} per config"
+        f"their steps) plus the launches' spread, {spread.source}; {config_level:.4f} per config"
         + (f" and {overall_level:.4f} over all configs" if configs > 1 else "")
         + f" ({alpha:.4f} of the session's 5% spent at this look"
         + (f", half of it over all configs, the rest shared by the {configs} configs"

@@ -53,7 +53,7 @@ from statistics import NormalDist
 import numpy as np
 import numpy.typing as npt
 
-from vpipe.stats import CONFIDENCE, RESAMPLES, SEED, outliers
+from vpipe.stats import CONFIDENCE, RESAMPLES, SEED, interval_text, outliers
 
 # A percentile bootstrap over few blocks understates their spread (3 blocks: by a factor of
 # sqrt(2/3), with 10 distinct outcomes); below this many per side the interval is the
@@ -172,7 +172,7 @@ class CrossRatio:
         return not (math.isnan(self.low) or math.isnan(self.high))
 
     def interval_text(self, digits: int = 2) -> str:
-        return f"{self.low:.{digits}f}-{self.high:.{digits}f}" if self.has_interval else ""
+        return interval_text(self.low, self.high, digits) if self.has_interval else ""
 
 
 def normalisable(blocks: Iterable[Block]) -> bool:

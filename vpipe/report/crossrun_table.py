@@ -87,11 +87,15 @@ def run_to_run_sd(steps: Sequence[pd.DataFrame | None], normalise: bool) -> RunT
             LAUNCH_SD, None, "the default measured by bench.false_alarms (no repeated blocks)"
         )
     sd, dof = measured
-    floor = " (the default floor)" if sd < LAUNCH_SD else ""
+    floor = (
+        f": under the floor ({LAUNCH_SD:.3f}, measured by bench.false_alarms), so the floor is used"
+        if sd < LAUNCH_SD
+        else ""
+    )
     return RunToRun(
         max(sd, LAUNCH_SD),
         dof,
-        f"measured from the sweeps' repeated blocks, sd {sd:.3f} with {dof} degrees of "
+        f"the sweeps' repeated blocks measured sd {sd:.3f} with {dof} degrees of "
         f"freedom{floor}; Student's t",
     )
 
@@ -235,20 +239,31 @@ def headline(table: pd.DataFrame, base_label: str, label: str) -> str:
         )
         runs = ", ".join(sorted(set(decided["run"])))
         who, than = (base_label, runs) if slower else (runs, base_label)
-        return (
-            f"winner: {who}, faster than {than} in {len(decided)} of {n} configs "
-            f"(base/run, 95% CI: {figures})"
-        )
-    counts = table["verdict"].value_counts()
-    parts = [f"{int(c)} {v}" for v, c in counts.items()]
-    settle = [  # vpipe ab once, whatever each config's reason
-        s.split(" (", 1)[0] if s.startswith("vpipe ab") else s
-        for s in table.get("to settle", pd.Series(dtype=str))
-        if s
-    ]
-    more = f"; to settle: {', '.join(sorted(set(settle)))}" if settle else ""
+        faster = f"faster than {than} in {len(decided)} of {n} configs (base/run, 95% CI: {figures})"
+        if len(decided) == n:
+            return f"winner: {who}, {faster}"
+        rest = _counts(table[~table["verdict"].isin(DECIDED)])
+        return f"no winner over all configs: {who} {faster}; {rest}{_to_settle(table)}"
     mixed = " (faster in some configs, slower in others)" if len(directions) > 1 else ""
-    return f"no winner at this noise{mixed}: {', '.join(parts)} of {n} configs{more}"
+    return f"no winner at this noise{mixed}: {_counts(table)} of {n} configs{_to_settle(table)}"
+
+
+def _counts(table: pd.DataFrame) -> str:
+    return ", ".join(f"{int(c)} {v}" for v, c in table["verdict"].value_counts().items())
+
+
+def _to_settle(table: pd.DataFrame) -> str:
+    """What would settle the configs without an answer; each way named with its configs
+    when they differ ("~12 pairs (...) for zbv M=4 vpipe")."""
+    ways: dict[str, list[str]] = {}
+    for r in table.to_dict("records"):
+        s = r.get("to settle", "")
+        if s:  # vpipe ab once, whatever each config's reason
+            way = s.split(" (", 1)[0] if s.startswith("vpipe ab") else s
+            ways.setdefault(way, []).append(f"{r['schedule']} M={r['M']} {r['impl']}")
+    if len(ways) > 1:
+        return "; to settle: " + ", ".join(f"{w} for {' and '.join(c)}" for w, c in sorted(ways.items()))
+    return f"; to settle: {next(iter(ways))}" if ways else ""
 
 
 def comparison_note(

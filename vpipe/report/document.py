@@ -18,6 +18,7 @@ import pandas as pd
 
 from vpipe.errors import VpipeError
 from vpipe.metrics.catalogue import Metric, registry
+from vpipe.metrics.per_run import PEAK_MEMORY_ORDER, SAVED_ACTIVATIONS
 from vpipe.schedules import catalogue
 from vpipe.stats import (
     CONFIDENCE,
@@ -160,7 +161,40 @@ def summary_table(runs: pd.DataFrame) -> pd.DataFrame:
         rows.append(row)
     df = pd.DataFrame(rows)
     empty = [m.label for m in shown if m.show.optional and len(df) and (df[m.label] == "").all()]
-    return df.drop(columns=empty)  # e.g. token counts exist only for token models
+    return memory_columns(df.drop(columns=empty), d)  # e.g. token counts only for token models
+
+
+# Memory as labelled columns, one per kind measured (vpipe.metrics.per_run's kinds): what a
+# schedule saves for backward, and, where measured (CUDA), the allocator's peak
+MEMORY_COLUMNS = {SAVED_ACTIVATIONS: "saved activations MiB", "cuda_peak": "allocator peak MiB"}
+
+
+def memory_columns(table: pd.DataFrame, runs: pd.DataFrame) -> pd.DataFrame:
+    """``table`` (one row per run of ``runs``, in order) with its one "peak MiB" column (the
+    headline peak, whichever kind was measured first) replaced by a column per kind of
+    :data:`MEMORY_COLUMNS` that ``runs`` measured."""
+    headline = next(m.label for m in registry() if m.name == "peak_memory_bytes")
+    if headline not in table.columns:
+        return table
+    at = list(table.columns).index(headline)
+    table = table.drop(columns=headline)
+    for kind, label in MEMORY_COLUMNS.items():
+        col = f"peak_{kind}_bytes"
+        if col in runs.columns and runs[col].notna().any():
+            table.insert(at, label, [_fmt(v / 2**20) if pd.notna(v) else "" for v in runs[col]])
+            at += 1
+    return table
+
+
+def memory_label(runs: pd.DataFrame) -> str:
+    """What the runs' headline peak (``peak_memory_bytes``) measured, as a column label: the
+    kind whose peak it equals in every run (a sweep's is its saved activations)."""
+    for kind in PEAK_MEMORY_ORDER:
+        col = f"peak_{kind}_bytes"
+        if col in runs.columns and runs[col].notna().any():
+            if (runs[col].astype(float) == runs["peak_memory_bytes"].astype(float)).all():
+                return MEMORY_COLUMNS.get(kind, f"peak {kind.replace('_', ' ')} MiB")
+    return "peak MiB"
 
 
 def _groups(metrics: Sequence[Metric]) -> list[list[Metric]]:
@@ -277,6 +311,7 @@ def v_vs_baseline(
     if schedules is None:
         schedules = catalogue.names(lambda f: f.placement == "v")
     rows = []
+    memory = memory_label(runs)
     for (impl, m), d in runs.groupby(["impl", "microbatches"], observed=True):
         d = d.set_index("schedule")
         if BASELINE not in d.index:
@@ -296,8 +331,8 @@ def v_vs_baseline(
                         "peak memory ratio": _ratio(r.peak_memory_bytes, b.peak_memory_bytes),
                         "samples/s": _fmt(r.samples_per_s, 1),
                         f"{BASELINE} samples/s": _fmt(b.samples_per_s, 1),
-                        "peak MiB": _fmt(r.peak_memory_bytes / 2**20),
-                        f"{BASELINE} peak MiB": _fmt(b.peak_memory_bytes / 2**20),
+                        memory: _fmt(r.peak_memory_bytes / 2**20),
+                        f"{BASELINE} {memory}": _fmt(b.peak_memory_bytes / 2**20),
                     }
                 )
     return pd.DataFrame(rows)
@@ -371,5 +406,10 @@ def _regime_figures(runs: pd.DataFrame) -> pd.Series:
 
 
 def meta_table(meta: Mapping[str, Any]) -> pd.DataFrame:
-    items = [(k, v if isinstance(v, str) else json.dumps(v, default=str)) for k, v in meta.items()]
-    return pd.DataFrame(items, columns=["field", "value"])
+    """The setup table: each recorded option under its label, with what it means where a
+    word could be read two ways (:mod:`vpipe.report.glossary`)."""
+    from vpipe.report.glossary import setup_rows
+
+    items = [(k, v if isinstance(v, str) else json.dumps(v, default=str), means)
+             for k, v, means in setup_rows(meta)]  # fmt: skip
+    return pd.DataFrame(items, columns=["field", "value", "means"])

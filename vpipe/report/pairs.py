@@ -50,6 +50,7 @@ from typing import Any
 import numpy as np
 
 from vpipe.report.crossrun import (
+    LAUNCH_SD,
     Block,
     CrossRatio,
     _within_noise_band,
@@ -81,6 +82,11 @@ LOADED_LAUNCH_SD = 0.045
 # in-turn floor, A/A sessions under the hog throughout sat 0.62 of their standard errors from
 # 1 (sd over 6; 1 expected)
 GATED_LOADED_LAUNCH_SD = 0.03
+# The floor per side for a session of whole launches (vpipe.sweep.launched: a version without
+# paced sides): its pair's launches are whole commands a command apart, as a sweep's blocks
+# launched back to back, whose floor vpipe report takes (LAUNCH_SD: 0.024 measured by
+# bench.false_alarms, 160 dof)
+LAUNCHED_LAUNCH_SD = LAUNCH_SD
 PAIR_LIMITS = {**LIMITS, "ref_ratio": math.inf}  # the reference's moves are what normalising undoes
 
 
@@ -306,18 +312,23 @@ class Spread:
     source: str
 
 
-def session_spread(configs: Iterable[tuple[np.ndarray, np.ndarray]], fitted: int = 0) -> Spread:
+def session_spread(
+    configs: Iterable[tuple[np.ndarray, np.ndarray]], fitted: int = 0,
+    launch_sd: float = PAIR_LAUNCH_SD,
+) -> Spread:  # fmt: skip
     """tau^2 for a session's intervals: measured from its pairs (:func:`pair_spread`,
     ``fitted`` parameters besides the configs' means fitted to them) when it exceeds the floor
-    of two launches' :data:`PAIR_LAUNCH_SD`, else the floor (with the normal quantile: a
-    spread measured from a few pairs can come out far too small by chance)."""
-    floor = 2 * PAIR_LAUNCH_SD**2
+    of two launches' ``launch_sd`` (:data:`PAIR_LAUNCH_SD`; :data:`LAUNCHED_LAUNCH_SD` for
+    whole launches), else the floor (with the normal quantile: a spread measured from a few
+    pairs can come out far too small by chance)."""
+    floor = 2 * launch_sd**2
     measured = pair_spread(configs, fitted)
     if measured is None or measured[0] <= floor:
         seen = "" if measured is None else f"; the pairs showed sd {math.sqrt(measured[0]):.3f}"
-        return Spread(floor, None, f"the floor, launch sd {PAIR_LAUNCH_SD} per side{seen}")
+        return Spread(floor, None, f"the floor, launch sd {launch_sd} per side{seen}")
     tau2, dof = measured
-    return Spread(tau2, dof, f"measured from the pairs, sd {math.sqrt(tau2):.3f}, {dof} dof")
+    return Spread(tau2, dof, f"measured from the pairs, sd {math.sqrt(tau2):.3f}, {dof} dof "
+                  f"(above the floor, launch sd {launch_sd} per side)")  # fmt: skip
 
 
 def paired_ratio(pairs: Sequence[Pair], figure: Figure, spread: Spread, level: float) -> CrossRatio:

@@ -114,11 +114,12 @@ def verdict_lines(
     for st in standings(steps):
         contenders = st.contenders
         if len(contenders) == 1:
-            runner = min(st.ratios, key=lambda s: st.ratios[s].value)
+            runner = next(iter(st.ratios))  # the second lowest median, as tables order them
             r = st.ratios[runner]
             lines.append(
                 f"{st.where}: run {st.leader}: {r.value:.2f}x faster than {runner}, the next "
-                f"fastest (95% CI {r.interval_text()}); every other schedule is slower"
+                f"fastest by median step time (paired ratio, 95% CI {r.interval_text()}); "
+                "every other schedule is slower"
             )
             continue
         tied = [Tied(s, memory.get((s, st.microbatches, st.impl))) for s in contenders]

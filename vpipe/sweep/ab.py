@@ -38,6 +38,7 @@ from typing import IO, Any
 
 from vpipe.errors import VpipeError
 from vpipe.sweep.envs import Version
+from vpipe.sweep.launched import LaunchedSide, LaunchError
 from vpipe.sweep.paced import PREFIX, parse_reply
 
 FORBIDDEN = ("--out", "--append", "--force", "--blocks", "--traces", "--paced", "--profile-steps")
@@ -225,6 +226,7 @@ class Session:
     wall_s: float = 0.0
     error: str | None = None
     interrupted: bool = False
+    launched: bool = False  # whole launches in turn (vpipe.sweep.launched), not paced blocks
 
     def pairs_done(self) -> int:
         return len(self.launches) // 2
@@ -273,6 +275,7 @@ def run_session(
     settled: Callable[[Session, float], bool],
     progress: Callable[[str], object] = print,
     started: float | None = None,
+    launched: bool = False,
 ) -> tuple[Session, list[str]]:
     """Start both sides, alternate their launches, and after every pair from the
     :data:`~vpipe.report.pairs.MIN_PAIRS`-th look at the verdicts (``settled(session, alpha)``,
@@ -283,17 +286,19 @@ def run_session(
     or Ctrl-C, ends the session early (``session.error``, ``session.interrupted``; the launch
     in progress is dropped), and both sides still write what finished. ``started``: the
     :func:`time.monotonic` moment the session's time counts from (the command's start, so that
-    preparing the versions counts too); now by default."""
+    preparing the versions counts too); now by default. ``launched``: every block a whole
+    ``vpipe bench`` command (:mod:`vpipe.sweep.launched`), for versions that cannot pace."""
     from vpipe.report.looks import look_alpha
     from vpipe.report.pairs import MIN_PAIRS, session_order
 
-    session = Session(ready={})
+    session = Session(ready={}, launched=launched)
     t0 = time.monotonic() if started is None else started
-    sides: dict[str, SideProcess] = {}
+    sides: dict[str, SideProcess | LaunchedSide] = {}
     out.mkdir(parents=True, exist_ok=True)
     try:
         for k, v in versions.items():
-            sides[k] = SideProcess.start(v, bench_args[k], out / k, out / f"{k}.log")
+            start = LaunchedSide if launched else SideProcess.start
+            sides[k] = start(v, bench_args[k], out / k, out / f"{k}.log")
         for k, side in sides.items():
             session.ready[k] = side.expect("ready", READY_TIMEOUT_S)
         order = session_order(2 * pairs)
@@ -307,7 +312,11 @@ def run_session(
                     session.launches.append((k, message))
             else:
                 for k in (first, second):
-                    session.launches.append((k, sides[k].block()))
+                    message = sides[k].block()
+                    for key in ("configs", "reference"):  # a launched side's, from its store
+                        if key in message:
+                            session.ready[k].setdefault(key, message.pop(key))
+                    session.launches.append((k, message))
             now = time.monotonic()
             pair_seconds.append(now - pair_start)
             pair_start = now
@@ -338,7 +347,7 @@ def run_session(
         session.stopped = f"interrupted after {session.pairs_done()} pairs"
         for side in sides.values():  # the launch in progress (or both open ones) is dropped
             side.interrupt()
-    except AbError as e:
+    except (AbError, LaunchError) as e:
         session.error = str(e)
         session.stopped = f"stopped after {session.pairs_done()} pairs: {e}"
     wrote = _finish(sides)
@@ -374,9 +383,8 @@ def _finish(sides: dict[str, SideProcess]) -> list[str]:
 
     with sigint_held():
         try:
-            for side in sides.values():  # both write at once
-                if side.proc.poll() is None:
-                    side.end()
+            for side in sides.values():  # both write at once (an exited side's end is a no-op)
+                side.end()
             return [side.finish() for side in sides.values()]
         finally:
             for side in sides.values():

@@ -47,6 +47,10 @@ QUICK_SCHEDULES = catalogue.names(lambda f: f.quick_sweep)
 # minute on 2 cores; rounds are added within DEFAULT_MAX_MINUTES.
 DEFAULT_MLP_SIZES = {"d_model": 512, "d_hidden": 1024, "n_blocks": 8}
 DEFAULT_MAX_MINUTES = 4.0
+# --quick: 3 rounds of 2 steps give each pair of configs the 6 pairs an interval needs
+# (vpipe.stats.MIN_SAMPLES), and open ones get rounds for up to this long, so that its
+# verdict can settle on a quiet host rather than always end in "too few pairs"
+QUICK_ROUNDS, QUICK_STEPS, QUICK_MAX_MINUTES = 3, 2, 1.0
 DEFAULT_BATCH = 512
 DEFAULT_MICROBATCHES = (8,)
 # On GPUs (--device cuda) the default is a GPT sized to be compute-bound on an H100/H200-class

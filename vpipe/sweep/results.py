@@ -274,6 +274,7 @@ def collect(
                 "measured_steps": len(times),
                 **compute(measured),
                 **dp_figures,
+                **_memory_kinds(results, cfg),
                 "run_id": run_id,
                 "source": "measured",
                 "status": "ok",
@@ -366,6 +367,18 @@ def simulate_config(
     # the calibrated cost model is in microseconds
     row = compute(Inputs(sim=Simulated(sim, 1e-6), batch=spec.batch))
     return {**row, **dp_figures}, events_frame(ev)
+
+
+def _memory_kinds(results: list[dict[str, Any]], cfg: Config) -> dict[str, int | None]:
+    """A config's peak of each kind of memory measured, max over ranks, as the runs table's
+    ``peak_<kind>_bytes`` (the report shows each in its own column): bytes saved for
+    backward, and the CUDA allocator's peak where it was measured (None elsewhere)."""
+    mem = [r["memory"][cfg.key] for r in results]
+    cuda = [m["cuda_peak_bytes"] for m in mem if m.get("cuda_peak_bytes") is not None]
+    return {
+        f"peak_{SAVED_ACTIVATIONS}_bytes": int(max(m["peak_bytes"] for m in mem)),
+        "peak_cuda_peak_bytes": int(max(cuda)) if cuda else None,
+    }
 
 
 def _rank_peaks(results: list[dict[str, Any]], cfg: Config) -> pd.DataFrame:

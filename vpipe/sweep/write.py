@@ -78,8 +78,11 @@ def report_sections(res: BenchResults) -> list[Section]:
         table_section(
             "Summary",
             summary_table(runs),
-            "step time: slowest rank, median over interleaved timed steps (IQR shown); peak: "
-            "bytes of tensors saved for backward, max over ranks; bubble: idle/(idle+busy) per rank "
+            "step time: slowest rank, median over interleaved timed steps (IQR shown); saved "
+            "activations: bytes of tensors saved for backward, the most live at once, max over "
+            "ranks; allocator peak (measured on GPUs only): the CUDA caching allocator's peak, "
+            "max over ranks; mem vs interleaved-1f1b: the ratio of saved activations; bubble: "
+            "idle/(idle+busy) per rank "
             "over the whole profiled step (1 - total busy / total window over ranks); profiled step: "
             "the median of the steps recorded under torch.profiler (slower than the timed "
             "steps: profiling costs time per span); sim: simulator calibrated from those "
@@ -95,7 +98,8 @@ def report_sections(res: BenchResults) -> list[Section]:
                 "V-schedules vs interleaved-1f1b",
                 vv,
                 "ratios > 1: more throughput / more memory than the "
-                "interleaved-1f1b config of the same impl and M. " + STATS_NOTE,
+                "interleaved-1f1b config of the same impl and M (memory: saved "
+                "activations). " + STATS_NOTE,
             )
         )
     it = impl_table(res.steps)
@@ -108,25 +112,25 @@ def report_sections(res: BenchResults) -> list[Section]:
             )
         )
     sections.extend(dp_sections(res.dp_sweep()))
-    sections.extend(fidelity_sections(res))
+    fidelity = fidelity_tables(res)
+    sections.extend(fidelity_sections(res, fidelity))
     figs = Section("Throughput and memory")
     figs.images["Throughput per schedule"] = to_png(plot_throughput(res.steps))
     figs.images["Peak memory per schedule"] = to_png(plot_memory(res.ranks))
     figs.images["Throughput vs peak memory"] = to_png(plot_pareto(runs))
     sections.append(figs)
     sections.extend(_timeline_sections(res))
-    sections.extend(plan_sections(res))
+    sections.extend(plan_sections(res, fidelity))
     return sections
 
 
-def fidelity_sections(res: BenchResults) -> list[Section]:
+def fidelity_sections(
+    res: BenchResults, tables: list[tuple[str, int, pd.DataFrame]]
+) -> list[Section]:
     """Leave-one-out fidelity per implementation and M: calibrate on each profiled config in
     turn, predict every config, and compare with the timed medians."""
-    from vpipe.predict.calibrate import leave_one_out_tables
-
-    meta = {"model": res.spec.model, "sizes": res.meta.get("model_sizes")}
     out = []
-    for impl, m, table in leave_one_out_tables(res.measured, res.events.get, res.spec.ranks, meta):
+    for impl, m, table in tables:
         out.append(
             table_section(
                 f"Simulator fidelity ({impl}, M={m})",
@@ -146,6 +150,15 @@ def fidelity_sections(res: BenchResults) -> list[Section]:
     return out
 
 
+def fidelity_tables(res: BenchResults) -> list[tuple[str, int, pd.DataFrame]]:
+    """The sweep's leave-one-out tables (:func:`vpipe.predict.calibrate.leave_one_out_tables`):
+    (impl, M, table) each."""
+    from vpipe.predict.calibrate import leave_one_out_tables
+
+    meta = {"model": res.spec.model, "sizes": res.meta.get("model_sizes")}
+    return list(leave_one_out_tables(res.measured, res.events.get, res.spec.ranks, meta))
+
+
 def fidelity_worst(table: pd.DataFrame) -> float:
     """The largest |error| of a leave-one-out table."""
     return float(table.drop(columns="calibrated on").abs().max().max())
@@ -159,7 +172,9 @@ def fidelity_shown(table: pd.DataFrame) -> pd.DataFrame:
     )  # fmt: skip
 
 
-def plan_sections(res: BenchResults, top: int = 10) -> list[Section]:
+def plan_sections(
+    res: BenchResults, fidelity: list[tuple[str, int, pd.DataFrame]], top: int = 10
+) -> list[Section]:
     """The plan for the measured host: costs calibrated on the sweep's vpipe zbv config (else
     its first profiled vpipe config), every family x stages x M simulated for this sweep's
     ranks and batch, within the most memory any config of the sweep used."""
@@ -208,7 +223,8 @@ def plan_sections(res: BenchResults, top: int = 10) -> list[Section]:
             "M": c["microbatches"],
             "predicted step ms": f"{c['predicted_step_s'] * 1e3:.2f}",
             "bubble": f"{c['bubble_ratio']:.3f}",
-            "peak MiB/rank": f"{max(c['peak_activation_bytes']) / 2**20:.2f}",
+            "M measured": "yes" if c["microbatches"] in res.spec.microbatches else "extrapolated",
+            "saved activations MiB/rank": f"{max(c['peak_activation_bytes']) / 2**20:.2f}",
             "fits": "yes" if c["fits"] else "no",
             "tie": "yes" if candidate_label(c) in tied else "",
         }
@@ -226,8 +242,31 @@ def plan_sections(res: BenchResults, top: int = 10) -> list[Section]:
         f"{len(result['candidates'])} candidates; `vpipe plan --from STORE --run "
         f"{base.run_id} --memory ...` plans for another budget." + dp_note
         + "".join(f" Left out {fam}: {why}." for fam, why in result["left_out"].items())
+        + _plan_words(res, result, table, fidelity)
     )
     return [table_section("Plan for this host", table, note)]
+
+
+def _plan_words(
+    res: BenchResults, result: dict, table: pd.DataFrame, fidelity: list[tuple[str, int, pd.DataFrame]]
+) -> str:
+    """What the plan's table needs beside it: its rows at microbatch counts the sweep did not
+    run, its auto rows, and the simulator's error this sweep measured against the tie band."""
+    swept = ", ".join(map(str, res.spec.microbatches))
+    words = ""
+    if (table["M measured"] == "extrapolated").any():
+        words += (f" M measured: the sweep ran M={swept}; other counts are extrapolated (costs "
+                  "calibrated at the swept M, compute and activations scaled per row).")  # fmt: skip
+    if (table["schedule"] == "auto").any():
+        words += (" auto: the schedule vpipe searches for these costs and this budget "
+                  "(vpipe.schedules.auto); where it ties a named family, it found that "
+                  "family's order or one as fast.")  # fmt: skip
+    worst = [fidelity_worst(t) for _, _, t in fidelity]
+    if worst and max(worst) > result["tie"]:
+        words += (f" The tie band ({result['tie']:.0%}, --tie) is narrower than the error this "
+                  f"sweep measured (up to {max(worst):.0%}, Simulator fidelity): candidates "
+                  "further apart than the band are ordered by prediction only.")  # fmt: skip
+    return words
 
 
 def _timeline_sections(res: BenchResults) -> list[Section]:
