@@ -1,0 +1,213 @@
+"""Activation recomputation (``Pipeline(recompute=...)``): the unpipelined model's losses and
+gradients under every schedule family (B, I/W, overlapped F&B) and mode, at P=1 and P=2, a
+stage that uses a weight twice included; full recompute runs each stage's forward once more
+per microbatch (not twice under a split backward); the saved bytes counted follow the mode."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from vpipe.models import build_model
+from vpipe.models.base import BenchModel, split_pieces
+from vpipe.runtime import Pipeline
+from vpipe.runtime.launch import spawn
+from vpipe.runtime.recompute import RECOMPUTE_MODES, lazy
+from vpipe.schedules import make_schedule, schedule_names
+from vpipe.sweep.harness import reference_step
+
+SIZES = {
+    "gpt": {"vocab": 32, "d_model": 16, "n_heads": 2, "seq_len": 8},
+    "mlp": {"d_model": 16, "d_hidden": 32},
+    "gpt-fused": {"vocab": 32, "d_model": 16, "n_heads": 2, "seq_len": 8, "fused_fb": 1},
+}
+
+
+class TiedBlock(nn.Module):
+    """x + lin(gelu(lin(x))): one weight used twice in the stage."""
+
+    def __init__(self, d: int) -> None:
+        super().__init__()
+        self.lin = nn.Linear(d, d)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return x + self.lin(lazy(F.gelu, self.lin(x)))
+
+
+def _tied(n_stages: int) -> BenchModel:
+    d = 8
+    with torch.random.fork_rng(devices=[]):
+        torch.manual_seed(3)
+        blocks = [TiedBlock(d) for _ in range(n_stages)]
+
+    def batch(n: int, seed: int) -> tuple[torch.Tensor, torch.Tensor]:
+        g = torch.Generator().manual_seed(seed)
+        return torch.randn(n, d, generator=g), torch.randn(n, d, generator=g)
+
+    stages = split_pieces(blocks, n_stages, "tied blocks")
+    return BenchModel("tied", stages, lambda o, t: F.mse_loss(o, t), {}, 3, batch)
+
+
+def _build(model: str, n_stages: int) -> BenchModel:
+    if model == "tied":
+        bm = _tied(n_stages)
+    else:
+        bm = build_model(model.removesuffix("-fused"), n_stages, seed=1, **SIZES[model])
+    for m in bm.stages:
+        m.double()
+    return bm
+
+
+def _batch(bm: BenchModel, n: int) -> tuple[torch.Tensor, torch.Tensor]:
+    x, y = bm.make_batch(n, seed=0)
+    return tuple(t.double() if t.is_floating_point() else t for t in (x, y))
+
+
+def _reference(model: str, n_stages: int, n_mb: int) -> tuple[list, dict]:
+    bm = _build(model, n_stages)
+    ref = bm.reference_model()
+    losses = reference_step(ref, bm.loss_fn, *_batch(bm, 2 * n_mb), n_mb)
+    grads = {(s, k): p.grad for s, m in enumerate(ref.stages) for k, p in m.named_parameters()}
+    return losses, grads
+
+
+def _check(rank: int, name: str, n_ranks: int, model: str, mode: str, ref: tuple) -> dict:
+    """One step of ``name`` with ``mode`` on this rank against the reference; its stats."""
+    sched = make_schedule(name, n_ranks, 4)
+    bm = _build(model, sched.n_stages)
+    mine = sched.stages_of(rank)
+    pipe = Pipeline(sched, {s: bm.stages[s] for s in mine}, bm.loss_fn, recompute=mode)
+    x, y = _batch(bm, 8)
+    losses = pipe.step(x if 0 in mine else None, y if sched.loss_stage in mine else None)
+    where = f"{name} P={n_ranks} {model} recompute={mode} rank {rank}"
+    ref_losses, ref_grads = ref
+    if sched.loss_stage in mine:
+        for got, want in zip(losses, ref_losses, strict=True):
+            torch.testing.assert_close(got, want, rtol=1e-10, atol=0, msg=where)
+    for s in mine:
+        for k, p in bm.stages[s].named_parameters():
+            torch.testing.assert_close(
+                p.grad, ref_grads[s, k], rtol=1e-9, atol=1e-12, msg=f"{where} grad {s}.{k}"
+            )
+    ex = pipe._executor
+    assert ex.leftovers() == 0 and ex.live == 0 and ex.live_bytes == 0, where
+    return pipe.stats
+
+
+# Every family: B (gpipe, 1f1b, interleaved, looped), I/W (zb-*, zbv, v-*, auto), overlapped
+# F&B (dualpipev, whose fused variant runs the stage module's overlapped_forward_backward).
+def _configs(n_ranks: int) -> list[tuple[str, str]]:
+    if n_ranks == 1:
+        models = ("gpt", "mlp", "tied")
+        out = [(n, models[i % 3]) for i, n in enumerate(schedule_names())]
+        return out + [("dualpipev", "gpt-fused"), ("zbv", "tied"), ("1f1b", "tied")]
+    return [("1f1b", "gpt"), ("interleaved-1f1b", "tied"), ("zbv", "gpt"), ("zb-h1", "tied"),
+            ("dualpipev", "gpt-fused"), ("zbv", "tied")]  # fmt: skip
+
+
+def _jobs(n_ranks: int) -> list:
+    jobs = []
+    for name, model in _configs(n_ranks):
+        n_stages = make_schedule(name, n_ranks, 4).n_stages
+        ref = _reference(model, n_stages, 4)
+        jobs += [(name, model, mode, ref) for mode in RECOMPUTE_MODES]
+    return jobs
+
+
+def run_jobs(rank: int, n_ranks: int, jobs: list) -> list[tuple[str, str, str, dict]]:
+    torch.set_num_threads(1)
+    return [(n, m, mode, _check(rank, n, n_ranks, m, mode, ref)) for n, m, mode, ref in jobs]
+
+
+@pytest.fixture(autouse=True)
+def _one_thread():
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(threads)
+
+
+def test_every_family_and_mode_matches_the_reference_on_one_rank():
+    stats = {(n, m, mode): s for n, m, mode, s in run_jobs(0, 1, _jobs(1))}
+    smaller = 0
+    for name, model in _configs(1):
+        none, full = stats[name, model, "none"], stats[name, model, "full"]
+        assert full["peak_live_activations"] == none["peak_live_activations"], name
+        # not always smaller: one live microbatch's recomputation is what none keeps, and a
+        # split backward holds it from I to W
+        peaks = full["peak_live_activation_bytes"], none["peak_live_activation_bytes"]
+        assert peaks[0] <= peaks[1], (name, model, peaks)
+        smaller += peaks[0] < peaks[1]
+    assert smaller >= len(_configs(1)) // 2
+
+
+def test_every_family_and_mode_matches_the_reference_on_two_ranks():
+    results = spawn(run_jobs, 2, _jobs(2), timeout_s=300)
+    assert [len(r) for r in results] == [3 * len(_configs(2))] * 2
+
+
+class _Counting(nn.Module):
+    """Counts its forward calls with autograd on and off."""
+
+    def __init__(self, inner: nn.Module) -> None:
+        super().__init__()
+        self.inner = inner
+        self.calls = {True: 0, False: 0}
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        self.calls[torch.is_grad_enabled()] += 1
+        return self.inner(x)
+
+
+@pytest.mark.parametrize("name", ["1f1b", "zbv", "dualpipev"])
+def test_full_recompute_runs_each_forward_once_more(name):
+    """F without autograd, then one forward with autograd per microbatch and stage, whether
+    the backward is one B, an I and a W, or a part of an overlap action."""
+    sched = make_schedule(name, 1, 4)
+    bm = _build("mlp", sched.n_stages)
+    mods = {s: _Counting(m) for s, m in enumerate(bm.stages)}
+    pipe = Pipeline(sched, mods, bm.loss_fn, recompute="full")
+    pipe.step(*_batch(bm, 8))  # the first step also infers the shapes
+    for mod in mods.values():
+        mod.calls = {True: 0, False: 0}
+    pipe.step(*_batch(bm, 8))
+    for s, mod in mods.items():
+        assert mod.calls == {False: 4, True: 4}, (name, s, mod.calls)
+
+
+def _stage_bytes(mode: str, model: str = "gpt") -> tuple[list[int], list[int]]:
+    sched = make_schedule("zbv", 1, 2)
+    bm = _build(model, sched.n_stages)
+    pipe = Pipeline(sched, dict(enumerate(bm.stages)), bm.loss_fn, recompute=mode)
+    pipe.step(*_batch(bm, 4))
+    stages = pipe.stages.values()
+    return [st.act_bytes for st in stages], [st.recompute_bytes for st in stages]
+
+
+def test_saved_bytes_follow_the_mode():
+    """full keeps the stage's inputs and recomputes the rest; selective recomputes the
+    activation functions' outputs (a block's 4*d wide GELU output) and attention's core."""
+    none, none_rec = _stage_bytes("none")
+    full, full_rec = _stage_bytes("full")
+    sel, sel_rec = _stage_bytes("selective")
+    d, seq, mb = SIZES["gpt"]["d_model"], SIZES["gpt"]["seq_len"], 2
+    hidden = mb * seq * d * 8  # one float64 hidden state of a microbatch
+    assert none_rec == [0, 0]
+    # stage 0 keeps its int64 token ids (a view of the whole batch's), stage 1 a hidden state
+    assert full == [2 * mb * seq * 8, hidden]
+    for s in range(2):  # full recomputes everything but the inputs it kept
+        assert full[s] + full_rec[s] == none[s], s
+    bm = _build("gpt", 2)
+    for s in range(2):
+        blocks = sum(type(p).__name__ == "DecoderBlock" for p in bm.stages[s].pieces)
+        assert sel_rec[s] == blocks * 4 * hidden, s
+        assert sel[s] < none[s] - sel_rec[s], s  # attention's core saves nothing either
+
+
+def test_an_unknown_mode_is_named():
+    sched = make_schedule("1f1b", 1, 2)
+    bm = _build("mlp", 1)
+    with pytest.raises(Exception, match="recompute must be one of none, full, selective"):
+        Pipeline(sched, {0: bm.stages[0]}, bm.loss_fn, recompute="some")
