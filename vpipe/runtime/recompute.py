@@ -72,12 +72,14 @@ def lazy(fn: Callable[[torch.Tensor], torch.Tensor], x: torch.Tensor) -> torch.T
 
 class Selective:
     """One selective forward: ``with sel:`` around it, under ``saved_tensors_hooks(sel.pack,
-    sel.unpack)``. ``lazy_bytes`` is what the :func:`lazy` outputs it dropped would have
-    held (recomputed in backward and held until W)."""
+    sel.unpack)``, made just before them: hooks already in force (a memory meter's) still
+    see every tensor kept. ``lazy_bytes`` is what the :func:`lazy` outputs it dropped would
+    have held (recomputed in backward and held until W)."""
 
     def __init__(self) -> None:
         self._marked: dict[int, _Entry] = {}
         self.lazy_bytes = 0
+        self._outer = torch._C._autograd._top_saved_tensors_default_hooks(False)
 
     def __enter__(self) -> Selective:
         _active.append(self)
@@ -93,19 +95,34 @@ class Selective:
 
     def pack(self, t: torch.Tensor) -> Any:
         """Saved-tensor pack hook: a marked output becomes a recipe, anything else stays."""
-        if not self._marked:
-            return t
-        entry = self._marked.get(t.untyped_storage().data_ptr())
+        entry = self._marked.get(t.untyped_storage().data_ptr()) if self._marked else None
         if entry is None or entry.out() is None:  # unmarked, or a reused address
-            return t
+            return t if self._outer is None else _Outer(self._outer, t)
         if not entry.counted:
             entry.counted = True
             self.lazy_bytes += entry.nbytes
         return _Lazy(entry, t)
 
     @staticmethod
+    def dropped(h: Any) -> bool:
+        """Whether what :meth:`pack` returned stands for a tensor it did not keep."""
+        return type(h) is _Lazy
+
+    @staticmethod
     def unpack(h: Any) -> torch.Tensor:
-        return h.get() if type(h) is _Lazy else h
+        return h.get() if type(h) in (_Lazy, _Outer) else h
+
+
+class _Outer:
+    """A kept tensor packed by the hooks that were in force before the selective ones."""
+
+    __slots__ = ("unpack", "packed")
+
+    def __init__(self, outer: tuple[Callable, Callable], t: torch.Tensor) -> None:
+        self.unpack, self.packed = outer[1], outer[0](t)
+
+    def get(self) -> torch.Tensor:
+        return self.unpack(self.packed)
 
 
 class _Entry:

@@ -183,7 +183,7 @@ class Stage:
 
             def pack(t: torch.Tensor) -> Any:
                 kept = sel.pack(t)
-                if kept is t:
+                if not sel.dropped(kept):
                     counter.pack(t)
                 return kept
 
