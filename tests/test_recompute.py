@@ -211,3 +211,36 @@ def test_an_unknown_mode_is_named():
     bm = _build("mlp", 1)
     with pytest.raises(Exception, match="recompute must be one of none, full, selective"):
         Pipeline(sched, {0: bm.stages[0]}, bm.loss_fn, recompute="some")
+
+
+@pytest.mark.parametrize("name", ["zbv", "interleaved-1f1b", "dualpipev", "zb-h1"])
+@pytest.mark.parametrize("mode", ["full", "selective"])
+def test_the_simulator_counts_the_bytes_the_runtime_counts(name, mode):
+    """Given each stage's measured bytes (kept by F, held by the recomputing backward), the
+    simulator's peak is the runtime's, in program order."""
+    from vpipe.sim import CostModel, simulate
+
+    sched = make_schedule(name, 1, 4)
+    bm = _build("gpt", sched.n_stages)
+    pipe = Pipeline(sched, dict(enumerate(bm.stages)), bm.loss_fn, recompute=mode)
+    pipe.step(*_batch(bm, 8))
+    stages = [pipe.stages[s] for s in range(sched.n_stages)]
+    costs = CostModel(
+        activation_bytes=[st.act_bytes for st in stages],
+        recompute_bytes=[st.recompute_bytes for st in stages],
+        recompute=1.0,
+    )
+    assert any(st.recompute_bytes for st in stages)
+    got = simulate(sched, costs).peak_activation_bytes
+    assert got == [pipe.stats["peak_live_activation_bytes"]], (name, mode)
+
+
+def test_recomputation_costs_a_forward_in_each_b_and_i():
+    from vpipe.sim import CostModel
+
+    cm = CostModel.parse("f=2,b=3,w=1,recompute=1,recompute_bytes=5,unit=stage")
+    f, b, w = cm.stage_times(2)
+    assert list(b) == [5, 5] and list(w) == [1, 1] and list(cm.backward_times(2)) == [6, 6]
+    assert list(cm.stage_recompute_bytes(2)) == [5, 5]
+    measured_b = CostModel(f=2, b=3, w=1, recompute=0.5, per_stage={0: {"B": 3.5}})
+    assert list(measured_b.backward_times(2)) == [4.5, 5.0]
