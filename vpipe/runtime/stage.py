@@ -124,9 +124,9 @@ class Stage:
         restore = rng_state(values[0].device if values else torch.device("cpu"))
         with torch.no_grad():
             out = self._run(values, target)
-        self._kept[m] = (values, target, restore)
+        self._kept[m] = (tuple(map(_compact, values)), target, restore)
         if self.act_bytes is None:
-            self.act_bytes = _Bytes(self.module).add(values).total
+            self.act_bytes = _Bytes(self.module).add(self._kept[m][0]).total
         if self.is_last:
             return out
         outs = as_tuple(out, f"stage {self.index} output")
@@ -245,6 +245,14 @@ class Stage:
 
 def _same(t: Any) -> Any:
     return t
+
+
+def _compact(t: torch.Tensor) -> torch.Tensor:
+    """``t`` itself, or a copy when it views a larger storage (a bundle's receive buffer, the
+    whole batch): what full recomputation keeps should hold no more than its inputs."""
+    if t.untyped_storage().nbytes() <= t.nbytes:
+        return t
+    return t.detach().clone().requires_grad_(t.requires_grad)
 
 
 class _Bytes:
