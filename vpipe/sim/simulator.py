@@ -410,7 +410,7 @@ def _byte_peaks(fl: Flat, act: np.ndarray, rec: np.ndarray, bounds: np.ndarray) 
     (``act``); a recomputing B holds ``rec`` while it runs, then frees both; I adds ``rec``
     until its W frees both."""
     a, r = act[fl.p_stage], rec[fl.p_stage]
-    net = np.select([fl.p_kind == 0, fl.p_kind == 2], [a, r], -(a + r))  # F, I; B and W free
+    net = np.select([fl.p_kind == 0, fl.p_kind == 1, fl.p_kind == 2], [a, -a, r], -(a + r))
     during = np.where(fl.p_kind == 1, r, 0.0)  # above the count before the B
     out = []
     for lo, hi in zip(bounds[:-1], bounds[1:], strict=True):
