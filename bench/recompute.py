@@ -8,20 +8,22 @@ up, profiled once (per-action medians: :func:`vpipe.predict.calibrate.calibrate`
 (bytes saved for backward), then timed in rounds that alternate the configs' order; each step's
 time is the slowest rank's. Printed per schedule, implementation and mode:
 
-- the median step time and the median of pairwise ratios to the same implementation's
-  ``none`` with its bootstrap 95% interval;
-- the extra time of a backward (B, or I and W apart) over the ``none`` run's, in forwards of
-  the ``none`` run (per stage, the median over stages): full recomputation should cost one
-  forward in B or I and none in W;
+- the median step time (``step ms``) and the median of pairwise ratios to the same
+  implementation's ``none`` with its bootstrap 95% interval (``ratio``), beside the ratio the
+  simulator predicts (``sim``);
+- what the mode adds in forwards of the ``none`` run: to the step (``step +F``: the step's
+  extra time over M forwards of the stages of the rank with the most forward time), and to a
+  backward (``B|I +F``: B, or I, over the ``none`` run's, per stage, the median over stages but
+  stage 0; ``W +F``: W's): full recomputation should cost one forward in B or I and none in W;
 - peak bytes per rank: vpipe's own count (what the mode keeps, and what the recomputing
   backward holds), predicted by the simulator from the ``none`` run's per-stage bytes and the
   stages' input shapes, and the saved-tensor meter's (the only figure torch's runs have; it
   does not see what torch's checkpoint keeps inside its own hooks);
 - the simulator's step time predicted from the ``none`` run's calibration with the mode's
   recomputation (full: one forward in each B and I; selective: attention's core, by its share
-  of the block's multiply-adds), and its error against the timed median.
+  of the block's multiply-adds), and its error against the timed median (``sim ms``, ``err``).
 
-Run: ``python -m bench.recompute [--rounds 8] [--steps 3] [--batch 32]``.
+Run: ``python -m bench.recompute [--rounds 6] [--steps 3] [--batch 64]``.
 """
 
 from __future__ import annotations
@@ -213,9 +215,9 @@ def main(argv: Sequence[str] | None = None) -> int:
     p = argparse.ArgumentParser(
         prog="python -m bench.recompute", description=__doc__.split("\n\n")[0]
     )
-    p.add_argument("--rounds", type=int, default=8, help="timed rounds (configs alternate)")
+    p.add_argument("--rounds", type=int, default=6, help="timed rounds (configs alternate)")
     p.add_argument("--steps", type=int, default=3, help="timed steps per config and round")
-    p.add_argument("--batch", type=int, default=32, help="global batch (M=8 microbatches)")
+    p.add_argument("--batch", type=int, default=64, help="global batch (M=8 microbatches)")
     p.add_argument("--profiles", type=int, default=2, help="profiled steps per config")
     args = p.parse_args(argv)
     specs, per_rank = measure(args.rounds, args.steps, args.batch, args.profiles)
