@@ -1,7 +1,12 @@
 """Activation recomputation on CPU: what each mode costs in step time and saves in memory,
 vpipe's runtime beside torch.distributed.pipelining with torch.utils.checkpoint.
 
-One launch (P=2 gloo ranks, GPT model, M=8) builds every config's rank harness: zbv and
+First, one stage of the GPT model (two decoder blocks) in this process, one thread: the median
+time of F, B, I and W per implementation and mode (none, full), interleaved, and what full
+recomputation adds to each in forwards of ``none``'s F (vpipe: one forward in B and in I,
+none in W; torch's split backward recomputes in W too, per weight-gradient call).
+
+Then one launch (P=2 gloo ranks, GPT model, M=8) builds every config's rank harness: zbv and
 interleaved-1f1b x vpipe and torch x recompute none, full and selective (torch refuses
 selective checkpointing under zbv's split backward: shown as refused). Each config is warmed
 up, profiled once (per-action medians: :func:`vpipe.predict.calibrate.calibrate`), metered once
@@ -23,7 +28,7 @@ time is the slowest rank's. Printed per schedule, implementation and mode:
   recomputation (full: one forward in each B and I; selective: attention's core, by its share
   of the block's multiply-adds), and its error against the timed median (``sim ms``, ``err``).
 
-Run: ``python -m bench.recompute [--rounds 6] [--steps 3] [--batch 64]``.
+Run: ``python -m bench.recompute [--rounds 6] [--steps 3] [--batch 64] [--stage-repeats 30]``.
 """
 
 from __future__ import annotations
@@ -33,6 +38,7 @@ import statistics
 import tempfile
 from collections.abc import Sequence
 from dataclasses import replace
+from functools import partial
 from typing import Any
 
 SCHEDULES = ("zbv", "interleaved-1f1b")
@@ -42,9 +48,7 @@ SIZES = {"vocab": 512, "d_model": 128, "n_heads": 4, "n_layers": 4, "seq_len": 6
 P, M = 2, 8
 
 
-def _rank_job(
-    rank: int, n_ranks: int, specs: list, rounds: int, steps: int, profiles: int
-) -> dict:
+def _rank_job(rank: int, n_ranks: int, specs: list, rounds: int, steps: int, profiles: int) -> dict:
     """This rank's figures per config (None where the implementation refused it)."""
     import torch.distributed as dist
 
@@ -74,7 +78,11 @@ def _rank_job(
     with tempfile.TemporaryDirectory() as tmp:
         for k in range(profiles):
             for i in live:
-                meta = {"run_id": f"c{i}", "impl": specs[i].impl, "schedule": specs[i].schedule.name}
+                meta = {
+                    "run_id": f"c{i}",
+                    "impl": specs[i].impl,
+                    "schedule": specs[i].schedule.name,
+                }
                 dist.barrier()
                 out["events"][i].append(hs[i].profiled_step(f"{tmp}/c{i}-{k}", meta))
     times: dict[int, list[float]] = {i: [] for i in live}
@@ -211,6 +219,95 @@ def report(specs: list, per_rank: list[dict], rounds: int, steps: int, batch: in
     return lines
 
 
+def stage_times(repeats: int, rows: int) -> dict[tuple[str, str], dict[str, float]]:
+    """Median ms of F, B, I and W of one GPT stage (two decoder blocks, one thread) per
+    (implementation, mode), modes and implementations interleaved in every repeat: vpipe's
+    Stage, and torch.distributed.pipelining's stage backward helpers on the module under
+    torch.utils.checkpoint."""
+    import time
+
+    import torch
+    from torch.distributed.pipelining._backward import (
+        stage_backward,
+        stage_backward_input,
+        stage_backward_weight,
+    )
+
+    from vpipe.baselines.checkpointing import checkpointed
+    from vpipe.models import build_model
+    from vpipe.runtime.stage import Stage
+
+    torch.set_num_threads(1)
+    module = build_model("gpt", 4, 0, **SIZES).stages[1]  # the middle: two decoder blocks
+    params = list(module.parameters())
+    x0 = torch.randn(rows, SIZES["seq_len"], SIZES["d_model"])
+    g = torch.randn_like(x0)
+    meta = ((tuple(x0.shape), x0.dtype),)
+    stages = {m: Stage(1, 4, module, None, m) for m in ("none", "full")}
+    for st in stages.values():
+        st.set_meta(meta, meta)
+    wrapped = {m: checkpointed(module, m) for m in ("none", "full")}
+
+    def clock(fn: Any) -> tuple[Any, float]:
+        t0 = time.perf_counter()
+        out = fn()
+        return out, (time.perf_counter() - t0) * 1e3
+
+    def vpipe_round(mode: str) -> dict[str, float]:
+        st, got = stages[mode], {}
+        _, got["F"] = clock(lambda: st.forward(0, (x0.clone(),), None))
+        _, got["B"] = clock(lambda: st.backward(0, (g,)))
+        st.forward(1, (x0.clone(),), None)
+        _, got["I"] = clock(lambda: st.backward_input(1, (g,)))
+        _, got["W"] = clock(lambda: st.backward_weight(1))
+        return got
+
+    def torch_round(mode: str) -> dict[str, float]:
+        mod, got = wrapped[mode], {}
+        x = x0.clone().requires_grad_(True)
+        out, got["F"] = clock(lambda: mod(x))
+        _, got["B"] = clock(lambda: stage_backward(out, g, [x]))
+        x = x0.clone().requires_grad_(True)
+        out = mod(x)
+        (_, groups), got["I"] = clock(lambda: stage_backward_input([out], [g], [x], iter(params)))
+        _, got["W"] = clock(lambda: stage_backward_weight(iter(params), groups))
+        return got
+
+    runs = {("vpipe", m): partial(vpipe_round, m) for m in stages}
+    runs |= {("torch", m): partial(torch_round, m) for m in wrapped}
+    times: dict[tuple[str, str], dict[str, list[float]]] = {k: {} for k in runs}
+    for r in range(repeats + 3):  # three warm-up repeats
+        for key in list(runs) if r % 2 else list(runs)[::-1]:
+            for p in params:
+                p.grad = None
+            for kind, ms in runs[key]().items():
+                times[key].setdefault(kind, []).append(ms) if r >= 3 else None
+    return {k: {kind: statistics.median(v) for kind, v in t.items()} for k, t in times.items()}
+
+
+def stage_lines(repeats: int, rows: int) -> list[str]:
+    """The stage-level table: each part's median and full recomputation's extra in forwards."""
+    med = stage_times(repeats, rows)
+    lines = [
+        f"one GPT stage (2 blocks, {rows} rows x {SIZES['seq_len']} tokens, 1 thread), "
+        f"{repeats} interleaved repeats, median ms; full's extra over none in none's forwards",
+        f"{'impl':5s} {'mode':5s} {'F':>6s} {'B':>6s} {'I':>6s} {'W':>6s} "
+        f"{'B +F':>5s} {'I +F':>5s} {'W +F':>5s}",
+    ]
+    for impl in IMPLS:
+        base = med[impl, "none"]
+        for mode in ("none", "full"):
+            t = med[impl, mode]
+            extra = [(t[k] - base[k]) / base["F"] for k in ("B", "I", "W")]
+            lines.append(
+                f"{impl:5s} {mode:5s} "
+                + " ".join(f"{t[k]:6.2f}" for k in ("F", "B", "I", "W"))
+                + " "
+                + " ".join(f"{e:5.2f}" for e in extra)
+            )
+    return lines
+
+
 def main(argv: Sequence[str] | None = None) -> int:
     p = argparse.ArgumentParser(
         prog="python -m bench.recompute", description=__doc__.split("\n\n")[0]
@@ -219,7 +316,10 @@ def main(argv: Sequence[str] | None = None) -> int:
     p.add_argument("--steps", type=int, default=3, help="timed steps per config and round")
     p.add_argument("--batch", type=int, default=64, help="global batch (M=8 microbatches)")
     p.add_argument("--profiles", type=int, default=2, help="profiled steps per config")
+    p.add_argument("--stage-repeats", type=int, default=30, help="repeats of the stage table")
     args = p.parse_args(argv)
+    for line in stage_lines(args.stage_repeats, args.batch // M):
+        print(line, flush=True)
     specs, per_rank = measure(args.rounds, args.steps, args.batch, args.profiles)
     for line in report(specs, per_rank, args.rounds, args.steps, args.batch):
         print(line, flush=True)
