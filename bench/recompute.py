@@ -291,7 +291,7 @@ def stage_lines(repeats: int, rows: int) -> list[str]:
     lines = [
         f"one GPT stage (2 blocks, {rows} rows x {SIZES['seq_len']} tokens, 1 thread), "
         f"{repeats} interleaved repeats, median ms; full's extra over none in none's forwards",
-        f"{'impl':5s} {'mode':5s} {'F':>6s} {'B':>6s} {'I':>6s} {'W':>6s} "
+        f"{'mode':5s} {'impl':5s} {'F':>6s} {'B':>6s} {'I':>6s} {'W':>6s} "
         f"{'B +F':>5s} {'I +F':>5s} {'W +F':>5s}",
     ]
     for impl in IMPLS:
@@ -300,7 +300,7 @@ def stage_lines(repeats: int, rows: int) -> list[str]:
             t = med[impl, mode]
             extra = [(t[k] - base[k]) / base["F"] for k in ("B", "I", "W")]
             lines.append(
-                f"{impl:5s} {mode:5s} "
+                f"{mode:5s} {impl:5s} "
                 + " ".join(f"{t[k]:6.2f}" for k in ("F", "B", "I", "W"))
                 + " "
                 + " ".join(f"{e:5.2f}" for e in extra)

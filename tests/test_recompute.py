@@ -8,6 +8,7 @@ from __future__ import annotations
 import pytest
 import torch
 import torch.nn.functional as F
+from test_runtime import _one_thread  # noqa: F401 (autouse: one thread per test)
 from torch import nn
 
 from vpipe.models import build_model
@@ -118,16 +119,7 @@ def _jobs(n_ranks: int) -> list:
 
 
 def run_jobs(rank: int, n_ranks: int, jobs: list) -> list[tuple[str, str, str, dict]]:
-    torch.set_num_threads(1)
     return [(n, m, mode, _check(rank, n, n_ranks, m, mode, ref)) for n, m, mode, ref in jobs]
-
-
-@pytest.fixture(autouse=True)
-def _one_thread():
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(threads)
 
 
 def test_every_family_and_mode_matches_the_reference_on_one_rank():
