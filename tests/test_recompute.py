@@ -290,3 +290,16 @@ def test_plan_refuses_recomputation_without_a_calibrated_run():
     with pytest.raises(VpipeError, match="--recompute full needs costs calibrated on a run"):
         plan(SpecCosts.parse("f=1,b=1,w=1"), 2, 8, Budget(1e12, units=False),
              recompute=("full",), microbatches=[4], schedules=["1f1b"])  # fmt: skip
+
+
+def test_run_records_the_mode_and_a_bad_one_is_named():
+    from vpipe.cli import build_parser
+    from vpipe.commands.run import build_config
+    from vpipe.errors import VpipeError
+    from vpipe.sweep.harness import RankSpec
+
+    argv = "run zbv -p 2 -m 4 --batch 8 --model gpt --recompute selective".split()
+    config = build_config(build_parser().parse_args(argv))
+    assert config.rank.recompute == "selective" and config.meta["recompute"] == "selective"
+    with pytest.raises(VpipeError, match="unknown --recompute 'some': choose from none, full"):
+        RankSpec(make_schedule("zbv", 2, 4), recompute="some").check(build=False)
