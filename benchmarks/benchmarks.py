@@ -10,7 +10,8 @@ M = 4, 8. The ``track_`` methods are generated from the metric registry
 its unit. asv takes lower as better, so a higher-is-better metric is tracked through its
 reciprocal (samples/s as ``track_seconds_per_sample``). ``VPIPE_ASV_SCHEDULES`` /
 ``VPIPE_ASV_MICROBATCHES`` (comma-separated) narrow the parameter grid, e.g. for a quick smoke
-run; ``VPIPE_ASV_DTYPE`` sets the precision (``vpipe bench --dtype``).
+run; ``VPIPE_ASV_DTYPE`` sets the precision (``vpipe bench --dtype``), ``VPIPE_ASV_RECOMPUTE``
+the activation recomputation (``vpipe bench --recompute``: none, full or selective).
 
 **Rounds across commits.** ``asv continuous --interleave-rounds -a rounds=7 A B`` (asv's
 default is to interleave when it makes its own environments) runs round 1 of both commits,
@@ -59,6 +60,7 @@ BLOCKS = int(os.environ.get("VPIPE_ASV_BLOCKS", "1"))
 ROUNDS = 7  # asv continuous --interleave-rounds -a rounds=7 (see the module's doc)
 INJECT_DELAY_MS = float(os.environ.get("VPIPE_ASV_INJECT_DELAY_MS", "0"))
 DTYPE = os.environ.get("VPIPE_ASV_DTYPE") or None  # bf16, fp16, fp32 (default: fp32 on CPU)
+RECOMPUTE = os.environ.get("VPIPE_ASV_RECOMPUTE") or "none"  # none, full, selective
 ALLOW_BUSY = os.environ.get("VPIPE_ASV_ALLOW_BUSY", "") not in ("", "0")
 BUSY = "host busy"
 
@@ -162,6 +164,7 @@ class PipelineCPU:
             blocks=BLOCKS,
             inject_delay_ms=INJECT_DELAY_MS,
             dtype=DTYPE,
+            recompute=RECOMPUTE,
         )
         import tempfile
 

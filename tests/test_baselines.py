@@ -1,5 +1,6 @@
 """torch.distributed.pipelining baseline: same modules, same gradients as the reference and as
-vpipe's runtime. One spawn of two gloo ranks runs every configuration."""
+vpipe's runtime, also with activation recomputation (torch's checkpointing; vpipe's own).
+One spawn of two gloo ranks runs every configuration."""
 
 import pytest
 import torch
@@ -14,12 +15,15 @@ TINY = {
     "gpt": {"vocab": 40, "d_model": 16, "n_heads": 2, "seq_len": 8},
 }
 
-# (schedule, model, stages per rank, microbatches)
+# (schedule, model, stages per rank, microbatches, recompute)
 CONFIGS = [
-    ("zbv", "mlp", 2, 4),
-    ("dualpipev", "tuple", 2, 4),
-    ("interleaved-1f1b", "gpt", 2, 4),
-    ("1f1b", "tuple", 1, 3),
+    ("zbv", "mlp", 2, 4, "none"),
+    ("dualpipev", "tuple", 2, 4, "none"),
+    ("interleaved-1f1b", "gpt", 2, 4, "none"),
+    ("1f1b", "tuple", 1, 3, "none"),
+    ("zbv", "gpt", 2, 4, "full"),
+    ("1f1b", "gpt", 1, 4, "selective"),
+    ("interleaved-1f1b", "mlp", 2, 4, "full"),
 ]
 
 
@@ -32,7 +36,7 @@ def _run_both(rank, n_ranks, configs, run_config):
     from vpipe.schedules import make_schedule
 
     out = []
-    for name, model_name, v, m in configs:
+    for name, model_name, v, m, recompute in configs:
         n_stages = n_ranks * v
         schedule = lower(make_schedule(name, n_ranks, m, v))
         grads, losses_by_impl, findings = {}, {}, []
@@ -46,10 +50,13 @@ def _run_both(rank, n_ranks, configs, run_config):
             modules = {s: model.stages[s] for s in mine}
             if impl == "torch":
                 pipe = TorchPipeline(
-                    name, modules, model.loss_fn, n_stages=n_stages, n_microbatches=m
+                    name, modules, model.loss_fn, n_stages=n_stages, n_microbatches=m,
+                    recompute=recompute,
                 )
             else:
-                pipe = Pipeline(schedule, modules=modules, loss_fn=model.loss_fn)
+                pipe = Pipeline(
+                    schedule, modules=modules, loss_fn=model.loss_fn, recompute=recompute
+                )
             x, y = model.make_batch(2 * m, seed=1)
             for _ in range(2):  # the second step runs with cached shapes
                 for mod in modules.values():
@@ -69,7 +76,7 @@ def _run_both(rank, n_ranks, configs, run_config):
         )
         out.append(
             {
-                "config": (name, model_name, v, m),
+                "config": (name, model_name, v, m, recompute),
                 "findings": findings,
                 "losses": losses_by_impl,
                 "grads_equal": same and grads["torch"].keys() == grads["vpipe"].keys(),
@@ -111,6 +118,25 @@ def test_torch_baseline_matches_reference_and_vpipe():
                 assert t == pytest.approx(v, rel=1e-6)
             else:
                 assert res["losses"] == {"torch": None, "vpipe": None}
+
+
+def test_torch_refuses_selective_checkpointing_under_a_split_backward():
+    from vpipe.runtime.launch import spawn
+
+    with pytest.raises(Exception, match="splits the backward .* selective checkpointing"):
+        spawn(_torch_selective_zbv, 2, timeout_s=120)
+
+
+def _torch_selective_zbv(rank, n_ranks):
+    from vpipe.baselines.torch_pp import TorchPipeline
+    from vpipe.models import build_model
+
+    model = build_model("mlp", 4, seed=5, **TINY["mlp"])
+    mine = [s for s, r in torch_placement("zbv", n_ranks, 4).items() if r == rank]
+    TorchPipeline(
+        "zbv", {s: model.stages[s] for s in mine}, model.loss_fn, n_stages=4, n_microbatches=4,
+        recompute="selective",
+    )
 
 
 def test_torch_placement():

@@ -85,6 +85,9 @@ class TorchPipeline:
     schedule through its ``_PipelineScheduleRuntime``, loaded from torch's CSV format, as
     torchtitan runs ``pipeline_parallel_schedule_csv``; stages are placed as ``program`` says
     and ``name`` only labels it.
+
+    ``recompute`` ("none", "full", "selective") runs each stage module under torch's own
+    checkpointing (:mod:`vpipe.baselines.checkpointing`).
     """
 
     def __init__(
@@ -98,6 +101,7 @@ class TorchPipeline:
         group: Any = None,
         device: torch.device | str | None = None,
         program: Schedule | None = None,
+        recompute: str = "none",
     ) -> None:
         import torch
         import torch.distributed as dist
@@ -126,9 +130,15 @@ class TorchPipeline:
         self.stats: dict[str, float] = {}
         self._has_first = 0 in modules
         self._has_last = n_stages - 1 in modules
+        from vpipe.baselines.checkpointing import checkpointed
+
         stages = [
             pipelining.PipelineStage(
-                modules[s].to(self.device), s, n_stages, self.device, group=group
+                checkpointed(modules[s].to(self.device), recompute),
+                s,
+                n_stages,
+                self.device,
+                group=group,
             )
             for s in mine
         ]
@@ -144,6 +154,12 @@ class TorchPipeline:
                 _load_program(self._schedule, program)
         except ValueError as e:
             raise ScheduleError(f"torch's {class_name} rejects this configuration: {e}") from None
+        if recompute == "selective" and _splits_backward(self._schedule):
+            raise PipelineError(
+                f"torch's {class_name} splits the backward (I, then W: two backward passes "
+                "through a stage), which torch's selective checkpointing refuses ('backward "
+                "once on any region'): use recompute full, or a schedule without I/W"
+            )
 
     def step(
         self, inputs: Any = None, targets: torch.Tensor | None = None
@@ -172,6 +188,16 @@ class TorchPipeline:
             lambda: self._schedule.step(*args, **kwargs), self.device
         )
         return losses
+
+
+def _splits_backward(schedule: Any) -> bool:
+    """Whether torch's schedule object runs a split backward (I and W actions)."""
+    order = getattr(schedule, "pipeline_order", None) or {}
+    return any(
+        a is not None and str(a.computation_type.value) in ("I", "W")
+        for actions in order.values()
+        for a in actions
+    )
 
 
 def _load_program(runtime: Any, program: Schedule) -> None:

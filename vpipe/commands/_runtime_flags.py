@@ -16,8 +16,8 @@ def positive_int(text: str) -> int:
 
 
 def add_runtime_flags(p: argparse.ArgumentParser) -> None:
-    """``--dtype``, ``--recv-lookahead``, ``--no-bundle``, ``--no-post-thread`` (see
-    :class:`vpipe.runtime.Pipeline`) and data parallel's ``--dp``, ``--dp-bucket-mb``,
+    """``--dtype``, ``--recompute``, ``--recv-lookahead``, ``--no-bundle``,
+    ``--no-post-thread`` (see :class:`vpipe.runtime.Pipeline`) and data parallel's ``--dp``, ``--dp-bucket-mb``,
     ``--fsdp`` (:mod:`vpipe.runtime.data_parallel`)."""
     p.add_argument(
         "--dtype",
@@ -25,6 +25,15 @@ def add_runtime_flags(p: argparse.ArgumentParser) -> None:
         default=None,
         help="precision of the stages' parameters, activations, messages and gradients "
         "(losses in fp32; default bf16 on cuda, fp32 on cpu); --check's tolerance follows it",
+    )
+    p.add_argument(
+        "--recompute",
+        choices=("none", "full", "selective"),
+        default="none",
+        help="activation recomputation: full keeps each stage's inputs and recomputes its "
+        "forward before the backward (once, also under a split backward); selective "
+        "recomputes the activation functions' outputs and attention's core; torch's baseline "
+        "uses torch.utils.checkpoint on the same modules (default %(default)s)",
     )
     p.add_argument(
         "--dp",

@@ -262,6 +262,7 @@ def sweep_spec(args: argparse.Namespace) -> SweepSpec:
         recv_lookahead=args.recv_lookahead,
         bundle_messages=args.bundle_messages,
         post_thread=args.post_thread,
+        recompute=args.recompute,
         blocks=args.blocks,
         max_minutes=opts["max_minutes"],
         inject_delay_ms=args.inject_delay_ms,

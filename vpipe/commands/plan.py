@@ -57,6 +57,11 @@ def register(subparsers: argparse._SubParsersAction) -> None:
                    "the batch up to 8P)")  # fmt: skip
     p.add_argument("--schedules", help="comma-separated families (default: the whole catalogue)")
     p.add_argument(
+        "--recompute", default="none", metavar="MODES",
+        help="comma-separated activation recomputation modes to weigh (none, full, selective; "
+        "needs --from a run without recomputation; default none)",
+    )  # fmt: skip
+    p.add_argument(
         "--objective", choices=("makespan", "span"), default="makespan",
         help="rank by the step's makespan (ranks start together; default) or the longest rank "
         "span (iterations overlapping, the papers' measure)",
@@ -106,6 +111,7 @@ def plan_command(args: argparse.Namespace) -> int:
     result = plan(
         costs, args.ranks, args.batch, budget, microbatches=mbs, schedules=schedules, dp=dp,
         objective=args.objective, tie=PREDICTION_ERROR if args.tie is None else args.tie,
+        recompute=_modes(args.recompute),
     )  # fmt: skip
     if args.plot:
         from vpipe.predict.plan import pareto_frame
@@ -136,7 +142,7 @@ def render(result: dict, budget: object, top: int, dp: bool = False) -> str:
     ]
     for c in result["candidates"][:top]:
         lines.append(
-            f"{c['schedule']:<18}{c['stages_per_rank']:>3}{c['microbatches']:>5}"
+            f"{c['schedule'] + _mode(c):<18}{c['stages_per_rank']:>3}{c['microbatches']:>5}"
             f"{c['predicted_step_s'] * 1e3:>10.2f}{c['samples_per_s']:>11.1f}"
             f"{c['bubble_ratio']:>8.3f}{budget.describe(_peak(budget, c)):>12}"
             f"{'yes' if c['fits'] else 'no':>6}{'yes' if candidate_label(c) in tied else '':>5}"
@@ -148,7 +154,8 @@ def render(result: dict, budget: object, top: int, dp: bool = False) -> str:
         lines.append(f"left out {family}: {why}")
     lines.append(
         f"recommended: {rec['schedule']} with {plural(rec['stages_per_rank'], 'stage')} per rank "
-        f"and {plural(rec['microbatches'], 'microbatch')}: "
+        f"and {plural(rec['microbatches'], 'microbatch')}"
+        f"{'' if _mode(rec) == '' else ', recompute ' + rec['recompute']}: "
         f"{rec['predicted_step_s'] * 1e3:.2f} ms per step (predicted, "
         f"{result.get('objective', 'makespan')}), "
         f"peak {budget.describe(_peak(budget, rec))} per rank (budget "
@@ -162,6 +169,23 @@ def render(result: dict, budget: object, top: int, dp: bool = False) -> str:
         f"run it with --recv-lookahead {la['best']} (simulated ms per step by lookahead: {steps})"
     )
     return "\n".join(lines)
+
+
+def _modes(text: str) -> tuple[str, ...]:
+    from vpipe.predict.plan import PlanError
+    from vpipe.sweep.driver import parse_list
+
+    modes = tuple(parse_list(text))
+    bad = [m for m in modes if m not in ("none", "full", "selective")]
+    if bad or not modes:
+        raise PlanError(f"--recompute {text!r}: modes are none, full and selective")
+    return modes
+
+
+def _mode(c: dict) -> str:
+    """A candidate's recomputation as its schedule cell's suffix: ``+full``, ``+selective``."""
+    mode = c.get("recompute", "none")
+    return "" if mode == "none" else f" +{mode}"
 
 
 def _peak(budget: object, c: dict) -> float:

@@ -170,6 +170,7 @@ def build_config(args: argparse.Namespace) -> RunConfig:
         bundle_messages=args.bundle_messages,
         recv_lookahead=args.recv_lookahead,  # what lowered the schedule (resolve_schedule)
         post_thread=args.post_thread,
+        recompute=args.recompute,
         **dp_fields(args),
     )
     spec.check()
@@ -189,6 +190,7 @@ def build_config(args: argparse.Namespace) -> RunConfig:
         "bundle_messages": args.bundle_messages,
         "post_thread": spec.posts_from_thread,
         "dp": spec.dp,
+        "recompute": args.recompute,
     }
     return RunConfig(
         spec,

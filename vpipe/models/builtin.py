@@ -12,6 +12,10 @@ Stage modules accept their input either as one argument or unpacked (``stage(h, 
 
 The shared stage plumbing is :mod:`vpipe.models.base`. This module imports torch; command
 modules import it lazily.
+
+Under selective recomputation (:mod:`vpipe.runtime.recompute`) the blocks keep the linear
+layers' outputs and recompute the activation function's output (``lazy``: MLP, tuple and GPT
+blocks) and attention's core (``recomputed``: GPT blocks) when backward needs them.
 """
 
 from __future__ import annotations
@@ -25,6 +29,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from vpipe.models.base import BenchModel, FusedStage, ModelError, Stage, split_pieces
+from vpipe.runtime.recompute import lazy, recomputed
 
 DEFAULT_SIZES: dict[str, dict[str, int]] = {
     # The issue's benchmark MLP: 4 blocks of 512 -> 2048 -> 512.
@@ -139,7 +144,7 @@ class MLPBlock(nn.Module):
         self.fc2 = nn.Linear(h, d)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return x + self.fc2(self.act(self.fc1(self.norm(x))))
+        return x + self.fc2(lazy(self.act, self.fc1(self.norm(x))))
 
 
 def _build_mlp(n_stages: int, seed: int, sizes: dict[str, int]) -> BenchModel:
@@ -212,9 +217,14 @@ class DecoderBlock(nn.Module):
         b, t, d = x.shape
         q, k, v = self.qkv(self.ln1(x)).split(d, dim=2)
         q, k, v = (z.view(b, t, self.n_heads, d // self.n_heads).transpose(1, 2) for z in (q, k, v))
-        a = F.scaled_dot_product_attention(q, k, v, is_causal=True)
+        a = recomputed(_causal_attention, q, k, v)
         x = x + self.proj(a.transpose(1, 2).reshape(b, t, d))
-        return x + self.fc2(F.gelu(self.fc1(self.ln2(x))))
+        return x + self.fc2(lazy(F.gelu, self.fc1(self.ln2(x))))
+
+
+def _causal_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+    """Attention's core: softmax(q k^T / sqrt(d)) v, causal."""
+    return F.scaled_dot_product_attention(q, k, v, is_causal=True)
 
 
 class LMHead(nn.Module):
@@ -293,7 +303,7 @@ class TupleBlock(nn.Module):
         # remainder keeps ids valid even when a runtime probes shapes with uninitialised tensors
         hid = (
             hid
-            + self.fc2(F.gelu(self.fc1(self.norm(hid))))
+            + self.fc2(lazy(F.gelu, self.fc1(self.norm(hid))))
             + self.bias(bucket.remainder(self.n_buckets))
         )
         skip = skip * self.gate + hid * 0.1

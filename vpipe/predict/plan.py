@@ -158,6 +158,7 @@ class CalibratedCosts:
     pieces: int  # the model's pieces (MLP blocks; GPT embedding, layers, head)
     rows: float  # rows of the calibration run's microbatches
     bytes_per_piece_row: float  # activation bytes one piece saves per row of a microbatch
+    meta: dict[str, Any] | None = None  # the run's (its model's shapes: plan_recompute)
 
     def cost_model(self, schedule: Schedule, rows: float) -> CostModel:
         from vpipe.predict.calibrate import split_sizes
@@ -224,7 +225,7 @@ def calibrated_costs(
     units = split_sizes(pieces, schedule.n_stages)
     sim = simulate(schedule, CostModel(activation_bytes=[u * rows for u in units]))
     ratios = [peak_bytes.get(r, 0) / p for r, p in enumerate(sim.peak_activation_bytes) if p]
-    return CalibratedCosts(calibrate(events), pieces, rows, float(max(ratios, default=0.0)))
+    return CalibratedCosts(calibrate(events), pieces, rows, float(max(ratios, default=0.0)), meta)
 
 
 def _replicas(meta: dict[str, Any]) -> int:
@@ -252,6 +253,7 @@ class Candidate:
     dp_exposed_s: float = 0.0
     dp_hidden_s: float = 0.0
     placement: str | None = None  # auto's rows: the placement it was scheduled on
+    recompute: str = "none"  # activation recomputation (vpipe.predict.plan_recompute)
 
     def to_dict(self) -> dict[str, Any]:
         return asdict(self)
@@ -434,24 +436,32 @@ def plan(
     time_unit_s: float = 1e-6,
     objective: str = "makespan",
     tie: float = PREDICTION_ERROR,
+    recompute: Sequence[str] = ("none",),
     **kw: Any,
 ) -> dict[str, Any]:
     """``{"recommended": ..., "candidates": [...], "tied": [...], "tie": ..., "tie_rule": ...,
     "recv_lookahead": ..., "objective": ..., "left_out": {...}}`` (fitting candidates first,
     fastest by ``objective`` first; the candidates within ``tie`` of the fastest that the
     recommended one was chosen from by the tie rule; the lookahead for the recommended one;
-    why each family without a candidate has none), as ``vpipe plan --json`` prints it."""
+    why each family without a candidate has none), as ``vpipe plan --json`` prints it. Each
+    ``recompute`` mode's candidates are weighed together (:mod:`vpipe.predict.plan_recompute`)."""
+    from vpipe.predict.plan_recompute import with_recompute
     from vpipe.schedules import catalogue
     from vpipe.schedules.ties import TIE_RULE
 
     if not 0 <= tie < 1:
         raise PlanError(f"--tie must be a fraction in [0, 1), got {tie:g}")
     left_out: dict[str, str] = {}
-    found = candidates(
-        costs, ranks, batch, time_unit_s=time_unit_s, budget=budget, objective=objective,
-        left_out=left_out, **kw,
-    )  # fmt: skip
+    found = []
+    for mode in recompute:
+        for c in candidates(
+            with_recompute(costs, mode), ranks, batch, time_unit_s=time_unit_s, budget=budget,
+            objective=objective, left_out=left_out, **kw,
+        ):  # fmt: skip
+            c.recompute = mode
+            found.append(c)
     best = recommend(found, budget, tie)
+    costs = with_recompute(costs, best.recompute)
     ranked = sorted(found, key=lambda c: (not c.fits, c.predicted_step_s, budget.peak(c)))
     rows = batch / (kw["dp"].replicas if kw.get("dp") else 1) / best.microbatches
     schedule = _build(

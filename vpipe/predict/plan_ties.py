@@ -40,5 +40,7 @@ def tie_note(result: dict[str, Any]) -> str:
 
 
 def candidate_label(c: dict[str, Any]) -> str:
-    """``family vV MM``: a candidate as tables and plots name it."""
-    return f"{c['schedule']} v{c['stages_per_rank']} M{c['microbatches']}"
+    """``family vV MM`` (and ``recompute MODE``): a candidate as tables and plots name it."""
+    mode = c.get("recompute", "none")
+    label = f"{c['schedule']} v{c['stages_per_rank']} M{c['microbatches']}"
+    return label if mode == "none" else f"{label} recompute {mode}"

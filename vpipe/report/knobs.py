@@ -10,6 +10,7 @@ KNOBS = {
     "recv_lookahead": "--recv-lookahead",
     "bundle_messages": "--no-bundle",
     "post_thread": "--post-thread",
+    "recompute": "--recompute",
 }
 
 

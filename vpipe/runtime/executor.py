@@ -233,9 +233,9 @@ class Executor:
         while sends and all(w.is_completed() for w in sends[0][0]):
             sends.popleft()
 
-    def _add_live(self, st: Stage, sign: int) -> None:
-        self.live += sign
-        self.live_bytes += sign * (st.act_bytes or 0)
+    def _add_live(self, units: int, nbytes: int) -> None:
+        self.live += units
+        self.live_bytes += nbytes
         if self.live > self.peak_live:
             self.peak_live = self.live
         if self.live_bytes > self.peak_live_bytes:
@@ -276,7 +276,7 @@ class Executor:
             out = st.forward(m, fetch(), self._targets[m] if last else None)
             if deliver is not None:
                 deliver(out)
-            add_live(st, 1)
+            add_live(1, st.act_bytes or 0)
 
         if last:
 
@@ -289,7 +289,7 @@ class Executor:
                 nxt.fwd_in[m] = tuple(map(_detach, outs))
 
         else:
-            deliver = None  # SEND_F ships the stashed outputs
+            deliver, st.sends_outputs = None, True  # SEND_F ships the stashed outputs
         if st.is_first:
             return Phases(partial(getitem, self._inputs, m), forward, deliver)
         fetch = self._taker(st.fwd_in, m, "input")
@@ -304,18 +304,20 @@ class Executor:
             got = st.backward(m, None if last else fetch())
             if deliver is not None:
                 deliver(got)
-            add_live(st, -1)
+            add_live(0, st.recompute_bytes)  # what it recomputed, alive while it ran
+            add_live(-1, -(st.act_bytes or 0) - st.recompute_bytes)
 
         return Phases(self._grads_from(a), backward, self._grads_to(a), self._grads_ready(a))
 
     def _backward_input_phases(self, a: Action) -> Phases:
         st, m = self.stages[a.stage], a.microbatch
-        last = st.is_last
+        last, add_live = st.is_last, self._add_live
 
         def backward_input(fetch: Callable[[], Any], deliver: Callable[[Any], None] | None) -> None:
             got = st.backward_input(m, None if last else fetch())
             if deliver is not None:
                 deliver(got)
+            add_live(0, st.recompute_bytes)  # held until W
 
         return Phases(self._grads_from(a), backward_input, self._grads_to(a), self._grads_ready(a))
 
@@ -327,7 +329,7 @@ class Executor:
             if m not in st.weight:
                 raise PipelineError(f"W before I for microbatch {m}")
             st.backward_weight(m)
-            add_live(st, -1)
+            add_live(-1, -(st.act_bytes or 0) - st.recompute_bytes)
 
         return Phases(None, backward_weight, None)
 

@@ -24,6 +24,7 @@ from vpipe.runtime.meta import (
     infer_outputs,
     meta_of,
 )
+from vpipe.runtime.recompute import RECOMPUTE_MODES
 from vpipe.runtime.stage import Stage
 
 __all__ = ["Pipeline"]
@@ -77,6 +78,11 @@ class Pipeline:
     buckets of ``dp_bucket_bytes``, started as soon as the stage's gradients are complete
     (:mod:`vpipe.runtime.data_parallel`); the step ends when they are all done, and
     ``stats["reductions"]`` lists them (``stats["dp_wait_s"]``: what waiting for them took).
+
+    ``recompute`` ("none", "full" or "selective") is what each stage keeps from its forward
+    for its backward (:mod:`vpipe.runtime.recompute`); ``peak_live_activation_bytes`` counts
+    what the mode keeps, and what its backward recomputes while it runs (from I until W under
+    a split backward).
     """
 
     def __init__(
@@ -94,6 +100,7 @@ class Pipeline:
         time_actions: bool = False,
         dp_group: dist.ProcessGroup | None = None,
         dp_bucket_bytes: int | None = None,
+        recompute: str = "none",
     ) -> None:
         from vpipe.ir.bundling import comm_bundles
         from vpipe.ir.lowering import lower, validate
@@ -110,8 +117,15 @@ class Pipeline:
         self.device = _pick_device(device, modules)
         for mod in modules.values():
             mod.to(self.device)
+        if recompute not in RECOMPUTE_MODES:
+            raise PipelineError(
+                f"recompute must be one of {', '.join(RECOMPUTE_MODES)}, got {recompute!r}"
+            )
         self.stages = {
-            s: Stage(s, program.n_stages, modules[s], loss_fn if s == program.loss_stage else None)
+            s: Stage(
+                s, program.n_stages, modules[s], loss_fn if s == program.loss_stage else None,
+                recompute,
+            )
             for s in mine
         }
         self.n_microbatches = program.n_microbatches

@@ -67,6 +67,11 @@ class CostModel:
     RECVs since the previous one; after its last compute action, for the SENDs and RECVs that
     follow it. They occupy the rank but are not busy time (as in a measured step).
 
+    ``recompute`` and ``recompute_bytes`` model activation recomputation
+    (:mod:`vpipe.runtime.recompute`): each B and each I also reruns ``recompute`` times its
+    stage's forward (1 for full recomputation), and holds ``recompute_bytes`` (per stage) while
+    a B runs and from an I until its W; ``activation_bytes`` are then what F keeps.
+
     ``overlap`` scales the parts of an overlap action (``(0F3;3B1)OVERLAP_F_B``): what running
     them together costs relative to running them apart (1: no gain; calibration measures it).
 
@@ -90,11 +95,14 @@ class CostModel:
     comm_handshake: float = 0.0
     unit: str = "stage"
     boundary_time: PerStage | None = None
+    recompute: float = 0.0
+    recompute_bytes: PerStage | None = None
 
     def __post_init__(self) -> None:
         if self.unit not in UNITS:
             raise CostModelError(f"unit must be 'rank' or 'stage', got {self.unit!r}")
-        for name in ("f", "b", "w", "comm_latency", "comm_handshake", "post", "gap", "overlap"):
+        for name in ("f", "b", "w", "comm_latency", "comm_handshake", "post", "gap", "overlap",
+                     "recompute"):  # fmt: skip
             _non_negative(name, getattr(self, name))
         bw = self.comm_bandwidth
         if not isinstance(bw, (int, float)) or math.isnan(bw) or bw <= 0:
@@ -126,6 +134,8 @@ class CostModel:
         "post": "post",
         "gap": "gap",
         "overlap": "overlap",
+        "recompute": "recompute",
+        "recompute_bytes": "recompute_bytes",
     }
 
     @classmethod
@@ -134,7 +144,8 @@ class CostModel:
         a message whose receive is posted after its send), bw (bandwidth,
         bytes per time unit), bytes (per boundary), act_bytes (per stage), post (per SEND or
         RECV posted), gap (per action), overlap (an overlap action's parts cost this times
-        their separate costs), plus the field names, and ``unit=rank`` (the default) or
+        their separate costs), recompute (B and I rerun this share of F) and recompute_bytes
+        (per stage, held by a recomputing backward), plus the field names, and ``unit=rank`` (the default) or
         ``unit=stage`` (:data:`COST_CONVENTION`). Unspecified keys keep their defaults."""
         text, unit = split_unit(text, "cost", CostModelError)
         if "rows" in {item.partition("=")[0].strip() for item in text.split(",")}:
@@ -156,16 +167,12 @@ class CostModel:
         per_stage = self.per_stage and {
             s: {k: t / v for k, t in over.items()} for s, over in self.per_stage.items()
         }
-        act = self.activation_bytes
-        if isinstance(act, Mapping):
-            act = {k: x / v for k, x in act.items()}
-        elif act is not None:
-            act = act / v if isinstance(act, (int, float)) else [x / v for x in act]
         return replace(self, f=self.f / v, b=self.b / v, w=self.w / v, per_stage=per_stage,
-                       activation_bytes=act, unit="stage")  # fmt: skip
+                       activation_bytes=_divided(self.activation_bytes, v),
+                       recompute_bytes=_divided(self.recompute_bytes, v), unit="stage")  # fmt: skip
 
     def stage_times(self, n_stages: int) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
-        """Arrays (f, b, w) per stage."""
+        """Arrays (f, b, w) per stage; b (I) includes its recomputation."""
         out = [np.full(n_stages, float(getattr(self, k))) for k in ("f", "b", "w")]
         for stage, over in (self.per_stage or {}).items():
             if not 0 <= stage < n_stages:
@@ -173,15 +180,16 @@ class CostModel:
             for j, k in enumerate(("f", "b", "w")):
                 if k in over:
                     out[j][stage] = float(over[k])
-        return out[0], out[1], out[2]
+        return out[0], out[1] + self.recompute * out[0], out[2]
 
     def backward_times(self, n_stages: int) -> np.ndarray:
-        """A full backward's time per stage: ``b + w``, or the stage's ``per_stage`` "B"."""
-        _, b, w = self.stage_times(n_stages)
+        """A full backward's time per stage: ``b + w`` (b with its recomputation), or the
+        stage's ``per_stage`` "B" plus its recomputation."""
+        f, b, w = self.stage_times(n_stages)
         out = b + w
         for stage, over in (self.per_stage or {}).items():
             if "B" in over:
-                out[stage] = float(over["B"])
+                out[stage] = float(over["B"]) + self.recompute * f[stage]
         return out
 
     def links(self, n_stages: int) -> LinkModel:
@@ -201,6 +209,12 @@ class CostModel:
         if self.activation_bytes is None:
             return None
         return _per_stage("activation_bytes", self.activation_bytes, n_stages)
+
+    def stage_recompute_bytes(self, n_stages: int) -> np.ndarray:
+        """Bytes a recomputing backward holds, per stage (zeros without recomputation)."""
+        if self.recompute_bytes is None:
+            return np.zeros(n_stages)
+        return _per_stage("recompute_bytes", self.recompute_bytes, n_stages)
 
     def to_dict(self) -> dict[str, Any]:
         out = {}
@@ -262,6 +276,15 @@ def split_unit(text: str, what: str, error: type[Exception]) -> tuple[str, str]:
         else:
             raise error(f"bad {what} item {item.strip()!r}: unit is 'rank' or 'stage'")
     return ",".join(rest), unit
+
+
+def _divided(value: PerStage | None, v: int) -> PerStage | None:
+    """Per-stage bytes of a rank's share split over its ``v`` stages."""
+    if isinstance(value, Mapping):
+        return {k: x / v for k, x in value.items()}
+    if value is None or isinstance(value, (int, float)):
+        return value if value is None else value / v
+    return [x / v for x in value]
 
 
 def _non_negative(name: str, value: Any) -> None:

@@ -332,7 +332,7 @@ def _summarise(
     act = costs.stage_activation_bytes(S)
     peak_bytes = None
     if act is not None:
-        peak_bytes = _segment_peaks(delta * act[fl.p_stage], plo)
+        peak_bytes = _byte_peaks(fl, act, costs.stage_recompute_bytes(S), plo)
     if fl.lowered:
         comm_ops = np.bincount(fl.c_rank, minlength=P)
     else:
@@ -403,6 +403,22 @@ def _timeline_columns(raw: _Raw) -> dict[str, np.ndarray]:
     }
     order = np.lexsort((tie, np.concatenate([p_seq, c_seq]), cols["rank"]))
     return {k: v[order] for k, v in cols.items()}
+
+
+def _byte_peaks(fl: Flat, act: np.ndarray, rec: np.ndarray, bounds: np.ndarray) -> list:
+    """Peak bytes per rank in program order, as the runtime counts them: F adds what it keeps
+    (``act``); a recomputing B holds ``rec`` while it runs, then frees both; I adds ``rec``
+    until its W frees both."""
+    a, r = act[fl.p_stage], rec[fl.p_stage]
+    net = np.select([fl.p_kind == 0, fl.p_kind == 1, fl.p_kind == 2], [a, -a, r], -(a + r))
+    during = np.where(fl.p_kind == 1, r, 0.0)  # above the count before the B
+    out = []
+    for lo, hi in zip(bounds[:-1], bounds[1:], strict=True):
+        after = np.cumsum(net[lo:hi])
+        before = after - net[lo:hi]
+        out.append(max(float(np.max(np.maximum(after, before + during[lo:hi]))), 0.0)
+                   if hi > lo else 0)  # fmt: skip
+    return out
 
 
 def _segment_peaks(delta: np.ndarray, bounds: np.ndarray) -> list:

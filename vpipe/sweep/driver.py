@@ -111,6 +111,7 @@ class SweepSpec:
     recv_lookahead: int = 1
     bundle_messages: bool = True
     post_thread: bool | None = None  # None: on gloo
+    recompute: str = "none"  # activation recomputation (vpipe.runtime.recompute)
     # cross-run comparisons (vpipe.report.crossrun): independent launches, a known injected delay
     blocks: int = 1
     # the memory step at the end of a launch; blocks after a sweep's first skip it, as only
@@ -264,6 +265,7 @@ class SweepSpec:
                 bundle_messages=self.bundle_messages,
                 recv_lookahead=self.recv_lookahead,
                 post_thread=self.post_thread,
+                recompute=self.recompute,
                 inject_delay_s=self.inject_delay_ms / 1e3,
                 inject_delay_share=self.inject_delay_pct / 100,
                 inject_delay_rank=self.inject_delay_rank,
@@ -432,6 +434,7 @@ def _trace_meta(spec: SweepSpec, cfg: Config, h: Any, bench_id: str) -> dict[str
         "recv_lookahead": spec.recv_lookahead,
         "bundle_messages": spec.bundle_messages,
         "post_thread": cfg.impl == "vpipe" and h.spec.posts_from_thread,
+        "recompute": spec.recompute,
     }
 
 

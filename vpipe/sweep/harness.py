@@ -102,6 +102,9 @@ class RankSpec:
     # each on its own shard of the batch, gradients all-reduced in buckets of dp_bucket_bytes
     dp: int = 1
     dp_bucket_bytes: int | None = None
+    # what each stage keeps for backward: none, full or selective (vpipe.runtime.recompute;
+    # torch's baseline: torch.utils.checkpoint on the same modules)
+    recompute: str = "none"
 
     @property
     def world_size(self) -> int:
@@ -136,6 +139,12 @@ class RankSpec:
             raise VpipeError(f"unknown device {self.device!r}: choose cpu or cuda")
         if self.precision not in DTYPES:
             raise VpipeError(f"unknown dtype {self.precision!r}: choose from {', '.join(DTYPES)}")
+        from vpipe.runtime.recompute import RECOMPUTE_MODES
+
+        if self.recompute not in RECOMPUTE_MODES:
+            raise VpipeError(
+                f"unknown --recompute {self.recompute!r}: choose from {', '.join(RECOMPUTE_MODES)}"
+            )
         why = torch_baseline_refusal(self.device, self.process_backend)
         if self.impl == "torch" and why:
             raise VpipeError(why)
@@ -349,6 +358,7 @@ def _make_pipeline(
             n_microbatches=s.n_microbatches,
             device=device,
             program=s if spec.torch_program else None,
+            recompute=spec.recompute,
         )
     from vpipe.runtime import Pipeline
 
@@ -366,6 +376,7 @@ def _make_pipeline(
         group=mesh.pp_group if mesh is not None else None,
         dp_group=mesh.dp_group if mesh is not None else None,
         dp_bucket_bytes=spec.dp_bucket_bytes,
+        recompute=spec.recompute,
     )
 
 
