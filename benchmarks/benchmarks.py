@@ -47,7 +47,8 @@ from collections.abc import Callable
 from typing import Any
 
 from vpipe.metrics.catalogue import Metric, registry
-from vpipe.sweep.driver import DEFAULT_SCHEDULES, parse_list
+from vpipe.sweep.cli_lists import parse_list
+from vpipe.sweep.driver import DEFAULT_SCHEDULES
 
 RANKS = 2
 # Compute-bound, as bench.false_alarms: actions of milliseconds, so a launch's figure is not

@@ -11,7 +11,7 @@ import pytest
 from vpipe.cli import main
 from vpipe.errors import PipelineError, VpipeError
 from vpipe.models import build_model
-from vpipe.sweep.driver import parse_sizes
+from vpipe.sweep.cli_lists import parse_sizes
 from vpipe.sweep.harness import check_against_reference
 
 TINY = "d_model=16,d_hidden=32"

@@ -199,6 +199,7 @@ def sweep_spec(args: argparse.Namespace) -> SweepSpec:
     """The sweep ``vpipe bench``'s arguments ask for (``--quick``'s and the GPU's defaults where
     a flag is not given), validated; a torch baseline that cannot run is left out, in one
     printed line."""
+    from vpipe.sweep.cli_lists import parse_list, parse_sizes
     from vpipe.sweep.driver import (
         DEFAULT_BATCH,
         DEFAULT_MAX_MINUTES,
@@ -215,8 +216,6 @@ def sweep_spec(args: argparse.Namespace) -> SweepSpec:
         QUICK_SCHEDULES,
         QUICK_STEPS,
         SweepSpec,
-        parse_list,
-        parse_sizes,
     )
 
     sizes = parse_sizes(args.sizes)
@@ -337,7 +336,8 @@ def _impls(text: str | None, dp: int) -> str:
 
 
 def _ints(text: str) -> list[int]:
-    from vpipe.sweep.driver import BenchError, parse_list
+    from vpipe.sweep.cli_lists import parse_list
+    from vpipe.sweep.driver import BenchError
 
     try:
         return [int(x) for x in parse_list(text)]

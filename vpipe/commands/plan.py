@@ -82,7 +82,7 @@ def plan_command(args: argparse.Namespace) -> int:
     from vpipe.outputs import atomic_write, check_output_file
     from vpipe.predict.dp_costs import DPCosts
     from vpipe.predict.plan import PREDICTION_ERROR, Budget, PlanError, SpecCosts, from_run, plan
-    from vpipe.sweep.driver import parse_list
+    from vpipe.sweep.cli_lists import parse_list
 
     if args.arch or args.gpus or args.machine:
         return cluster_command(args)
@@ -173,7 +173,7 @@ def render(result: dict, budget: object, top: int, dp: bool = False) -> str:
 
 def _modes(text: str) -> tuple[str, ...]:
     from vpipe.predict.plan import PlanError
-    from vpipe.sweep.driver import parse_list
+    from vpipe.sweep.cli_lists import parse_list
 
     modes = tuple(parse_list(text))
     bad = [m for m in modes if m not in ("none", "full", "selective")]

@@ -19,7 +19,7 @@ from vpipe.commands._runtime_flags import add_runtime_flags, dp_fields, positive
 from vpipe.errors import PipelineError, VpipeError, one_line
 from vpipe.ir import Schedule
 from vpipe.schedules.load import is_csv_source
-from vpipe.sweep.driver import parse_sizes
+from vpipe.sweep.cli_lists import parse_sizes
 from vpipe.sweep.harness import RankSpec, build
 
 

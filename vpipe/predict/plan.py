@@ -23,15 +23,15 @@ model, a rank may hold; a V stage's count half).
 from __future__ import annotations
 
 import math
-import re
 from collections.abc import Sequence
 from dataclasses import asdict, dataclass, replace
 from typing import Any
 
 import numpy as np
 
-from vpipe.errors import ScheduleError, VpipeError
+from vpipe.errors import ScheduleError
 from vpipe.ir import Schedule
+from vpipe.predict.budget import Budget, PlanError
 from vpipe.predict.plan_ties import PREDICTION_ERROR, candidate_label, tie_note, tied
 from vpipe.sim import CostModel, parse_numbers
 from vpipe.sim.cost_model import split_unit
@@ -50,50 +50,6 @@ __all__ = [
     "tie_note",
     "tied",
 ]
-
-
-class PlanError(VpipeError, ValueError):
-    """A plan that cannot be made as asked (bad budget or costs, nothing fits)."""
-
-
-_UNITS = {"": 1, "b": 1, "kb": 10**3, "mb": 10**6, "gb": 10**9, "tb": 10**12,
-          "kib": 2**10, "mib": 2**20, "gib": 2**30, "tib": 2**40}  # fmt: skip
-
-
-@dataclass(frozen=True)
-class Budget:
-    """Peak activation memory allowed per rank: ``value`` bytes, or activation units."""
-
-    value: float
-    units: bool = False
-
-    @classmethod
-    def parse(cls, text: str) -> Budget:
-        """``12GiB``, ``500MB``, ``4096`` (bytes) or ``6units`` (activation units)."""
-        m = re.fullmatch(r"\s*([0-9]*\.?[0-9]+)\s*([A-Za-z]*)\s*", str(text))
-        unit = m.group(2).lower() if m else ""
-        if m is None or (unit not in _UNITS and unit not in ("unit", "units", "act")):
-            raise PlanError(
-                f"--memory {text!r}: expected bytes (e.g. 12GiB, 500MB, 4096) or activation "
-                "units (e.g. 6units)"
-            )
-        if unit in ("unit", "units", "act"):
-            return cls(float(m.group(1)), units=True)
-        return cls(float(m.group(1)) * _UNITS[unit])
-
-    def peak(self, c: Candidate) -> float:
-        """A candidate's peak in this budget's measure (max over ranks)."""
-        return float(max(c.peak_activation_units if self.units else c.peak_activation_bytes))
-
-    def describe(self, value: float) -> str:
-        return f"{value:.3g} units" if self.units else _bytes(value)
-
-
-def _bytes(n: float) -> str:
-    for unit, size in (("GiB", 2**30), ("MiB", 2**20), ("KiB", 2**10)):
-        if n >= size:
-            return f"{n / size:.2f} {unit}"
-    return f"{n:.0f} B"
 
 
 @dataclass(frozen=True)
