@@ -15,7 +15,7 @@ from vpipe.sim import CostModel, simulate
 from vpipe.sim.arch import PRESETS as ARCHS
 from vpipe.sim.arch import Arch, ArchError, load_arch
 from vpipe.sim.iteration import IterationCosts, iteration
-from vpipe.sim.machine import GIB, PRESETS, MachineError, load_machine
+from vpipe.sim.machine import PRESETS, MachineError, load_machine
 from vpipe.sim.model_costs import (
     ADAM_BYTES,
     MEMORY_EFFICIENCY,
@@ -140,8 +140,9 @@ def test_machine_presets_cite_their_sources():
             assert m.sources.get(key), f"{name}: no source for {key}"
         assert "datasheet" in m.sources["peak_flops"]
     a100, h100, h200 = PRESETS["a100"], PRESETS["h100"], PRESETS["h200"]
-    assert (a100.peak("bf16"), a100.memory_bandwidth, a100.memory) == (312e12, 2039e9, 80 * GIB)
-    assert (h100.peak("bf16"), h100.memory_bandwidth) == (989e12, 3.35e12)
+    assert (a100.peak("bf16"), a100.memory_bandwidth, a100.memory) == (312e12, 2039e9, 80e9)
+    assert (h100.peak("bf16"), h100.memory_bandwidth, h100.memory) == (989e12, 3.35e12, 80e9)
+    assert h100.peak("fp8") == 1979e12
     assert (h200.memory_bandwidth, h200.memory) == (4.8e12, 141e9)
     assert a100.message_time(25e9, same_node=False) == pytest.approx(1 + 10e-6)
 

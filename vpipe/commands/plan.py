@@ -41,10 +41,11 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     p.add_argument(
         "--dp",
         type=int,
-        default=1,
+        default=None,
         metavar="N",
         help="data-parallel replicas: --batch is the global batch, and each step ends when "
-        "its per-stage gradient all-reduces (--dp-cost) do",
+        "its per-stage gradient all-reduces (--dp-cost) do (with --arch: fix dp, default "
+        "searched)",
     )
     p.add_argument(
         "--dp-cost",
@@ -102,7 +103,8 @@ def plan_command(args: argparse.Namespace) -> int:
     except ValueError:
         raise PlanError(f"--microbatches must be integers, got {args.microbatches!r}") from None
     schedules = parse_list(args.schedules) if args.schedules else None
-    dp = DPCosts.parse(args.dp_cost, args.dp) if args.dp > 1 or args.dp_cost else None
+    n_dp = args.dp or 1
+    dp = DPCosts.parse(args.dp_cost, n_dp) if n_dp > 1 or args.dp_cost else None
     result = plan(
         costs, args.ranks, args.batch, budget, microbatches=mbs, schedules=schedules, dp=dp,
         objective=args.objective, tie=PREDICTION_ERROR if args.tie is None else args.tie,
