@@ -80,20 +80,30 @@ def test_zero_stages_bytes_per_parameter(shard, weights, grads, opt):
     assert c.static_bytes[1] == pytest.approx(n * (weights + grads + opt))
 
 
-def test_fsdp_gathers_before_f_and_i_and_reduce_scatters_after_w():
-    """On a link so slow that the collective outlasts the pass, the pass costs the collective:
-    (dp-1)/dp of the stage's 16-bit parameters gathered, its gradients reduce-scattered."""
-    m = replace(load_machine("h100"), inter_node_bandwidth=1e6, intra_node_bandwidth=1e6,
+def test_fsdp_gathers_once_per_step_and_reduce_scatters_at_the_end():
+    """ZeRO-3 with pipelines (torch's UNSHARD before a stage's first F, RESHARD after its last
+    W): the rank's first stage's 16-bit parameters gathered, (dp-1)/dp of them per GPU, before
+    its first F; the gradients reduce-scattered (half an all-reduce's bytes); the gathered
+    weights and unsharded gradients held as buffers."""
+    m = replace(load_machine("h100"), inter_node_bandwidth=1e9, intra_node_bandwidth=1e9,
                 intra_node_latency=0.0, inter_node_latency=0.0)  # fmt: skip
     dp = 4
-    c = model_costs(GPT, m, Layout(pp=2, dp=dp, shard="full"), Rates(1e15, 1e15, 1e15))
+    rates = Rates(1e15, 1e15, 1e15)
+    full = model_costs(GPT, m, Layout(pp=2, dp=dp, shard="full"), rates)
+    none = model_costs(GPT, m, Layout(pp=2, dp=dp, shard="none"), rates)
     n_stage = 4 * GPT.layer_params() + GPT.embedding_params()
-    assert c.f[0] == pytest.approx((dp - 1) / dp * n_stage * 2 / 1e6)
-    assert c.i[0] == pytest.approx((dp - 1) / dp * n_stage * 2 / 1e6)
-    assert c.w[0] == pytest.approx((dp - 1) / dp * n_stage * 4 / 1e6)
-    assert c.extra["parts"]["F"][0]["fsdp"] > 0
-    # no gradient all-reduce at the step's end: it happened after each W
-    assert c.dp_reduction()[0].all_reduce(1e9) == 0.0
+    assert full.extra["fsdp_s"][0] == pytest.approx((dp - 1) / dp * n_stage * 2 / 1e9)
+    assert full.iteration_costs().tail[0] - none.iteration_costs().tail[0] == pytest.approx(
+        full.extra["fsdp_s"][0] * 1e6)  # fmt: skip
+    assert full.f == none.f  # prefetched: no pass waits on it
+    cost, buckets = full.dp_reduction()
+    _, whole = none.dp_reduction()
+    assert buckets[0][0] == pytest.approx(whole[0][0] / 2)  # a reduce-scatter
+    n = full.params[0]
+    held = full.extra["memory"][0]
+    assert held["buffers"] - none.extra["memory"][0]["buffers"] == pytest.approx(
+        n * (2 + 4) * (1 - 1 / dp))  # fmt: skip
+    assert held["weights"] == pytest.approx(n * 2 / dp)
 
 
 def test_refused_splits_name_the_figure():

@@ -206,10 +206,8 @@ def cluster_candidates(spec: ClusterSpec) -> dict[str, Any]:
 
 
 def _schedule(spec: ClusterSpec, fam: Any, lay: Layout, m: int, costs: Any):
-    """The family's schedule; ``auto`` scheduled for these costs within the activation bytes
-    the fullest GPU has left (held bytes counted from F, which never undercounts)."""
-    if fam.name != "auto":
-        return fam.generator(lay.pp, m, lay.stages_per_rank)
+    """``auto`` scheduled for these costs within the activation bytes the fullest GPU has left
+    (held bytes counted from F, which never undercounts)."""
     from vpipe.schedules.adaptive import MemoryModel
     from vpipe.schedules.auto import auto_schedule
 

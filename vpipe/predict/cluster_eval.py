@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import math
 from dataclasses import asdict, dataclass, field
+from functools import lru_cache
 from typing import Any
 
 from vpipe.errors import ScheduleError
@@ -65,6 +66,17 @@ class ClusterCandidate:
                 f"{self.microbatch_size} x {self.microbatches})")  # fmt: skip
 
 
+@lru_cache(maxsize=128)
+def _built(name: str, pp: int, m: int, v: int) -> tuple[Any, Any]:
+    """A catalogue family's schedule and its flat form: the same for every layout with this
+    pipeline shape, so built once per search."""
+    from vpipe.ir.flat import flatten
+    from vpipe.schedules import catalogue
+
+    schedule = catalogue.get(name).generator(pp, m, v)
+    return schedule, flatten(schedule)
+
+
 def _memory(costs: ModelCosts, peaks: list[float]) -> dict[str, float]:
     """The fullest GPU's memory by part, with activations at ``peaks`` per rank."""
     parts = costs.extra["memory"]
@@ -89,12 +101,13 @@ def busy_bound(costs: ModelCosts, m: int, post_validated: bool = False) -> float
 
 
 def evaluate(costs: ModelCosts, fam: Any, m: int, batch: int, budget: float,
-             post_validated: bool, schedule_fn: Any,
+             post_validated: bool, schedule_fn: Any = None,
              i_frees: float | None = None) -> ClusterCandidate | None:  # fmt: skip
     """The candidate of family ``fam`` with ``m`` microbatches on ``costs``' layout: over the
     budget (``fits`` False, memory a lower bound when the schedule was not built whole), or
-    simulated. None when the family cannot build this shape. ``i_frees`` replaces the share
-    of a stage's activations its I frees."""
+    simulated. None when the family cannot build this shape. ``schedule_fn(fam, layout, m,
+    costs)`` builds ``auto`` (scheduled for the costs); ``i_frees`` replaces the share of a
+    stage's activations its I frees."""
     from vpipe.sim import simulate
     from vpipe.sim.collectives import simulate_reductions
     from vpipe.sim.iteration import iteration
@@ -112,15 +125,17 @@ def evaluate(costs: ModelCosts, fam: Any, m: int, batch: int, budget: float,
     probe = PROBE * lay.n_stages
     try:
         if fam.name != "auto" and m > probe:  # its first microbatches' peak bounds the whole's
-            first = _memory(costs, activation_peaks(fam.generator(lay.pp, probe,
-                                                                  lay.stages_per_rank),
-                                                    alloc, freed))  # fmt: skip
+            sched, flat = _built(fam.name, lay.pp, probe, lay.stages_per_rank)
+            first = _memory(costs, activation_peaks(sched, alloc, freed, flat))
             if first["total"] > budget:
                 return ClusterCandidate(**base, memory_bytes=first, fits=False)
-        schedule = schedule_fn(fam, lay, m, costs)
+        if fam.name == "auto":
+            schedule, flat = schedule_fn(fam, lay, m, costs), None
+        else:
+            schedule, flat = _built(fam.name, lay.pp, m, lay.stages_per_rank)
     except ScheduleError:
         return None
-    need = _memory(costs, activation_peaks(schedule, alloc, freed))
+    need = _memory(costs, activation_peaks(schedule, alloc, freed, flat))
     if need["total"] > budget:
         return ClusterCandidate(**base, memory_bytes=need, fits=False)
     sim = simulate(schedule, costs.cost_model())
@@ -149,8 +164,9 @@ def _recomputed_flops(costs: ModelCosts) -> float:
 
 def _shares(costs: ModelCosts, m: int, it: Any, seconds: float) -> dict[str, float]:
     """The share of the iteration each cost takes on the busiest rank: its passes' parts,
-    the pipeline's idle time (bubble), what the data-parallel reductions added and the
-    iteration's end (optimizer step, synchronisation, tied-embedding all-reduce)."""
+    the pipeline's idle time (bubble), what the data-parallel reductions added, ZeRO-3's
+    first gather and the rest of the iteration's end (optimizer step, synchronisation,
+    tied-embedding all-reduce)."""
     lay, parts = costs.layout, costs.extra["parts"]
     per_rank: list[dict[str, float]] = [dict.fromkeys(SHARES, 0.0) for _ in range(lay.pp)]
     for kind in "FIW":
@@ -162,5 +178,6 @@ def _shares(costs: ModelCosts, m: int, it: Any, seconds: float) -> dict[str, flo
     pipeline = it.pipeline / 1e6
     out["bubble"] = max(0.0, pipeline - sum(out.values()))
     out["dp"] = it.exposed_reduction / 1e6
-    out["optimizer"] = max(0.0, seconds - pipeline - out["dp"])
+    out["fsdp"] = costs.extra["fsdp_s"][r]
+    out["optimizer"] = max(0.0, seconds - pipeline - out["dp"] - out["fsdp"])
     return {k: v / seconds for k, v in out.items()}

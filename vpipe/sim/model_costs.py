@@ -6,8 +6,8 @@ GPUs per rank, stages per rank, placement, sharding, recomputation, which GPUs t
 on) :func:`model_costs` gives, per stage: its layers (the embedding's and the head's stages
 one layer short when the layers do not split evenly, so padding lands where the extra work
 is), its F, I and W times on one GPU (FLOPs over the achieved rate of each pass kind,
-:class:`Rates`, plus TP's and CP's collectives, the recomputed forward and ZeRO-3's gathers,
-each booked apart in ``extra["parts"]``), the bytes its F saves and those still held after
+:class:`Rates`, plus TP's and CP's collectives and the recomputed forward, each booked apart
+in ``extra["parts"]``), the bytes its F saves and those still held after
 its I (:mod:`vpipe.sim.parallel`); per boundary the message's bytes and time (same node or
 across nodes); per rank the bytes of weights, gradients and optimizer state (mixed-precision
 Adam, optionally sharded over the replicas; ``extra["memory"]`` per part, with the buffers)
@@ -21,6 +21,7 @@ from __future__ import annotations
 import math
 from collections.abc import Sequence
 from dataclasses import dataclass, field
+from typing import Any
 
 import numpy as np
 
@@ -30,7 +31,7 @@ from vpipe.ir.flat import flatten
 from vpipe.sim.arch import Arch
 from vpipe.sim.collectives import CollectiveCost
 from vpipe.sim.cost_model import CostModel
-from vpipe.sim.efficiency import efficiency_of, fit_for
+from vpipe.sim.efficiency import Fit, fit_for
 from vpipe.sim.iteration import IterationCosts
 from vpipe.sim.machine import Machine
 from vpipe.sim.parallel import Split, block_on_gpu
@@ -78,17 +79,19 @@ class Rates:
     source: str = ""
 
     @classmethod
-    def for_shapes(cls, machine: Machine, arch: Arch, tp: int = 1, cp: int = 1) -> Rates:
-        """The machine's fitted efficiency (:mod:`vpipe.sim.efficiency`) for a block's GEMMs
-        on one GPU: the microbatch's tokens over ``cp`` by the hidden size over ``tp``."""
+    def for_shapes(cls, machine: Machine, arch: Arch, tp: int = 1, cp: int = 1,
+                   fit: Fit | None = None) -> Rates:  # fmt: skip
+        """The machine's fitted efficiency (:mod:`vpipe.sim.efficiency`, or ``fit``) for a
+        block's GEMMs on one GPU: the microbatch's tokens over ``cp`` by the hidden size over
+        ``tp``."""
         peak = machine.peak(arch.precision)
         tokens, width = arch.tokens / cp, arch.hidden / tp
-        e = efficiency_of(machine.name, arch.precision, tokens, width)
-        fit = "" if machine.name in ("a100", "h100", "h200") else " (the H100's fit)"
+        fit = fit or fit_for(machine.name)
+        e = fit.efficiency(arch.precision, tokens, width)
+        other = "" if machine.name in ("a100", "h100", "h200") else " (the H100's fit)"
         return cls(peak * e, peak * e, peak * e,
                    f"{e:.3f} of {machine.name}'s {arch.precision} peak for {tokens:g} tokens x "
-                   f"width {width:g} per GPU, fitted on {fit_for(machine.name).fitted_on}"
-                   f"{fit}")  # fmt: skip
+                   f"width {width:g} per GPU, fitted on {fit.fitted_on}{other}")  # fmt: skip
 
     @classmethod
     def measured(
@@ -230,18 +233,19 @@ class ModelCosts:
 
     def iteration_costs(self, post_validated: bool = False) -> IterationCosts:
         """What ends an iteration (:mod:`vpipe.sim.iteration`), in microseconds: each rank's
-        optimizer step; the all-reduce of a tied embedding's gradient between the first and
-        last stage when two ranks hold them; and, unless ``post_validated``, the global
+        optimizer step; ZeRO-3's exposed first gather; the all-reduce of a tied embedding's
+        gradient between the first and last stage when two ranks hold them; and, unless ``post_validated``, the global
         all-reduce of the gradient norm (two in fp16: the overflow check too), a tree of
         2 log2(GPUs) latencies."""
         lay, m, arch = self.layout, self.machine, self.arch
-        tail = [0.0] * lay.pp
+        tail = [t * US for t in self.extra.get("fsdp_s", [0.0] * lay.pp)]
         first, last = lay.rank_of(0), lay.rank_of(lay.n_stages - 1)
         if arch.tied_embeddings and first != last:
             same = lay.same_node(first, last, m.gpus_per_node)
             nbytes = arch.vocab * arch.hidden * GRAD_BYTES[arch.precision] / lay.tp
             t = m.message_time(nbytes, same)
-            tail[first] = tail[last] = t * US
+            tail[first] += t * US
+            tail[last] += t * US
         gpus = lay.gpus
         latency = m.link(gpus <= m.gpus_per_node)[0]
         rounds = 2 if arch.precision == "fp16" else 1
@@ -252,13 +256,18 @@ class ModelCosts:
     def dp_reduction(self) -> tuple[CollectiveCost, dict[int, list[float]]]:
         """The data-parallel gradient all-reduce (a ring over the replicas, on the slowest
         link among them; microseconds and bytes per microsecond) and each stage's gradient
-        bytes, reduced in one bucket once the stage's gradients are complete."""
+        bytes, reduced in one bucket once the stage's gradients are complete. With the
+        optimizer state sharded (Megatron-LM's distributed optimizer, ZeRO-1 to 3) it is a
+        reduce-scatter, half an all-reduce's bytes, counted as such; the updated parameters'
+        all-gather runs under the next iteration's forwards (not counted), except ZeRO-3's
+        first gather per rank (``extra["fsdp_s"]``, in :meth:`iteration_costs`)."""
         lay, m = self.layout, self.machine
         inside = all(lay.replicas_in_one_node(r, m.gpus_per_node) for r in range(lay.pp))
         latency, bandwidth = m.link(inside)
-        group = 1 if lay.shard == "full" else lay.dp  # ZeRO-3 reduces after each W instead
-        cost = CollectiveCost(group, bandwidth / US, latency * US)
+        cost = CollectiveCost(lay.dp, bandwidth / US, latency * US)
         per_param = GRAD_BYTES[self.arch.precision]
+        if lay.shard != "none":
+            per_param /= 2
         arch = self.arch
         buckets = {}
         for s, k in enumerate(self.layers):
@@ -287,22 +296,24 @@ class ModelCosts:
 
 
 def model_costs(
-    arch: Arch, machine: Machine, layout: Layout, rates: Rates | None = None
-) -> ModelCosts:
+    arch: Arch, machine: Machine, layout: Layout, rates: Rates | None = None,
+    fit: Fit | None = None,
+) -> ModelCosts:  # fmt: skip
     """The costs of ``arch`` on ``machine`` laid out as ``layout`` (see the module docstring);
     ``rates`` default to :meth:`Rates.for_shapes` (the machine's fitted efficiency for this
-    layout's GEMM shapes)."""
+    layout's GEMM shapes); ``fit`` replaces the machine's fitted terms."""
+    fit = fit or fit_for(machine.name)
     split = Split(layout.tp, layout.cp, recompute=layout.recompute)
     split.check(arch)
     n_gpu = layout.group
-    rates = rates or Rates.for_shapes(machine, arch, layout.tp, layout.cp)
+    rates = rates or Rates.for_shapes(machine, arch, layout.tp, layout.cp, fit)
     n = layout.n_stages
     if n > arch.layers + 2:
         raise ModelCostError(f"{n} stages for {arch.layers} layers: at most {arch.layers + 2}")
     layers = layer_split(arch.layers, n)
     last = n - 1
     blk = block_on_gpu(arch, split)
-    comm = _block_comm_s(arch, machine, layout, blk, rates)
+    comm = block_comm_s(machine, layout, blk, rates, fit.tp_hidden)
     parts: dict[str, list[dict[str, float]]] = {k: [] for k in "FIW"}
     for s, k in enumerate(layers):
         for kind, rate in zip("FIW", (rates.f, rates.i, rates.w), strict=True):
@@ -318,8 +329,6 @@ def model_costs(
     if not (arch.tied_embeddings and layout.rank_of(0) == layout.rank_of(last)):
         params[layout.rank_of(last)] += arch.head_params()
     params = [-(-p_r // layout.tp) for p_r in params]  # per GPU: TP splits every matrix
-    if layout.shard == "full" and layout.dp > 1:
-        _add_fsdp(arch, machine, layout, layers, parts)
     times = {k: [sum(p.values()) for p in parts[k]] for k in "FIW"}
     saved = [k * blk.saved_bytes + (arch.head_saved_bytes() / n_gpu if s == last else 0.0)
              for s, k in enumerate(layers)]  # fmt: skip
@@ -340,18 +349,20 @@ def model_costs(
     return ModelCosts(
         arch, machine, layout, rates, layers, times["F"], times["I"], times["W"], boundary,
         saved, held, params, step, static, [m["buffers"] for m in memory],
-        extra={"parts": parts, "memory": memory, "block": blk},
+        extra={"parts": parts, "memory": memory, "block": blk,
+               "fsdp_s": _fsdp_gather_s(arch, machine, layout, layers)},
     )  # fmt: skip
 
 
-def _block_comm_s(arch: Arch, machine: Machine, layout: Layout, blk, rates: Rates) -> dict:
-    """Per block and pass, seconds of TP's collectives (exposed: each waits for its input) and
-    of CP's ring beyond the attention it overlaps; a fully recomputed block's I repeats F's."""
+def block_comm_s(machine: Machine, layout: Layout, blk, rates: Rates, tp_hidden: float) -> dict:
+    """Per block and pass, seconds of TP's collectives (less the share ``tp_hidden`` under the
+    GEMMs) and of CP's ring beyond the attention it overlaps; a fully recomputed block's I
+    repeats F's."""
     tp, cp = layout.tp, layout.cp
     out: dict[str, dict[str, float]] = {"tp": {}, "cp": {}}
     lat, bw = machine.link(tp <= machine.gpus_per_node)
     ring = 2 * (tp - 1) * lat * (1 if blk.tp_bytes and tp > 1 else 0)
-    tp_pass = ring + blk.tp_bytes / bw
+    tp_pass = (ring + blk.tp_bytes / bw) * (1 - tp_hidden)
     full = layout.recompute == "full"
     out["tp"] = {"F": tp_pass, "I": tp_pass * (2 if full else 1), "W": 0.0}
     lat, bw = machine.link(tp * cp <= machine.gpus_per_node)
@@ -364,23 +375,22 @@ def _block_comm_s(arch: Arch, machine: Machine, layout: Layout, blk, rates: Rate
     return out
 
 
-def _add_fsdp(arch: Arch, machine: Machine, layout: Layout, layers: list[int], parts) -> None:
-    """ZeRO-3: each stage's 16-bit parameters all-gathered before its F and before its I, its
-    gradients reduce-scattered after its W, over the replicas' ring; prefetched under the
-    pass next to it, so a pass costs the longer of its compute and its collective (the
-    difference is booked as ``fsdp``)."""
-    dp, p = layout.dp, arch.precision
-    inside = all(layout.replicas_in_one_node(r, machine.gpus_per_node) for r in range(layout.pp))
-    lat, bw = machine.link(inside)
-    last = len(layers) - 1
-    for s, k in enumerate(layers):
-        n_p = k * arch.layer_params() + (arch.embedding_params() if s == 0 else 0)
-        n_p += arch.head_params() if s == last else 0
+def _fsdp_gather_s(arch: Arch, machine: Machine, layout: Layout, layers: list[int]) -> list[float]:
+    """Per rank, ZeRO-3's exposed all-gather: each stage's 16-bit parameters are gathered over
+    the replicas' ring once per step before the stage's first F (torch's UNSHARD) and kept
+    until its last W (RESHARD); the first stage's gather waits, the rest are prefetched under
+    the stages before them."""
+    dp, lat_bw = layout.dp, machine.link(
+        all(layout.replicas_in_one_node(r, machine.gpus_per_node) for r in range(layout.pp)))
+    out = [0.0] * layout.pp
+    if layout.shard != "full" or dp == 1:
+        return out
+    for r in range(layout.pp):
+        s = min(st for st in range(len(layers)) if layout.rank_of(st) == r)
+        n_p = layers[s] * arch.layer_params() + (arch.embedding_params() if s == 0 else 0)
         n_p /= layout.tp
-        for kind, nbytes in (("F", WEIGHT_BYTES[p]), ("I", WEIGHT_BYTES[p]), ("W", GRAD_BYTES[p])):
-            t = (dp - 1) * lat + (dp - 1) / dp * n_p * nbytes / bw
-            busy = sum(parts[kind][s].values())
-            parts[kind][s]["fsdp"] = max(0.0, t - busy)
+        out[r] = (dp - 1) * lat_bw[0] + (dp - 1) / dp * n_p * WEIGHT_BYTES[arch.precision] / lat_bw[1]
+    return out
 
 
 def _memory_parts(arch: Arch, layout: Layout, layers: list[int], params: list[int], blk,
@@ -388,7 +398,9 @@ def _memory_parts(arch: Arch, layout: Layout, layers: list[int], params: list[in
     """Per GPU of each rank: weights, gradients and optimizer state (each divided over the
     replicas as ``shard`` says) and buffers: the loss's logits (16-bit) and their fp32 softmax
     on the head's GPU, two messages' receive buffers, one block's rebuilt activations while
-    it recomputes, and with ``full`` sharding two stages' gathered weights and gradients."""
+    it recomputes, and with ``full`` sharding the rank's gathered 16-bit weights and its
+    unsharded gradients, held from a stage's first F to its last W (less the shard counted
+    under weights and gradients)."""
     p, dp, sh = arch.precision, layout.dp, layout.shard
     w_div = dp if sh == "full" else 1
     g_div = dp if sh in ("gradients", "full") else 1
@@ -399,10 +411,8 @@ def _memory_parts(arch: Arch, layout: Layout, layers: list[int], params: list[in
         buffers = 2 * message + blk.working_bytes
         if r == last:
             buffers += arch.tokens * arch.vocab * (arch.value_bytes + 4) / layout.group
-        if sh == "full" and dp > 1:
-            biggest = max(k for s, k in enumerate(layers) if layout.rank_of(s) == r)
-            n_stage = (biggest * arch.layer_params() + arch.head_params()) / layout.tp
-            buffers += 2 * n_stage * (WEIGHT_BYTES[p] + GRAD_BYTES[p])
+        if sh == "full":
+            buffers += n_p * (WEIGHT_BYTES[p] + GRAD_BYTES[p]) * (1 - 1 / dp)
         out.append({"weights": n_p * WEIGHT_BYTES[p] / w_div,
                     "gradients": n_p * GRAD_BYTES[p] / g_div,
                     "optimizer": n_p * OPTIMIZER_BYTES[p] / o_div, "buffers": buffers})  # fmt: skip
@@ -410,12 +420,13 @@ def _memory_parts(arch: Arch, layout: Layout, layers: list[int], params: list[in
 
 
 def activation_peaks(
-    schedule: Schedule, alloc: Sequence[float], freed_by_i: Sequence[float]
+    schedule: Schedule, alloc: Sequence[float], freed_by_i: Sequence[float], flat: Any = None
 ) -> list[float]:
     """Each rank's peak activation bytes over its program order: a stage's F allocates
     ``alloc[stage]``, its I frees ``freed_by_i[stage]``, its W the rest, a full backward B
-    all of it (:class:`vpipe.schedules.adaptive.MemoryModel`'s accounting)."""
-    fl = flatten(schedule)
+    all of it (:class:`vpipe.schedules.adaptive.MemoryModel`'s accounting). ``flat``: the
+    schedule's :func:`vpipe.ir.flat.flatten`, when the caller keeps it."""
+    fl = flat if flat is not None else flatten(schedule)
     a, fi = np.asarray(alloc, float), np.asarray(freed_by_i, float)
     table = np.stack([a, -a, -fi, fi - a])  # F, B, I, W (the flat kind codes 0-3)
     delta = table[fl.p_kind, fl.p_stage]
