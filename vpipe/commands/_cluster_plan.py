@@ -164,8 +164,8 @@ def render_cluster(result: dict, top: int) -> str:
         f"({shown} of {plural(len(result['candidates']), 'candidate')} that fit shown; "
         f"{result['bounded']} of {result['tried']} not simulated: their no-bubble bound is "
         f"slower than the fastest by more than the tie band; 'tie': within "
-        f"{result['tie_band']:.0%} of the fastest, {result['tie_band_source']}"
-        + (f" {err:.0%})" if err is not None else ")")
+        f"{result['tie_band']:.1%} of the fastest, {result['tie_band_source']}"
+        + (f" {err:.1%})" if err is not None else ")")
     )
     rec = result["recommended"]
     mem = rec["memory_bytes"]

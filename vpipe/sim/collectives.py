@@ -17,6 +17,8 @@ import math
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 
+import numpy as np
+
 from vpipe.errors import VpipeError
 from vpipe.ir import Schedule
 from vpipe.ir.reduction import gradient_points
@@ -120,22 +122,41 @@ def ready_times(
 ) -> dict[tuple[int, int], float]:
     """(rank, stage) -> when the stage's gradients are complete in a simulated timeline
     (:attr:`vpipe.sim.SimResult.columns` of ``schedule``)."""
-    rank, kind, end = columns["rank"], columns["kind"], columns["end"]
-    rows: dict[int, list[float]] = {}
-    for r, k, e in zip(rank, kind, end, strict=True):
-        if k < COMPUTE_CODES:
-            rows.setdefault(int(r), []).append(float(e))
+    rank, kind, end = (np.asarray(columns[k]) for k in ("rank", "kind", "end"))
+    compute = kind < COMPUTE_CODES
     out = {}
+    for r, points in enumerate(_gradient_rows(schedule)):
+        ends = end[compute & (rank == r)]  # an overlap action's parts are rows of their own
+        for first, n, stages in points:
+            t = float(ends[first : first + n].max())
+            for s in stages:
+                out[r, s] = t
+    return out
+
+
+_ROWS: dict[int, tuple[Schedule, list]] = {}
+
+
+def _gradient_rows(schedule: Schedule) -> list[list[tuple[int, int, list[int]]]]:
+    """Per rank, each gradient point as (its action's first compute row, the action's rows,
+    the stages whose gradients it completes); kept for the last few schedules, since a plan
+    times one schedule under many costs."""
+    kept = _ROWS.get(id(schedule))
+    if kept is not None and kept[0] is schedule:
+        return kept[1]
+    out = []
     for r in range(schedule.n_ranks):
         program = [a for a in schedule.actions[r] if a.is_compute]
-        ends, i = [], 0
-        for a in program:  # an overlap action's parts are rows of their own
+        starts, i = [], 0
+        for a in program:
             n = len(a.compute_parts())
-            ends.append(max(rows[r][i : i + n]))
+            starts.append((i, n))
             i += n
-        for at, stages in gradient_points(program, schedule.stages_of(r)).items():
-            for s in stages:
-                out[r, s] = ends[at]
+        points = gradient_points(program, schedule.stages_of(r))
+        out.append([(*starts[at], sorted(stages)) for at, stages in points.items()])
+    if len(_ROWS) >= 64:
+        _ROWS.pop(next(iter(_ROWS)))
+    _ROWS[id(schedule)] = (schedule, out)
     return out
 
 

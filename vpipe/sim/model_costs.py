@@ -171,15 +171,21 @@ class Layout:
 
     def same_node(self, rank_a: int, rank_b: int, gpus_per_node: int) -> bool:
         """Whether every replica's ranks ``rank_a`` and ``rank_b`` share a node."""
-        return self.group <= gpus_per_node and all(
-            self.gpu(rank_a, d) // gpus_per_node == self.gpu(rank_b, d) // gpus_per_node
-            for d in range(self.dp)
-        )
+        if self.group > gpus_per_node:
+            return False
+        a, b = self._gpus(rank_a), self._gpus(rank_b)
+        return bool(np.all(a // gpus_per_node == b // gpus_per_node))
+
+    def _gpus(self, rank: int) -> np.ndarray:
+        """The first GPU of the rank's group in every replica."""
+        d = np.arange(self.dp)
+        g = d * self.pp + rank if self.pp_inner else rank * self.dp + d
+        return g * self.group
 
     def replicas_in_one_node(self, rank: int, gpus_per_node: int) -> bool:
-        nodes = {(self.gpu(rank, d) + k) // gpus_per_node for d in range(self.dp)
-                 for k in (0, self.group - 1)}  # fmt: skip
-        return len(nodes) == 1
+        first = self._gpus(rank)
+        nodes = np.concatenate([first, first + self.group - 1]) // gpus_per_node
+        return bool(np.all(nodes == nodes[0]))
 
 
 def layer_split(layers: int, stages: int) -> list[int]:
