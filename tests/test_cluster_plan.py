@@ -172,6 +172,14 @@ def test_cli_plans_a_cluster_as_json(tmp_path, capsys):
                  "--schedules", "1f1b", "--efficiency", "0.5,0.5,0.5"]) == 0  # fmt: skip
     text = capsys.readouterr().out
     assert "--efficiency 0.5,0.5,0.5" in text and "recommended (of the tied" in text
+    assert "layers per stage: " in text
+
+
+def test_layers_per_stage_are_said_with_their_runs():
+    from vpipe.commands._cluster_plan import _runs
+
+    assert _runs([1] + [2] * 62 + [1]) == "1, 2 x 62, 1"
+    assert _runs([4, 4]) == "4 x 2"
 
 
 @pytest.mark.parametrize(

@@ -176,8 +176,23 @@ def render_cluster(result: dict, top: int) -> str:
         f" x {rec['microbatches']}: {rec['tokens_per_s_per_gpu']:.1f} tokens/s per GPU, MFU "
         f"{rec['mfu']:.1%} (predicted)"
     )
+    lines.append(f"  layers per stage: {_runs(result['layers_per_stage'])}" + (
+        "" if len(set(result["layers_per_stage"])) == 1 else " (uneven: the remainder goes to "
+        "the middle stages, so the first and last, which hold the embedding and the head, "
+        "are short)"))  # fmt: skip
     lines.append("  memory per GPU: " + ", ".join(
         f"{k} {v / gib:.1f} GiB" for k, v in mem.items()))  # fmt: skip
     lines.append("  share of the step: " + ", ".join(
         f"{k} {v:.1%}" for k, v in rec["step_shares"].items() if v >= 0.0005))  # fmt: skip
     return "\n".join(lines)
+
+
+def _runs(values: list[int]) -> str:
+    """``1, 2 x 62, 1``: a list with its runs of equal values counted."""
+    out: list[list[int]] = []
+    for v in values:
+        if out and out[-1][0] == v:
+            out[-1][1] += 1
+        else:
+            out.append([v, 1])
+    return ", ".join(f"{v} x {n}" if n > 1 else str(v) for v, n in out)

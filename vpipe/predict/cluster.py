@@ -32,7 +32,14 @@ from vpipe.predict.plan import PlanError
 from vpipe.sim.arch import Arch
 from vpipe.sim.efficiency import MEASURED_ERROR
 from vpipe.sim.machine import GIB, Machine
-from vpipe.sim.model_costs import Layout, ModelCostError, ModelCosts, Rates, model_costs
+from vpipe.sim.model_costs import (
+    Layout,
+    ModelCostError,
+    ModelCosts,
+    Rates,
+    layer_split,
+    model_costs,
+)
 from vpipe.sim.parallel import RECOMPUTE, ParallelError, Split
 
 __all__ = [
@@ -266,8 +273,10 @@ def plan_cluster(spec: ClusterSpec) -> dict[str, Any]:
     ranked, recommended = rank_candidates(found, band)
     rec_arch = spec.arch.with_microbatch(recommended.microbatch_size)
     rates = spec.rates or Rates.for_shapes(spec.machine, rec_arch, recommended.tp, recommended.cp)
+    stages = recommended.pp * recommended.stages_per_rank
     return {
         "recommended": recommended.to_dict(),
+        "layers_per_stage": layer_split(spec.arch.layers, stages),
         "candidates": [c.to_dict() for c in ranked],
         "budget_bytes": spec.budget,
         "rates": {"F": rates.f, "I": rates.i, "W": rates.w, "source": rates.source},
