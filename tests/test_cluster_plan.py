@@ -203,3 +203,24 @@ def test_cli_refuses_bad_cluster_flags(tmp_path, capsys, extra, message):
 def test_cli_without_machine_says_so(tmp_path, capsys):
     assert main(["plan", "--arch", write_arch(tmp_path), "--gpus", "4", "--batch", "8"]) != 0
     assert "give --machine" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("name", [f.name for f in catalogue.families() if not f.cost_adapted])
+def test_many_microbatches_extend_linearly_from_two_smaller_counts(name):
+    """What the planner's extension relies on: past its warm-up a family's iteration time,
+    bubble and peak grow linearly with M, so the extended candidate is the simulated one."""
+    from vpipe.predict.cluster_eval import EXTEND, _timed, evaluate
+
+    fam = catalogue.get(name)
+    v = fam.stages_per_rank
+    costs = model_costs(ARCH, H100, Layout(4, 2, v, fam.placement))
+    m = 2 * EXTEND * 4 * v + 4
+    cand = evaluate(costs, fam, m, 2 * m, 1e15, False)
+    whole = fam.generator(4, m, v)
+    it, sim = _timed(costs, whole, False)
+    assert cand.iteration_s == pytest.approx(it.time / 1e6, rel=1e-9)
+    assert cand.bubble == pytest.approx(sim.bubble_ratio, rel=1e-9)
+    peaks = activation_peaks(whole, costs.alloc_bytes, costs.freed_by_i)
+    static = [sum(p.values()) for p in costs.extra["memory"]]
+    assert cand.memory_bytes["total"] == pytest.approx(max(a + b for a, b in zip(static, peaks,
+                                                                            strict=True)))  # fmt: skip

@@ -1,6 +1,7 @@
 """One cluster candidate (a layout x a schedule family x a microbatch count) costed: its memory
 per GPU by part, a bound on its speed before any schedule is simulated, and, when it fits,
-its simulated iteration with MFU, HFU and the share of the step each cost takes.
+its simulated iteration with MFU, HFU and the share of the step each cost takes. Many
+microbatches are simulated at two smaller counts and extended linearly (:data:`EXTEND`).
 
 Used by :mod:`vpipe.predict.cluster`, which searches the candidates.
 """
@@ -10,6 +11,7 @@ from __future__ import annotations
 import math
 from dataclasses import asdict, dataclass, field
 from functools import lru_cache
+from types import SimpleNamespace
 from typing import Any
 
 from vpipe.errors import ScheduleError
@@ -22,6 +24,10 @@ __all__ = ["ClusterCandidate", "busy_bound", "evaluate"]
 # never lower a family's peak (tests/test_cluster_plan.py checks it), so a probe over the
 # budget rules the whole out without building it.
 PROBE = 2
+# A schedule of M > EXTEND x stages microbatches is simulated at PROBE x and EXTEND x stages and
+# its iteration time, bubble and peak extended linearly to M: past the warm-up every catalogue
+# family repeats the same pattern per microbatch (tests/test_cluster_plan.py checks it).
+EXTEND = 3
 SHARES = ("compute", "recompute", "tp", "cp", "fsdp", "bubble", "dp", "optimizer")
 
 
@@ -108,10 +114,6 @@ def evaluate(costs: ModelCosts, fam: Any, m: int, batch: int, budget: float,
     simulated. None when the family cannot build this shape. ``schedule_fn(fam, layout, m,
     costs)`` builds ``auto`` (scheduled for the costs); ``i_frees`` replaces the share of a
     stage's activations its I frees."""
-    from vpipe.sim import simulate
-    from vpipe.sim.collectives import simulate_reductions
-    from vpipe.sim.iteration import iteration
-
     lay, arch = costs.layout, costs.arch
     alloc, freed = costs.alloc_bytes, costs.freed_by_i
     if i_frees is not None:
@@ -123,6 +125,7 @@ def evaluate(costs: ModelCosts, fam: Any, m: int, batch: int, budget: float,
     if floor["total"] > budget:  # not one microbatch fits beside the weights
         return ClusterCandidate(**base, memory_bytes=floor, fits=False)
     probe = PROBE * lay.n_stages
+    extend = fam.name != "auto" and m > EXTEND * lay.n_stages
     try:
         if fam.name != "auto" and m > probe:  # its first microbatches' peak bounds the whole's
             sched, flat = _built(fam.name, lay.pp, probe, lay.stages_per_rank)
@@ -130,20 +133,30 @@ def evaluate(costs: ModelCosts, fam: Any, m: int, batch: int, budget: float,
             if first["total"] > budget:
                 return ClusterCandidate(**base, memory_bytes=first, fits=False)
         if fam.name == "auto":
-            schedule, flat = schedule_fn(fam, lay, m, costs), None
+            built = [(schedule_fn(fam, lay, m, costs), None)]
         else:
-            schedule, flat = _built(fam.name, lay.pp, m, lay.stages_per_rank)
+            counts = (probe, EXTEND * lay.n_stages) if extend else (m,)
+            built = [_built(fam.name, lay.pp, k, lay.stages_per_rank) for k in counts]
     except ScheduleError:
         return None
-    need = _memory(costs, activation_peaks(schedule, alloc, freed, flat))
+    runs = [activation_peaks(sched, alloc, freed, flat) for sched, flat in built]
+    if extend:  # a family's step and peak grow linearly with M past its warm-up
+        grow = _linear(probe, EXTEND * lay.n_stages, m)
+        need = _memory(costs, [grow(a, b) for a, b in zip(*runs, strict=True)])
+    else:
+        need = _memory(costs, runs[0])
     if need["total"] > budget:
         return ClusterCandidate(**base, memory_bytes=need, fits=False)
-    sim = simulate(schedule, costs.cost_model())
-    reductions = None
-    if lay.dp > 1 and lay.shard != "full":
-        collective, buckets = costs.dp_reduction()
-        reductions = simulate_reductions(schedule, sim.columns, sim.makespan, collective, buckets)
-    it = iteration(sim.columns, lay.pp, costs.iteration_costs(post_validated), reductions)
+    timed = [_timed(costs, sched, post_validated) for sched, _ in built]
+    if extend:
+        (it1, sim1), (it2, sim2) = timed
+        it = SimpleNamespace(**{k: grow(getattr(it1, k), getattr(it2, k))
+                                for k in ("time", "pipeline", "exposed_reduction")})  # fmt: skip
+        busy = grow(sum(sim1.busy), sum(sim2.busy))
+        bubble = 1 - busy / (lay.pp * grow(sim1.makespan, sim2.makespan))
+    else:
+        it, sim = timed[0]
+        bubble = sim.bubble_ratio
     seconds = it.time / 1e6
     model = batch * arch.model_flops() / arch.microbatch  # F, I and W of every sequence
     recomputed = _recomputed_flops(costs) * batch / arch.microbatch
@@ -151,9 +164,28 @@ def evaluate(costs: ModelCosts, fam: Any, m: int, batch: int, budget: float,
     return ClusterCandidate(
         **base, memory_bytes=need, tokens_per_s_per_gpu=batch * arch.seq_len / seconds / lay.gpus,
         mfu=model / peak, hfu=(model + recomputed) / peak, iteration_s=seconds,
-        pipeline_s=it.pipeline / 1e6, bubble=sim.bubble_ratio,
-        step_shares=_shares(costs, m, it, seconds),
+        pipeline_s=it.pipeline / 1e6, bubble=bubble, step_shares=_shares(costs, m, it, seconds),
     )  # fmt: skip
+
+
+def _linear(m1: int, m2: int, m: int) -> Any:
+    """The value at ``m`` of a figure that is ``a`` at ``m1`` and ``b`` at ``m2``, linearly."""
+    return lambda a, b: a + (m - m1) * (b - a) / (m2 - m1)
+
+
+def _timed(costs: ModelCosts, schedule: Any, post_validated: bool) -> tuple[Any, Any]:
+    """The simulated step of ``schedule`` with its data-parallel reductions, and its iteration."""
+    from vpipe.sim import simulate
+    from vpipe.sim.collectives import simulate_reductions
+    from vpipe.sim.iteration import iteration
+
+    lay = costs.layout
+    sim = simulate(schedule, costs.cost_model())
+    reductions = None
+    if lay.dp > 1:
+        collective, buckets = costs.dp_reduction()
+        reductions = simulate_reductions(schedule, sim.columns, sim.makespan, collective, buckets)
+    return iteration(sim.columns, lay.pp, costs.iteration_costs(post_validated), reductions), sim
 
 
 def _recomputed_flops(costs: ModelCosts) -> float:
