@@ -83,6 +83,14 @@ def _built(name: str, pp: int, m: int, v: int) -> tuple[Any, Any]:
     return schedule, flatten(schedule)
 
 
+@lru_cache(maxsize=128)
+def _rows(name: str, pp: int, m: int, v: int) -> list:
+    """The gradient points of :func:`_built`'s schedule, read once."""
+    from vpipe.sim.collectives import gradient_rows
+
+    return gradient_rows(_built(name, pp, m, v)[0])
+
+
 def _memory(costs: ModelCosts, peaks: list[float]) -> dict[str, float]:
     """The fullest GPU's memory by part, with activations at ``peaks`` per rank."""
     parts = costs.extra["memory"]
@@ -147,7 +155,10 @@ def evaluate(costs: ModelCosts, fam: Any, m: int, batch: int, budget: float,
         need = _memory(costs, runs[0])
     if need["total"] > budget:
         return ClusterCandidate(**base, memory_bytes=need, fits=False)
-    timed = [_timed(costs, sched, post_validated) for sched, _ in built]
+    keys = [None] if fam.name == "auto" else [(fam.name, lay.pp, k, lay.stages_per_rank)
+                                              for k in counts]  # fmt: skip
+    timed = [_timed(costs, sched, post_validated, key and _rows(*key))
+             for (sched, _), key in zip(built, keys, strict=True)]  # fmt: skip
     if extend:
         (it1, sim1), (it2, sim2) = timed
         it = SimpleNamespace(**{k: grow(getattr(it1, k), getattr(it2, k))
@@ -173,8 +184,10 @@ def _linear(m1: int, m2: int, m: int) -> Any:
     return lambda a, b: a + (m - m1) * (b - a) / (m2 - m1)
 
 
-def _timed(costs: ModelCosts, schedule: Any, post_validated: bool) -> tuple[Any, Any]:
-    """The simulated step of ``schedule`` with its data-parallel reductions, and its iteration."""
+def _timed(costs: ModelCosts, schedule: Any, post_validated: bool,
+           rows: list | None = None) -> tuple[Any, Any]:  # fmt: skip
+    """The simulated step of ``schedule`` with its data-parallel reductions (``rows``: its
+    gradient points, when kept), and its iteration."""
     from vpipe.sim import simulate
     from vpipe.sim.collectives import simulate_reductions
     from vpipe.sim.iteration import iteration
@@ -184,7 +197,8 @@ def _timed(costs: ModelCosts, schedule: Any, post_validated: bool) -> tuple[Any,
     reductions = None
     if lay.dp > 1:
         collective, buckets = costs.dp_reduction()
-        reductions = simulate_reductions(schedule, sim.columns, sim.makespan, collective, buckets)
+        reductions = simulate_reductions(schedule, sim.columns, sim.makespan, collective, buckets,
+                                         rows)  # fmt: skip
     return iteration(sim.columns, lay.pp, costs.iteration_costs(post_validated), reductions), sim
 
 

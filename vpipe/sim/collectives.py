@@ -118,14 +118,15 @@ class DPStep:
 
 
 def ready_times(
-    schedule: Schedule, columns: Mapping[str, Sequence]
+    schedule: Schedule, columns: Mapping[str, Sequence], rows: list | None = None
 ) -> dict[tuple[int, int], float]:
     """(rank, stage) -> when the stage's gradients are complete in a simulated timeline
-    (:attr:`vpipe.sim.SimResult.columns` of ``schedule``)."""
+    (:attr:`vpipe.sim.SimResult.columns` of ``schedule``); ``rows``: the schedule's
+    :func:`gradient_rows`, when the caller keeps them."""
     rank, kind, end = (np.asarray(columns[k]) for k in ("rank", "kind", "end"))
     compute = kind < COMPUTE_CODES
     out = {}
-    for r, points in enumerate(_gradient_rows(schedule)):
+    for r, points in enumerate(rows if rows is not None else gradient_rows(schedule)):
         ends = end[compute & (rank == r)]  # an overlap action's parts are rows of their own
         for first, n, stages in points:
             t = float(ends[first : first + n].max())
@@ -134,16 +135,10 @@ def ready_times(
     return out
 
 
-_ROWS: dict[int, tuple[Schedule, list]] = {}
-
-
-def _gradient_rows(schedule: Schedule) -> list[list[tuple[int, int, list[int]]]]:
+def gradient_rows(schedule: Schedule) -> list[list[tuple[int, int, list[int]]]]:
     """Per rank, each gradient point as (its action's first compute row, the action's rows,
-    the stages whose gradients it completes); kept for the last few schedules, since a plan
-    times one schedule under many costs."""
-    kept = _ROWS.get(id(schedule))
-    if kept is not None and kept[0] is schedule:
-        return kept[1]
+    the stages whose gradients it completes): what :func:`ready_times` reads off a timeline
+    (a plan that times one schedule under many costs keeps them)."""
     out = []
     for r in range(schedule.n_ranks):
         program = [a for a in schedule.actions[r] if a.is_compute]
@@ -154,9 +149,6 @@ def _gradient_rows(schedule: Schedule) -> list[list[tuple[int, int, list[int]]]]
             i += n
         points = gradient_points(program, schedule.stages_of(r))
         out.append([(*starts[at], sorted(stages)) for at, stages in points.items()])
-    if len(_ROWS) >= 64:
-        _ROWS.pop(next(iter(_ROWS)))
-    _ROWS[id(schedule)] = (schedule, out)
     return out
 
 
@@ -166,13 +158,14 @@ def simulate_reductions(
     makespan: float,
     cost: CollectiveCost,
     stage_buckets: Mapping[int, Sequence[float]],
+    rows: list | None = None,
 ) -> DPStep:
     """The reductions of one step whose pipeline timeline is ``columns`` (see the module
     docstring); ``stage_buckets`` gives each stage's bucket sizes in bytes."""
     missing = sorted(set(range(schedule.n_stages)) - set(stage_buckets))
     if missing:
         raise CollectiveError(f"no gradient bytes for stage {missing[0]}")
-    ready = ready_times(schedule, columns)
+    ready = ready_times(schedule, columns, rows)
     out = []
     for r in range(schedule.n_ranks):
         free = 0.0
