@@ -49,11 +49,12 @@ SHAPES: dict[str, list[str]] = {
 }
 SHAPES["plan"] = [
     r"^\S+ \(seq \d+\) on \d+ \S+ GPUs, global batch \d+ sequences, .*; budget [\d.]+ GiB per GPU$",
-    r"^F/I/W rates: ",
-    r"^schedule +v +pp +dp +mb +M +tok/s/GPU +iter s +bubble +GiB/GPU +static +activ\. +tie$",
-    r"^[\w-]+ +\d+ +\d+ +\d+ +\d+ +\d+ +[\d.]+ +[\d.]+ +[\d.]+ +[\d.]+ +[\d.]+ +[\d.]+ *(yes)? *$",
+    r"^rates \(recommended layout\): ",
+    r"^schedule +v +tp +cp +pp +dp +recomp\. +mb +M +tok/s/GPU +MFU +HFU +iter s +GiB/GPU +w\+g\+o +activ\. +buf\. +tie$",
+    r"^[\w-]+ +(\d+ +){5}(none|selective|full) +\d+ +\d+ +[\d.]+ +[\d.]+% +[\d.]+% +([\d.]+ +){4}[\d.]+ *(yes)? *$",
     r"^\(\d+ of \d+ candidates that fit shown; ",
     r"^recommended \(of the tied, the least memory\): ",
+    r"^  (layers per stage|memory per GPU|share of the step): ",
 ]
 COMMAND_LINE = re.compile(r"^(\$ |#|\s|(PYTHONPATH=\S+ )?(vpipe|python|make|torchrun|asv|source|pip|git|cd|tensorboard)\b)")
 

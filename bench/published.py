@@ -62,15 +62,16 @@ class Terms:
     i_frees: bool = True  # I frees its share of the activations (else held until W)
 
 
-def find_data(given: str | None) -> Path:
-    """``given``, else ``shared/data/...`` in the first folder above the repository that has it."""
+def find_data(given: str | None, data: Path = DATA) -> Path:
+    """``given``, else ``data`` (``shared/data/...``) in the first folder above the repository
+    that has it."""
     if given:
         return Path(given)
     root = Path(__file__).resolve().parents[1]
     for folder in root.parents:
-        if (folder / DATA).is_file():
-            return folder / DATA
-    raise SystemExit(f"bench.published: no {DATA} above {root}; pass its path")
+        if (folder / data).is_file():
+            return folder / data
+    raise SystemExit(f"no {data} above {root}; pass its path")
 
 
 def load(path: Path) -> dict[str, Any]:

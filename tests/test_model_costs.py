@@ -142,6 +142,7 @@ def test_machine_presets_cite_their_sources():
     a100, h100, h200 = PRESETS["a100"], PRESETS["h100"], PRESETS["h200"]
     assert (a100.peak("bf16"), a100.memory_bandwidth, a100.memory) == (312e12, 2039e9, 80e9)
     assert (h100.peak("bf16"), h100.memory_bandwidth, h100.memory) == (989e12, 3.35e12, 80e9)
+    assert h100.peak("fp8") == 1979e12
     assert (h200.memory_bandwidth, h200.memory) == (4.8e12, 141e9)
     # one unit, the datasheets' bytes (GB = 1e9): the H200 holds 141/80 of an H100
     assert h200.memory / h100.memory == pytest.approx(141 / 80)

@@ -8,7 +8,7 @@ from __future__ import annotations
 import argparse
 import json
 
-from vpipe.commands._cluster_plan import add_cluster_flags, cluster_command
+from vpipe.commands._cluster_plan import add_cluster_flags, cluster_command, recompute_modes
 
 
 def register(subparsers: argparse._SubParsersAction) -> None:
@@ -41,10 +41,11 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     p.add_argument(
         "--dp",
         type=int,
-        default=1,
+        default=None,
         metavar="N",
         help="data-parallel replicas: --batch is the global batch, and each step ends when "
-        "its per-stage gradient all-reduces (--dp-cost) do",
+        "its per-stage gradient all-reduces (--dp-cost) do (with --arch: fix dp, default "
+        "searched)",
     )
     p.add_argument(
         "--dp-cost",
@@ -57,9 +58,10 @@ def register(subparsers: argparse._SubParsersAction) -> None:
                    "the batch up to 8P)")  # fmt: skip
     p.add_argument("--schedules", help="comma-separated families (default: the whole catalogue)")
     p.add_argument(
-        "--recompute", default="none", metavar="MODES",
-        help="comma-separated activation recomputation modes to weigh (none, full, selective; "
-        "needs --from a run without recomputation; default none)",
+        "--recompute", metavar="MODES",
+        help="comma-separated activation recomputation modes to weigh (none, full, selective). "
+        "With --from: needs a run without recomputation (default none); with --arch: default "
+        "each",
     )  # fmt: skip
     p.add_argument(
         "--objective", choices=("makespan", "span"), default="makespan",
@@ -107,11 +109,12 @@ def plan_command(args: argparse.Namespace) -> int:
     except ValueError:
         raise PlanError(f"--microbatches must be integers, got {args.microbatches!r}") from None
     schedules = parse_list(args.schedules) if args.schedules else None
-    dp = DPCosts.parse(args.dp_cost, args.dp) if args.dp > 1 or args.dp_cost else None
+    n_dp = args.dp or 1
+    dp = DPCosts.parse(args.dp_cost, n_dp) if n_dp > 1 or args.dp_cost else None
     result = plan(
         costs, args.ranks, args.batch, budget, microbatches=mbs, schedules=schedules, dp=dp,
         objective=args.objective, tie=PREDICTION_ERROR if args.tie is None else args.tie,
-        recompute=_modes(args.recompute),
+        recompute=recompute_modes(args.recompute or "none"),
     )  # fmt: skip
     if args.plot:
         from vpipe.predict.plan import pareto_frame
@@ -169,17 +172,6 @@ def render(result: dict, budget: object, top: int, dp: bool = False) -> str:
         f"run it with --recv-lookahead {la['best']} (simulated ms per step by lookahead: {steps})"
     )
     return "\n".join(lines)
-
-
-def _modes(text: str) -> tuple[str, ...]:
-    from vpipe.predict.plan import PlanError
-    from vpipe.sweep.cli_lists import parse_list
-
-    modes = tuple(parse_list(text))
-    bad = [m for m in modes if m not in ("none", "full", "selective")]
-    if bad or not modes:
-        raise PlanError(f"--recompute {text!r}: modes are none, full and selective")
-    return modes
 
 
 def _mode(c: dict) -> str:

@@ -1,246 +1,236 @@
 """``vpipe plan --arch --machine --gpus``: the layout and schedule to rent, predicted from the
 model and the machine alone (:mod:`vpipe.sim.model_costs`), with no run.
 
-Every pipeline size ``pp`` dividing the GPUs (``dp = gpus / pp`` replicas), microbatch size,
-schedule family and stages per rank is costed: weights, gradients and optimizer state per GPU
-first (a layout they overflow is dropped before any schedule is built), then each schedule's
-peak activation bytes per rank (F allocates, I frees its share, W the rest), then, for what
-fits the GPU, the simulated pipeline step, its data-parallel reductions and the iteration's
-end (optimizer step and its synchronisation, :mod:`vpipe.sim.iteration`). Candidates are
-ranked by predicted tokens per second per GPU (:func:`rank_candidates`); a plan nothing fits
-is one line naming the smallest need.
+Every split of the GPUs into tensor (``tp``), context (``cp``), pipeline (``pp``) and data
+(``dp``) parallel GPUs that the model takes (any of them fixed; TP and CP inside a node,
+``tp x cp`` at most the node's GPUs unless fixed), every recomputation setting (unless
+fixed), microbatch size, schedule family and stages per rank is a candidate. Each layout is
+costed (:func:`vpipe.sim.model_costs.model_costs`); a candidate whose weights and one
+microbatch's activations overflow the budget is dropped first, then one whose schedule's
+first microbatches already do. Families scheduled for the costs (``auto``, ``v-half``,
+``v-min``) are slow to build: each is tried on the :data:`AUTO_LAYOUTS` candidates with the
+best bounds only. Of the rest, the candidates are simulated fastest bound first
+(:func:`vpipe.predict.cluster_eval.busy_bound`: no schedule beats its busiest rank's work),
+and the search stops once the next bound is slower than the fastest simulated one by more
+than the tie band: none of the rest could be fastest or tied (they are counted as ``bounded``).
+Candidates are ranked by predicted tokens per second per GPU (:func:`rank_candidates`); a plan
+nothing fits is one line naming the smallest need.
+
+The tie band is the machine's measured error (:data:`vpipe.sim.efficiency.MEASURED_ERROR`,
+from the published tables); for a machine with none, the error is unknown, and the largest
+measured one is used and says so.
 """
 
 from __future__ import annotations
 
-import math
 from collections.abc import Sequence
-from dataclasses import asdict, dataclass
+from dataclasses import dataclass
 from typing import Any
 
-from vpipe.errors import ScheduleError
-from vpipe.predict.plan import PlanError, plural
+from vpipe.predict.cluster_eval import ClusterCandidate, busy_bound, evaluate
+from vpipe.predict.plan import PlanError
 from vpipe.sim.arch import Arch
+from vpipe.sim.efficiency import MEASURED_ERROR
 from vpipe.sim.machine import GIB, Machine
-from vpipe.sim.model_costs import Layout, ModelCostError, Rates, activation_peaks, model_costs
+from vpipe.sim.model_costs import (
+    Layout,
+    ModelCostError,
+    ModelCosts,
+    Rates,
+    layer_split,
+    model_costs,
+)
+from vpipe.sim.parallel import RECOMPUTE, ParallelError, Split
 
 __all__ = [
-    "PREDICTION_ERROR",
     "USABLE_MEMORY",
-    "ClusterCandidate",
-    "cluster_candidates",
+    "ClusterSpec",
+    "default_budget",
     "plan_cluster",
     "rank_candidates",
+    "tie_band",
 ]
 
 # Share of a GPU's memory a plan fills when no budget is given; the rest is left to the CUDA
 # context, the allocator's fragmentation and kernels' workspaces (assumed).
 USABLE_MEMORY = 0.9
 MICROBATCH_SIZES = (1, 2, 4, 8)
-# Relative error of a predicted speedup against a measured one: the median error of
-# bench.published on the zero-bubble paper's tables (2.4%, docs/plan.md), rounded up.
-# Candidates closer than this to the fastest are ties.
-PREDICTION_ERROR = 0.03
-# actions the cost-adaptive scheduler may schedule per candidate, and the layouts it is tried on
+# actions the cost-adaptive scheduler may schedule per candidate, and how many candidates of
+# each family scheduled for costs (auto, v-half, v-min: slow) are built, best bound first
 AUTO_SEARCH = 6_000
 AUTO_LAYOUTS = 3
-# A schedule of M > PROBE x stages microbatches is first built with that many: more microbatches
-# never lower a family's peak (tests/test_cluster_plan.py checks it), so a probe over the
-# budget rules the whole out without building it.
-PROBE = 2
-
-
-@dataclass
-class ClusterCandidate:
-    """One layout x schedule, predicted. Memory is the fullest GPU's, split into its parts."""
-
-    schedule: str
-    pp: int
-    dp: int
-    stages_per_rank: int
-    microbatch_size: int
-    microbatches: int
-    tokens_per_s_per_gpu: float
-    iteration_s: float
-    pipeline_s: float
-    bubble: float
-    memory_bytes: float
-    static_bytes: float  # weights, gradients, optimizer state
-    activation_bytes: float
-    fits: bool = True
-    tied: bool = False  # within PREDICTION_ERROR of the fastest
-
-    def to_dict(self) -> dict[str, Any]:
-        return asdict(self)
-
-    def label(self) -> str:
-        return (f"{self.schedule} (pp={self.pp}, dp={self.dp}, {plural(self.stages_per_rank, 'stage')} "
-                f"per rank, microbatch {self.microbatch_size} x {self.microbatches})")  # fmt: skip
 
 
 @dataclass(frozen=True)
 class ClusterSpec:
     """What a cluster plan is asked: the model, the machine, ``gpus`` and a global ``batch`` of
-    sequences, and how to run (see :func:`plan_cluster`)."""
+    sequences, how to run, and which of ``tp``, ``pp``, ``cp``, ``dp``, ``recompute`` are fixed
+    (None: searched)."""
 
     arch: Arch
     machine: Machine
     gpus: int
     batch: int
     budget: float  # bytes per GPU
-    rates: Rates | None = None
+    rates: Rates | None = None  # None: the machine's fitted efficiency per layout
     schedules: Sequence[str] | None = None
     microbatch_sizes: Sequence[int] = MICROBATCH_SIZES
     shard: str = "optimizer"
     post_validated: bool = False
     pp_inner: bool = True
+    tp: int | None = None
+    pp: int | None = None
+    cp: int | None = None
+    dp: int | None = None
+    recompute: Sequence[str] | None = None  # the modes weighed (None: each)
     i_frees: float | None = None  # replaces the model's own share when given
 
 
-def cluster_candidates(spec: ClusterSpec) -> tuple[list[ClusterCandidate], ClusterCandidate | None]:
-    """Every candidate that fits ``spec.budget`` on every GPU, and the one needing the least
-    memory among those that do not (None when all fit); a candidate dropped before its
-    schedule was built (or built whole) records a lower bound of its need."""
+def tie_band(machine: Machine) -> tuple[float, str]:
+    """(relative band, how it was found): the machine's measured error, or the largest
+    measured one where it has none."""
+    known = MEASURED_ERROR.get(machine.name)
+    if known is not None:
+        return known, f"{machine.name}'s measured error against published runs"
+    worst = max(v for v in MEASURED_ERROR.values() if v is not None)
+    return worst, (f"{machine.name}'s error is unknown (no published runs): the largest "
+                   f"measured one")  # fmt: skip
+
+
+def _divisors(n: int) -> list[int]:
+    return [d for d in range(1, n + 1) if n % d == 0]
+
+
+def splits(spec: ClusterSpec) -> list[tuple[int, int, int, int]]:
+    """Every (tp, cp, pp, dp) to try; a fixed one that cannot work is refused in one line."""
+    arch, gpn = spec.arch, spec.machine.gpus_per_node
+    fixed = [(k, getattr(spec, k)) for k in ("tp", "pp", "cp", "dp") if getattr(spec, k)]
+    product = 1
+    for _, v in fixed:
+        product *= v
+    if spec.gpus % product:
+        names = " x ".join(f"{k}={v}" for k, v in fixed)
+        raise PlanError(f"--gpus {spec.gpus} is not divisible by {names} = {product}")
+    if spec.tp or spec.cp:
+        try:
+            Split(spec.tp or 1, spec.cp or 1).check(arch)
+        except ParallelError as e:
+            raise PlanError(str(e)) from None
+    out = []
+    for tp in [spec.tp] if spec.tp else [d for d in _divisors(gpn) if spec.gpus % d == 0]:
+        for cp in [spec.cp] if spec.cp else [d for d in _divisors(gpn) if tp * d <= gpn]:
+            try:
+                Split(tp, cp).check(arch)
+            except ParallelError:
+                continue
+            if spec.gpus % (tp * cp):
+                continue
+            rest = spec.gpus // (tp * cp)
+            for pp in [spec.pp] if spec.pp else _divisors(rest):
+                if rest % pp or pp > arch.layers + 2 or (spec.dp and spec.dp != rest // pp):
+                    continue
+                out.append((tp, cp, pp, rest // pp))
+    if not out:
+        raise PlanError(f"no split of {spec.gpus} GPUs into tp x cp x pp x dp works for "
+                        f"{arch.name} with the fixed figures given")  # fmt: skip
+    return out
+
+
+def _shapes(fam: Any, pp: int, layers: int) -> list[tuple[str, int]]:
+    if fam.name == "auto":
+        shapes = [("loop", 1), ("v", 2)]
+    elif fam.placement == "v":
+        shapes = [("v", 2)]
+    else:  # a family with stages per rank to choose also tries 4 and 8
+        spr = fam.stages_per_rank
+        shapes = [("loop", v) for v in sorted({spr} | ({4, 8} if spr > 1 else set()))]
+    return [(p, v) for p, v in shapes if pp * v <= layers + 2 and (pp > 1 or v == 1)]
+
+
+def cluster_candidates(spec: ClusterSpec) -> dict[str, Any]:
+    """``{"found", "least", "bounded", "tried", "simulated"}``: the candidates simulated that
+    fit, the one needing the least memory of those that do not, how many were left
+    unsimulated by their bound, tried in all, and simulated."""
     from vpipe.schedules import catalogue
 
     arch = spec.arch
     families = catalogue.families() if spec.schedules is None else [
         catalogue.get(s) for s in spec.schedules
     ]
+    band = tie_band(spec.machine)[0]
+    queue = []
+    for tp, cp, pp, dp in splits(spec):
+        for mb in spec.microbatch_sizes:
+            if spec.batch % dp or (spec.batch // dp) % mb:
+                continue
+            m = spec.batch // dp // mb
+            for rc in spec.recompute or RECOMPUTE:
+                for fam in families:
+                    for placement, v in _shapes(fam, pp, arch.layers):
+                        lay = Layout(pp, dp, v, placement, spec.pp_inner, spec.shard, tp, cp, rc)
+                        queue.append((lay, mb, m, fam))
+    costed: dict[tuple, ModelCosts | None] = {}
+    bounds = []
+    for lay, mb, m, fam in queue:
+        key = (lay, mb)
+        if key not in costed:
+            try:
+                costed[key] = model_costs(arch.with_microbatch(mb), spec.machine, lay, spec.rates)
+            except (ModelCostError, ParallelError):
+                costed[key] = None
+        if costed[key] is not None:
+            bound = busy_bound(costed[key], m, spec.post_validated)
+            bounds.append((bound, len(bounds), costed[key], fam, m))
+    bounds.sort(key=lambda x: (x[0], x[1]))
     found: list[ClusterCandidate] = []
     least: ClusterCandidate | None = None
-
-    def keep(cands: list[ClusterCandidate]) -> None:
-        nonlocal least
-        for cand in cands:
-            if cand.fits:
-                found.append(cand)
-            elif least is None or cand.memory_bytes < least.memory_bytes:
-                least = cand
-
-    layouts = []
-    for pp in (d for d in range(1, spec.gpus + 1) if spec.gpus % d == 0 and d <= arch.layers):
-        dp = spec.gpus // pp
-        for mb in spec.microbatch_sizes:
-            if spec.batch % dp == 0 and (spec.batch // dp) % mb == 0:
-                layouts.append((pp, dp, mb, spec.batch // dp // mb))
-    fixed = [f for f in families if f.name != "auto"]
-    for pp, dp, mb, m in layouts:
-        for fam in fixed:
-            keep(_family(spec, arch.with_microbatch(mb), fam, pp, dp, m))
-    if len(fixed) < len(families):  # auto, on the most promising layouts only (it is slow)
-        auto = catalogue.get("auto")
-        for pp, dp, mb, m in _promising(spec, layouts, found):
-            keep(_family(spec, arch.with_microbatch(mb), auto, pp, dp, m))
-    return found, least
-
-
-def _promising(spec: ClusterSpec, layouts: list, found: list[ClusterCandidate]) -> list:
-    """The :data:`AUTO_LAYOUTS` layouts auto is tried on: those where a fixed family was
-    fastest first, then those with the most microbatches (the least bubble to start from)."""
-    best: dict[tuple, float] = {}
-    for c in found:
-        key = (c.pp, c.microbatch_size)
-        best[key] = max(best.get(key, 0.0), c.tokens_per_s_per_gpu)
-    order = sorted(layouts, key=lambda x: (-best.get((x[0], x[2]), 0.0), -x[3], x[0]))
-    return order[:AUTO_LAYOUTS]
-
-
-def _family(spec: ClusterSpec, arch: Arch, fam: Any, pp: int, dp: int, m: int) -> list:
-    """The candidates of one family at one layout: its stages per rank (and, for auto, its
-    placements) that build."""
-    out = []
-    if fam.name == "auto":
-        shapes = [("loop", 1), ("v", 2)]
-    elif fam.placement == "v":
-        shapes = [("v", 2)]
-    else:  # a family with stages per rank to choose also tries 4
-        spr = fam.stages_per_rank
-        shapes = [("loop", v) for v in sorted({spr} | ({4} if spr > 1 else set()))]
-    for placement, v in shapes:
-        if pp * v > arch.layers:
+    best_s = float("inf")
+    bounded = 0
+    slow_tries: dict[str, int] = {}
+    simulated = 0
+    for bound_s, _, costs, fam, m in bounds:
+        if bound_s > best_s * (1 + band):
+            bounded += 1
             continue
-        layout = Layout(pp, dp, v, placement, spec.pp_inner, spec.shard)
-        try:
-            costs = model_costs(arch, spec.machine, layout, spec.rates)
-        except ModelCostError:
+        if fam.cost_adapted:  # scheduled for costs: slow, so on the most promising layouts only
+            if slow_tries.get(fam.name, 0) >= AUTO_LAYOUTS:
+                bounded += 1
+                continue
+            slow_tries[fam.name] = slow_tries.get(fam.name, 0) + 1
+        cand = evaluate(costs, fam, m, spec.batch, spec.budget, spec.post_validated,
+                        lambda f, lay, mm, c: _schedule(spec, f, lay, mm, c),
+                        spec.i_frees)  # fmt: skip
+        if cand is None:
             continue
-        cand = _evaluate(spec, costs, fam, m)
-        if cand is not None:
-            out.append(cand)
-    return out
+        simulated += cand.fits
+        if cand.fits:
+            found.append(cand)
+            best_s = min(best_s, cand.iteration_s)
+        elif least is None or cand.total_bytes < least.total_bytes:
+            least = cand
+    return {"found": found, "least": least, "bounded": bounded, "tried": len(bounds),
+            "simulated": simulated}  # fmt: skip
 
 
-def _evaluate(spec: ClusterSpec, costs: Any, fam: Any, m: int) -> ClusterCandidate | None:
-    from vpipe.sim import simulate
-    from vpipe.sim.collectives import simulate_reductions
-    from vpipe.sim.iteration import iteration
-
-    lay = costs.layout
-    alloc = costs.alloc_bytes
-    freed = costs.freed_by_i if spec.i_frees is None else [a * spec.i_frees for a in alloc]
-    static = [s + t for s, t in zip(costs.static_bytes, costs.transient_bytes, strict=True)]
-    base = dict(schedule=fam.name, pp=lay.pp, dp=lay.dp, stages_per_rank=lay.stages_per_rank,
-                microbatch_size=costs.arch.microbatch, microbatches=m,
-                tokens_per_s_per_gpu=0.0, iteration_s=math.inf, pipeline_s=math.inf,
-                bubble=1.0)  # fmt: skip
-    if max(static) + max(alloc) > spec.budget:  # not one microbatch fits beside the weights
-        r = max(range(lay.pp), key=lambda k: static[k])
-        return ClusterCandidate(**base, memory_bytes=static[r] + max(alloc),
-                                static_bytes=costs.static_bytes[r], activation_bytes=max(alloc),
-                                fits=False)  # fmt: skip
-    cm = costs.cost_model()
-
-    def memory(schedule: Any) -> dict[str, float]:
-        peaks = activation_peaks(schedule, alloc, freed)
-        r = max(range(lay.pp), key=lambda k: static[k] + peaks[k])
-        return dict(memory_bytes=static[r] + peaks[r], static_bytes=costs.static_bytes[r],
-                    activation_bytes=peaks[r])  # fmt: skip
-
-    probe = PROBE * lay.n_stages
-    try:
-        if fam.name != "auto" and m > probe:  # its first microbatches' peak bounds the whole's
-            first = memory(fam.generator(lay.pp, probe, lay.stages_per_rank))
-            if first["memory_bytes"] > spec.budget:
-                return ClusterCandidate(**base, **first, fits=False)
-        schedule = _schedule(spec, fam, lay, m, cm, alloc, freed, static)
-    except ScheduleError:
-        return None
-    need = memory(schedule)
-    if need["memory_bytes"] > spec.budget:
-        return ClusterCandidate(**base, **need, fits=False)
-    sim = simulate(schedule, cm)
-    reductions = None
-    if lay.dp > 1:
-        collective, buckets = costs.dp_reduction()
-        reductions = simulate_reductions(schedule, sim.columns, sim.makespan, collective, buckets)
-    it = iteration(sim.columns, lay.pp, costs.iteration_costs(spec.post_validated), reductions)
-    seconds = it.time / 1e6
-    tokens = spec.batch * costs.arch.seq_len
-    base.update(tokens_per_s_per_gpu=tokens / seconds / spec.gpus, iteration_s=seconds,
-                pipeline_s=it.pipeline / 1e6, bubble=sim.bubble_ratio)  # fmt: skip
-    return ClusterCandidate(**base, **need)
-
-
-def _schedule(spec: ClusterSpec, fam: Any, lay: Layout, m: int, cm: Any, alloc, freed, static):
-    """The family's schedule; ``auto`` scheduled for these costs within the activation bytes
-    the fullest GPU has left."""
-    if fam.name != "auto":
-        return fam.generator(lay.pp, m, lay.stages_per_rank)
+def _schedule(spec: ClusterSpec, fam: Any, lay: Layout, m: int, costs: Any):
+    """``auto`` scheduled for these costs within the activation bytes the fullest GPU has left
+    (held bytes counted from F, which never undercounts)."""
     from vpipe.schedules.adaptive import MemoryModel
     from vpipe.schedules.auto import auto_schedule
 
-    limit = spec.budget - max(static)
+    static = [sum(p.values()) for p in costs.extra["memory"]]
+    alloc = [max(a, h) for a, h in zip(costs.saved_bytes, costs.held_after_i, strict=True)]
+    freed = [a - h for a, h in zip(alloc, costs.held_after_i, strict=True)]
     objective = "span" if spec.post_validated else "makespan"
     return auto_schedule(
-        lay.pp, m, cm, limit, lay.placement, objective=objective,
-        memory=MemoryModel.from_bytes(alloc, freed), search_budget=AUTO_SEARCH,
-        fixed_families=False,
+        lay.pp, m, costs.cost_model(), spec.budget - max(static), lay.placement,
+        objective=objective, memory=MemoryModel.from_bytes(alloc, freed),
+        search_budget=AUTO_SEARCH, fixed_families=False,
     )  # fmt: skip
 
 
 def rank_candidates(
-    found: list[ClusterCandidate], error: float = PREDICTION_ERROR
+    found: list[ClusterCandidate], error: float
 ) -> tuple[list[ClusterCandidate], ClusterCandidate]:
     """The ranking, in one place: the candidates by predicted tokens/s per GPU, fastest first,
     those within ``error`` (relative) of the fastest marked ``tied`` (no prediction tells them
@@ -255,32 +245,38 @@ def rank_candidates(
     ranked = sorted(found, key=lambda c: -c.tokens_per_s_per_gpu)
     tie = [c for c in ranked if c.tied]
     pick = break_tie(
-        [Tied(c.schedule, c.memory_bytes, c.stages_per_rank, c.microbatches) for c in tie]
+        [Tied(c.schedule, c.total_bytes, c.stages_per_rank, c.microbatches) for c in tie]
     )
     return ranked, tie[pick]
 
 
 def plan_cluster(spec: ClusterSpec) -> dict[str, Any]:
-    """``{"recommended", "candidates", "budget_bytes", "rates", "arch", "machine", ...}``: the
-    ranked candidates that fit (:func:`rank_candidates`); a PlanError when none does, naming
-    the smallest need and its parts."""
-    found, least = cluster_candidates(spec)
+    """``{"recommended", "candidates", "tie_band", ...}``: the ranked candidates that fit
+    (:func:`rank_candidates`); a PlanError when none does, naming the smallest need."""
+    got = cluster_candidates(spec)
+    found, least = got["found"], got["least"]
     if not found:
         if least is None:
             raise PlanError(
                 f"no layout of {spec.gpus} GPUs splits {spec.arch.layers} layers and a batch of "
                 f"{spec.batch} into pipelines (try another --batch or --gpus)"
             )
+        mem = least.memory_bytes
         raise PlanError(
             f"nothing fits {spec.budget / GIB:.1f} GiB per GPU: the least any candidate needs "
-            f"is {least.memory_bytes / GIB:.1f} GiB or more ({least.label()}: weights, gradients and "
-            f"optimizer state {least.static_bytes / GIB:.1f} GiB, activations "
-            f"{least.activation_bytes / GIB:.1f} GiB)"
+            f"is {mem['total'] / GIB:.1f} GiB or more ({least.label()}: weights, gradients and "
+            f"optimizer state {(mem['weights'] + mem['gradients'] + mem['optimizer']) / GIB:.1f}"
+            f" GiB, activations {mem['activations'] / GIB:.1f} GiB, buffers "
+            f"{mem['buffers'] / GIB:.1f} GiB)"
         )
-    ranked, recommended = rank_candidates(found)
-    rates = spec.rates or Rates.default(spec.machine, spec.arch.precision)
+    band, why = tie_band(spec.machine)
+    ranked, recommended = rank_candidates(found, band)
+    rec_arch = spec.arch.with_microbatch(recommended.microbatch_size)
+    rates = spec.rates or Rates.for_shapes(spec.machine, rec_arch, recommended.tp, recommended.cp)
+    stages = recommended.pp * recommended.stages_per_rank
     return {
         "recommended": recommended.to_dict(),
+        "layers_per_stage": layer_split(spec.arch.layers, stages),
         "candidates": [c.to_dict() for c in ranked],
         "budget_bytes": spec.budget,
         "rates": {"F": rates.f, "I": rates.i, "W": rates.w, "source": rates.source},
@@ -289,7 +285,12 @@ def plan_cluster(spec: ClusterSpec) -> dict[str, Any]:
         "gpus": spec.gpus,
         "batch": spec.batch,
         "optimizer": "post-validated" if spec.post_validated else "sync",
-        "prediction_error": PREDICTION_ERROR,
+        "tie_band": band,
+        "tie_band_source": why,
+        "measured_error": MEASURED_ERROR.get(spec.machine.name),
+        "simulated": got["simulated"],
+        "bounded": got["bounded"],
+        "tried": got["tried"],
         "over_budget": least.to_dict() if least else None,
     }
 
@@ -297,5 +298,4 @@ def plan_cluster(spec: ClusterSpec) -> dict[str, Any]:
 def default_budget(machine: Machine) -> float:
     """:data:`USABLE_MEMORY` of the machine's memory per GPU."""
     return machine.memory * USABLE_MEMORY
-
 

@@ -38,7 +38,9 @@ from vpipe.sim.cost_model import read_json_object
 
 __all__ = ["PRESETS", "Arch", "ArchError", "load_arch"]
 
-BYTES = {"fp32": 4, "bf16": 2, "fp16": 2}
+# fp8: GEMMs at the fp8 peak; activations, weights and messages counted in 16 bits (the
+# Transformer Engine recipes keep most of them in bf16; assumed).
+BYTES = {"fp32": 4, "bf16": 2, "fp16": 2, "fp8": 2}
 
 
 class ArchError(VpipeError, ValueError):
@@ -211,6 +213,12 @@ PRESETS: dict[str, tuple[Arch, str]] = {
     "llama3-70b": (
         replace(_LLAMA, name="llama3-70b", seq_len=8192, vocab=128256),
         "config.json of meta-llama/Meta-Llama-3-70B (Hugging Face)",
+    ),
+    "llama3.1-405b": (
+        replace(_LLAMA, name="llama3.1-405b", layers=126, hidden=16384, heads=128, ffn=53248,
+                seq_len=8192, vocab=128256),
+        "config.json of meta-llama/Llama-3.1-405B (Hugging Face); seq_len 8192, the pre-training "
+        "length of Dubey et al. 2024 (the config's 131072 is the extended context)",
     ),
     "llama3-8b": (
         replace(_LLAMA, name="llama3-8b", layers=32, hidden=4096, heads=32, ffn=14336,

@@ -17,6 +17,8 @@ import math
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 
+import numpy as np
+
 from vpipe.errors import VpipeError
 from vpipe.ir import Schedule
 from vpipe.ir.reduction import gradient_points
@@ -116,26 +118,37 @@ class DPStep:
 
 
 def ready_times(
-    schedule: Schedule, columns: Mapping[str, Sequence]
+    schedule: Schedule, columns: Mapping[str, Sequence], rows: list | None = None
 ) -> dict[tuple[int, int], float]:
     """(rank, stage) -> when the stage's gradients are complete in a simulated timeline
-    (:attr:`vpipe.sim.SimResult.columns` of ``schedule``)."""
-    rank, kind, end = columns["rank"], columns["kind"], columns["end"]
-    rows: dict[int, list[float]] = {}
-    for r, k, e in zip(rank, kind, end, strict=True):
-        if k < COMPUTE_CODES:
-            rows.setdefault(int(r), []).append(float(e))
+    (:attr:`vpipe.sim.SimResult.columns` of ``schedule``); ``rows``: the schedule's
+    :func:`gradient_rows`, when the caller keeps them."""
+    rank, kind, end = (np.asarray(columns[k]) for k in ("rank", "kind", "end"))
+    compute = kind < COMPUTE_CODES
     out = {}
+    for r, points in enumerate(rows if rows is not None else gradient_rows(schedule)):
+        ends = end[compute & (rank == r)]  # an overlap action's parts are rows of their own
+        for first, n, stages in points:
+            t = float(ends[first : first + n].max())
+            for s in stages:
+                out[r, s] = t
+    return out
+
+
+def gradient_rows(schedule: Schedule) -> list[list[tuple[int, int, list[int]]]]:
+    """Per rank, each gradient point as (its action's first compute row, the action's rows,
+    the stages whose gradients it completes): what :func:`ready_times` reads off a timeline
+    (a plan that times one schedule under many costs keeps them)."""
+    out = []
     for r in range(schedule.n_ranks):
         program = [a for a in schedule.actions[r] if a.is_compute]
-        ends, i = [], 0
-        for a in program:  # an overlap action's parts are rows of their own
+        starts, i = [], 0
+        for a in program:
             n = len(a.compute_parts())
-            ends.append(max(rows[r][i : i + n]))
+            starts.append((i, n))
             i += n
-        for at, stages in gradient_points(program, schedule.stages_of(r)).items():
-            for s in stages:
-                out[r, s] = ends[at]
+        points = gradient_points(program, schedule.stages_of(r))
+        out.append([(*starts[at], sorted(stages)) for at, stages in points.items()])
     return out
 
 
@@ -145,13 +158,14 @@ def simulate_reductions(
     makespan: float,
     cost: CollectiveCost,
     stage_buckets: Mapping[int, Sequence[float]],
+    rows: list | None = None,
 ) -> DPStep:
     """The reductions of one step whose pipeline timeline is ``columns`` (see the module
     docstring); ``stage_buckets`` gives each stage's bucket sizes in bytes."""
     missing = sorted(set(range(schedule.n_stages)) - set(stage_buckets))
     if missing:
         raise CollectiveError(f"no gradient bytes for stage {missing[0]}")
-    ready = ready_times(schedule, columns)
+    ready = ready_times(schedule, columns, rows)
     out = []
     for r in range(schedule.n_ranks):
         free = 0.0

@@ -111,12 +111,13 @@ PRESETS: dict[str, Machine] = {
         },
     ),
     "h100": Machine(
-        "h100", {"bf16": 989e12, "fp16": 989e12, "fp32": 67e12}, memory_bandwidth=3.35e12,
+        "h100", {"bf16": 989e12, "fp16": 989e12, "fp8": 1979e12, "fp32": 67e12}, memory_bandwidth=3.35e12,
         memory=80e9, gpus_per_node=8, intra_node_bandwidth=450e9,
         inter_node_bandwidth=50e9, intra_node_latency=5e-6, inter_node_latency=10e-6,
         sources={
             "peak_flops": "NVIDIA H100 Tensor Core GPU datasheet, H100 SXM: BF16/FP16 Tensor "
-            "Core 1,979 TFLOPS with sparsity (989 dense), FP32 67 TFLOPS",
+            "Core 1,979 TFLOPS with sparsity (989 dense), FP8 3,958 with sparsity (1,979 "
+            "dense), FP32 67 TFLOPS",
             "memory_bandwidth": "H100 datasheet: H100 SXM, 3.35 TB/s",
             "memory": "H100 datasheet: H100 SXM 80GB",
             "gpus_per_node": "NVIDIA DGX H100 datasheet: 8x H100",
@@ -133,7 +134,8 @@ PRESETS["h200"] = replace(
     sources={
         **PRESETS["h100"].sources,
         "peak_flops": "NVIDIA H200 Tensor Core GPU datasheet, H200 SXM: BF16/FP16 Tensor Core "
-        "1,979 TFLOPS with sparsity (989 dense), FP32 67 TFLOPS",
+        "1,979 TFLOPS with sparsity (989 dense), FP8 3,958 with sparsity (1,979 dense), FP32 "
+        "67 TFLOPS",
         "memory_bandwidth": "H200 datasheet: 4.8 TB/s",
         "memory": "H200 datasheet: 141GB HBM3e",
         "gpus_per_node": "NVIDIA DGX H200 datasheet: 8x H200",

@@ -1,15 +1,18 @@
 """Costs of a transformer on a machine, with no run: what :mod:`vpipe.sim.arch` counts, over
 what :mod:`vpipe.sim.machine` delivers, for one pipeline layout.
 
-For a :class:`Layout` (pipeline ranks, data-parallel replicas, stages per rank, placement,
-which GPUs the ranks sit on) :func:`model_costs` gives, per stage: its layers (the
-embedding's and the head's stages one layer short when the layers do not split evenly, so
-padding lands where the extra work is), its F, I and W times (FLOPs over the achieved rate of
-each pass kind, :class:`Rates`), the bytes its F saves and those still held after its I; per
-boundary the message's bytes and time (same node or across nodes); per rank the bytes of
-weights, gradients and optimizer state (mixed-precision Adam, optionally sharded over the
-replicas) and the optimizer step's time (memory-bound: :data:`ADAM_BYTES` per parameter over
-the memory bandwidth). Times are seconds; :meth:`ModelCosts.cost_model` converts them to the
+For a :class:`Layout` (pipeline ranks, data-parallel replicas, tensor and context parallel
+GPUs per rank, stages per rank, placement, sharding, recomputation, which GPUs the ranks sit
+on) :func:`model_costs` gives, per stage: its layers (the embedding's and the head's stages
+one layer short when the layers do not split evenly, so padding lands where the extra work
+is), its F, I and W times on one GPU (FLOPs over the achieved rate of each pass kind,
+:class:`Rates`, plus TP's and CP's collectives and the recomputed forward, each booked apart
+in ``extra["parts"]``), the bytes its F saves and those still held after
+its I (:mod:`vpipe.sim.parallel`); per boundary the message's bytes and time (same node or
+across nodes); per rank the bytes of weights, gradients and optimizer state (mixed-precision
+Adam, optionally sharded over the replicas; ``extra["memory"]`` per part, with the buffers)
+and the optimizer step's time (memory-bound: :data:`ADAM_BYTES` per parameter over the memory
+bandwidth). Times are seconds; :meth:`ModelCosts.cost_model` converts them to the
 simulator's microseconds.
 """
 
@@ -18,6 +21,7 @@ from __future__ import annotations
 import math
 from collections.abc import Sequence
 from dataclasses import dataclass, field
+from typing import Any
 
 import numpy as np
 
@@ -27,12 +31,13 @@ from vpipe.ir.flat import flatten
 from vpipe.sim.arch import Arch
 from vpipe.sim.collectives import CollectiveCost
 from vpipe.sim.cost_model import CostModel
+from vpipe.sim.efficiency import Fit, fit_for
 from vpipe.sim.iteration import IterationCosts
 from vpipe.sim.machine import Machine
+from vpipe.sim.parallel import Split, block_on_gpu
 
 __all__ = [
     "ADAM_BYTES",
-    "DEFAULT_EFFICIENCY",
     "MEMORY_EFFICIENCY",
     "Layout",
     "ModelCosts",
@@ -44,23 +49,20 @@ __all__ = [
 
 US = 1e6  # simulator time units (microseconds) per second
 
-# Fractions of dense peak FLOP/s that F, I and W reach when no measured run is given: GPT-style
-# blocks profiled on A100s in the zero-bubble paper (Table 9; `python -m bench.published`
-# prints the fractions each of its four models reaches), rounded down.
-DEFAULT_EFFICIENCY = {"F": 0.55, "I": 0.55, "W": 0.75}
 # Fraction of the memory bandwidth a streaming update (the optimizer step) reaches: assumed.
 MEMORY_EFFICIENCY = 0.8
 # Bytes a mixed-precision Adam step moves per parameter: 16-bit gradient to fp32 (2 + 4), the
 # gradient norm (4), the update (reads weight, gradient, m, v; writes weight, m, v: 7 x 4) and
 # the fp32 weight back to 16 bits (4 + 2); fp16 adds unscaling the gradients (4 + 4). fp32
-# training has no copies: norm and update only.
-ADAM_BYTES = {"bf16": 44, "fp16": 52, "fp32": 32}
+# training has no copies: norm and update only. fp8 training (Transformer Engine) keeps bf16
+# weights and fp32 master copies: counted as bf16 (its fp8 weight copies are left out).
+ADAM_BYTES = {"bf16": 44, "fp16": 52, "fp32": 32, "fp8": 44}
 # Bytes per parameter held per GPU: 16-bit weights, gradients (fp32 accumulation with bf16,
 # 16 bits with fp16), and Adam's fp32 master weights, m and v (shardable over replicas).
-WEIGHT_BYTES = {"bf16": 2, "fp16": 2, "fp32": 4}
-GRAD_BYTES = {"bf16": 4, "fp16": 2, "fp32": 4}
-OPTIMIZER_BYTES = {"bf16": 12, "fp16": 12, "fp32": 8}
-SHARDING = ("none", "optimizer", "gradients")
+WEIGHT_BYTES = {"bf16": 2, "fp16": 2, "fp32": 4, "fp8": 2}
+GRAD_BYTES = {"bf16": 4, "fp16": 2, "fp32": 4, "fp8": 4}
+OPTIMIZER_BYTES = {"bf16": 12, "fp16": 12, "fp32": 8, "fp8": 12}
+SHARDING = ("none", "optimizer", "gradients", "full")
 
 
 class ModelCostError(VpipeError, ValueError):
@@ -77,13 +79,19 @@ class Rates:
     source: str = ""
 
     @classmethod
-    def default(cls, machine: Machine, precision: str) -> Rates:
-        """:data:`DEFAULT_EFFICIENCY` of the machine's peak in ``precision``."""
-        peak = machine.peak(precision)
-        e = DEFAULT_EFFICIENCY
-        return cls(peak * e["F"], peak * e["I"], peak * e["W"],
-                   f"default efficiency F {e['F']}, I {e['I']}, W {e['W']} of "
-                   f"{machine.name}'s {precision} peak")  # fmt: skip
+    def for_shapes(cls, machine: Machine, arch: Arch, tp: int = 1, cp: int = 1,
+                   fit: Fit | None = None) -> Rates:  # fmt: skip
+        """The machine's fitted efficiency (:mod:`vpipe.sim.efficiency`, or ``fit``) for a
+        block's GEMMs on one GPU: the microbatch's tokens over ``cp`` by the hidden size over
+        ``tp``."""
+        peak = machine.peak(arch.precision)
+        tokens, width = arch.tokens / cp, arch.hidden / tp
+        fit = fit or fit_for(machine.name)
+        e = fit.efficiency(arch.precision, tokens, width)
+        other = "" if machine.name in ("a100", "h100", "h200") else " (the H100's fit)"
+        return cls(peak * e, peak * e, peak * e,
+                   f"{e:.3f} of {machine.name}'s {arch.precision} peak for {tokens:g} tokens x "
+                   f"width {width:g} per GPU, fitted on {fit.fitted_on}{other}")  # fmt: skip
 
     @classmethod
     def measured(
@@ -109,10 +117,14 @@ class Rates:
 class Layout:
     """``pp`` pipeline ranks x ``dp`` replicas, ``stages_per_rank`` stages on each rank placed
     ``placement`` (``loop``: stage s on rank s mod pp; ``v``: rank r holds r and 2pp-1-r).
-    GPUs are numbered node by node; ``pp_inner``: a replica's pipeline ranks take consecutive
-    GPUs (pipeline messages stay in a node where they can, replicas span nodes), else the
-    replicas of one rank do. ``shard``: what is split over the replicas (``none``,
-    ``optimizer`` state, or ``gradients`` too)."""
+    Each rank is a group of ``tp x cp`` GPUs (tensor, then context parallel, on consecutive
+    GPUs so that they share a node when it is large enough). Groups are numbered node by
+    node; ``pp_inner``: a replica's pipeline ranks take consecutive groups (pipeline messages
+    stay in a node where they can, replicas span nodes), else the replicas of one rank do.
+    ``shard``: what is split over the replicas (``none``, ``optimizer`` state, ``gradients``
+    too, or ``full``: parameters too, gathered before each F and I of a stage and its
+    gradients reduce-scattered after each W, ZeRO-3 / FSDP). ``recompute``: ``none``,
+    ``selective`` or ``full`` (:mod:`vpipe.sim.parallel`)."""
 
     pp: int
     dp: int = 1
@@ -120,10 +132,13 @@ class Layout:
     placement: str = "loop"
     pp_inner: bool = True
     shard: str = "optimizer"
+    tp: int = 1
+    cp: int = 1
+    recompute: str = "none"
 
     def __post_init__(self) -> None:
-        if self.pp < 1 or self.dp < 1 or self.stages_per_rank < 1:
-            raise ModelCostError(f"pp, dp and stages per rank must be >= 1, got {self}")
+        if min(self.pp, self.dp, self.stages_per_rank, self.tp, self.cp) < 1:
+            raise ModelCostError(f"pp, dp, tp, cp and stages per rank must be >= 1, got {self}")
         if self.placement not in ("loop", "v"):
             raise ModelCostError(f"placement must be 'loop' or 'v', got {self.placement!r}")
         if self.placement == "v" and self.stages_per_rank != 2:
@@ -140,18 +155,37 @@ class Layout:
             return stage if stage < self.pp else 2 * self.pp - 1 - stage
         return stage % self.pp
 
+    @property
+    def group(self) -> int:
+        """GPUs per pipeline rank (tensor x context parallel)."""
+        return self.tp * self.cp
+
+    @property
+    def gpus(self) -> int:
+        return self.pp * self.dp * self.group
+
     def gpu(self, rank: int, replica: int = 0) -> int:
-        return replica * self.pp + rank if self.pp_inner else rank * self.dp + replica
+        """The first GPU of the rank's group in ``replica``."""
+        g = replica * self.pp + rank if self.pp_inner else rank * self.dp + replica
+        return g * self.group
 
     def same_node(self, rank_a: int, rank_b: int, gpus_per_node: int) -> bool:
         """Whether every replica's ranks ``rank_a`` and ``rank_b`` share a node."""
-        return all(
-            self.gpu(rank_a, d) // gpus_per_node == self.gpu(rank_b, d) // gpus_per_node
-            for d in range(self.dp)
-        )
+        if self.group > gpus_per_node:
+            return False
+        a, b = self._gpus(rank_a), self._gpus(rank_b)
+        return bool(np.all(a // gpus_per_node == b // gpus_per_node))
+
+    def _gpus(self, rank: int) -> np.ndarray:
+        """The first GPU of the rank's group in every replica."""
+        d = np.arange(self.dp)
+        g = d * self.pp + rank if self.pp_inner else rank * self.dp + d
+        return g * self.group
 
     def replicas_in_one_node(self, rank: int, gpus_per_node: int) -> bool:
-        return len({self.gpu(rank, d) // gpus_per_node for d in range(self.dp)}) == 1
+        first = self._gpus(rank)
+        nodes = np.concatenate([first, first + self.group - 1]) // gpus_per_node
+        return bool(np.all(nodes == nodes[0]))
 
 
 def layer_split(layers: int, stages: int) -> list[int]:
@@ -205,18 +239,20 @@ class ModelCosts:
 
     def iteration_costs(self, post_validated: bool = False) -> IterationCosts:
         """What ends an iteration (:mod:`vpipe.sim.iteration`), in microseconds: each rank's
-        optimizer step; the all-reduce of a tied embedding's gradient between the first and
-        last stage when two ranks hold them; and, unless ``post_validated``, the global
+        optimizer step; ZeRO-3's exposed first gather; the all-reduce of a tied embedding's
+        gradient between the first and last stage when two ranks hold them; and, unless ``post_validated``, the global
         all-reduce of the gradient norm (two in fp16: the overflow check too), a tree of
         2 log2(GPUs) latencies."""
         lay, m, arch = self.layout, self.machine, self.arch
-        tail = [0.0] * lay.pp
+        tail = [t * US for t in self.extra.get("fsdp_s", [0.0] * lay.pp)]
         first, last = lay.rank_of(0), lay.rank_of(lay.n_stages - 1)
         if arch.tied_embeddings and first != last:
             same = lay.same_node(first, last, m.gpus_per_node)
-            t = m.message_time(arch.vocab * arch.hidden * GRAD_BYTES[arch.precision], same)
-            tail[first] = tail[last] = t * US
-        gpus = lay.pp * lay.dp
+            nbytes = arch.vocab * arch.hidden * GRAD_BYTES[arch.precision] / lay.tp
+            t = m.message_time(nbytes, same)
+            tail[first] += t * US
+            tail[last] += t * US
+        gpus = lay.gpus
         latency = m.link(gpus <= m.gpus_per_node)[0]
         rounds = 2 if arch.precision == "fp16" else 1
         sync = rounds * 2 * math.ceil(math.log2(gpus)) * latency if gpus > 1 else 0.0
@@ -226,91 +262,177 @@ class ModelCosts:
     def dp_reduction(self) -> tuple[CollectiveCost, dict[int, list[float]]]:
         """The data-parallel gradient all-reduce (a ring over the replicas, on the slowest
         link among them; microseconds and bytes per microsecond) and each stage's gradient
-        bytes, reduced in one bucket once the stage's gradients are complete."""
+        bytes, reduced in one bucket once the stage's gradients are complete. With the
+        optimizer state sharded (Megatron-LM's distributed optimizer, ZeRO-1 to 3) it is a
+        reduce-scatter, half an all-reduce's bytes, counted as such; the updated parameters'
+        all-gather runs under the next iteration's forwards (not counted), except ZeRO-3's
+        first gather per rank (``extra["fsdp_s"]``, in :meth:`iteration_costs`)."""
         lay, m = self.layout, self.machine
         inside = all(lay.replicas_in_one_node(r, m.gpus_per_node) for r in range(lay.pp))
         latency, bandwidth = m.link(inside)
         cost = CollectiveCost(lay.dp, bandwidth / US, latency * US)
         per_param = GRAD_BYTES[self.arch.precision]
+        if lay.shard != "none":
+            per_param /= 2
         arch = self.arch
         buckets = {}
         for s, k in enumerate(self.layers):
             n = k * arch.layer_params() + (arch.embedding_params() if s == 0 else 0)
             if s == lay.n_stages - 1:
                 n += arch.head_params()
-            buckets[s] = [float(n * per_param)]
+            buckets[s] = [float(n * per_param / lay.tp)]
         return cost, buckets
 
     @property
     def alloc_bytes(self) -> list[float]:
-        """Bytes a stage's microbatch occupies from its F (the larger of what F saves and what
-        its I leaves for W, so that the count never undershoots)."""
+        """Bytes a stage's microbatch occupies from its F: without recomputation the larger of
+        what F saves and what its I leaves for W, so that the count never undershoots; with
+        it what F saves (I then rebuilds what W needs: :attr:`freed_by_i` is negative)."""
+        if self.layout.recompute != "none":
+            return list(self.saved_bytes)
         return [max(a, b) for a, b in zip(self.saved_bytes, self.held_after_i, strict=True)]
 
     @property
     def freed_by_i(self) -> list[float]:
-        """Bytes a stage's I frees of :attr:`alloc_bytes`."""
-        return [max(0.0, a - h) for a, h in zip(self.alloc_bytes, self.held_after_i, strict=True)]
+        """Bytes a stage's I frees of :attr:`alloc_bytes` (negative: I allocates)."""
+        pairs = zip(self.alloc_bytes, self.held_after_i, strict=True)
+        if self.layout.recompute != "none":
+            return [a - h for a, h in pairs]
+        return [max(0.0, a - h) for a, h in pairs]
 
 
 def model_costs(
-    arch: Arch, machine: Machine, layout: Layout, rates: Rates | None = None
-) -> ModelCosts:
+    arch: Arch, machine: Machine, layout: Layout, rates: Rates | None = None,
+    fit: Fit | None = None,
+) -> ModelCosts:  # fmt: skip
     """The costs of ``arch`` on ``machine`` laid out as ``layout`` (see the module docstring);
-    ``rates`` default to :meth:`Rates.default`."""
-    rates = rates or Rates.default(machine, arch.precision)
+    ``rates`` default to :meth:`Rates.for_shapes` (the machine's fitted efficiency for this
+    layout's GEMM shapes); ``fit`` replaces the machine's fitted terms."""
+    fit = fit or fit_for(machine.name)
+    split = Split(layout.tp, layout.cp, recompute=layout.recompute)
+    split.check(arch)
+    n_gpu = layout.group
+    rates = rates or Rates.for_shapes(machine, arch, layout.tp, layout.cp, fit)
     n = layout.n_stages
     if n > arch.layers + 2:
         raise ModelCostError(f"{n} stages for {arch.layers} layers: at most {arch.layers + 2}")
     layers = layer_split(arch.layers, n)
     last = n - 1
-    times = {}
-    for kind, rate in zip("FIW", (rates.f, rates.i, rates.w), strict=True):
-        block, head = arch.layer_flops(kind), arch.head_flops(kind)
-        times[kind] = [(k * block + (head if s == last else 0.0)) / rate
-                       for s, k in enumerate(layers)]  # fmt: skip
-    saved = [k * arch.layer_saved_bytes() + (arch.head_saved_bytes() if s == last else 0.0)
-             for s, k in enumerate(layers)]  # fmt: skip
-    saved[0] += arch.embedding_saved_bytes()
-    held = [k * arch.layer_weight_grad_bytes()
-            + (arch.head_weight_grad_bytes() if s == last else 0.0)
-            for s, k in enumerate(layers)]  # fmt: skip
-    boundary = []
-    for s in range(n - 1):
-        a, b = layout.rank_of(s), layout.rank_of(s + 1)
-        same = layout.same_node(a, b, machine.gpus_per_node)
-        boundary.append(0.0 if a == b else machine.message_time(arch.boundary_bytes(), same))
+    blk = block_on_gpu(arch, split)
+    comm = block_comm_s(machine, layout, blk, rates, fit.tp_hidden)
+    parts: dict[str, list[dict[str, float]]] = {k: [] for k in "FIW"}
+    for s, k in enumerate(layers):
+        for kind, rate in zip("FIW", (rates.f, rates.i, rates.w), strict=True):
+            head = arch.head_flops(kind) / n_gpu if s == last else 0.0
+            part = {"compute": (k * blk.flops[kind] + head) / rate,
+                    "recompute": k * blk.recompute_flops / rate if kind == "I" else 0.0,
+                    "tp": k * comm["tp"][kind], "cp": k * comm["cp"][kind]}  # fmt: skip
+            parts[kind].append(part)
     params = [0] * layout.pp
     for s, k in enumerate(layers):
         params[layout.rank_of(s)] += k * arch.layer_params()
     params[layout.rank_of(0)] += arch.embedding_params()
     if not (arch.tied_embeddings and layout.rank_of(0) == layout.rank_of(last)):
         params[layout.rank_of(last)] += arch.head_params()
-    p = arch.precision
+    params = [-(-p_r // layout.tp) for p_r in params]  # per GPU: TP splits every matrix
+    times = {k: [sum(p.values()) for p in parts[k]] for k in "FIW"}
+    saved = [k * blk.saved_bytes + (arch.head_saved_bytes() / n_gpu if s == last else 0.0)
+             for s, k in enumerate(layers)]  # fmt: skip
+    saved[0] += arch.embedding_saved_bytes() / layout.cp
+    held = [k * blk.held_after_i + (arch.head_weight_grad_bytes() / n_gpu if s == last else 0.0)
+            for s, k in enumerate(layers)]  # fmt: skip
+    message = arch.boundary_bytes() / n_gpu  # each GPU of a group sends its own share
+    boundary = []
+    for s in range(n - 1):
+        a, b = layout.rank_of(s), layout.rank_of(s + 1)
+        same = layout.same_node(a, b, machine.gpus_per_node)
+        boundary.append(0.0 if a == b else machine.message_time(message, same))
+    memory = _memory_parts(arch, layout, layers, params, blk, message)
     shard_opt = layout.dp if layout.shard != "none" else 1
-    shard_grad = layout.dp if layout.shard == "gradients" else 1
-    per_param = WEIGHT_BYTES[p] + GRAD_BYTES[p] / shard_grad + OPTIMIZER_BYTES[p] / shard_opt
     bandwidth = machine.memory_bandwidth * MEMORY_EFFICIENCY
-    step = [n_p / shard_opt * ADAM_BYTES[p] / bandwidth for n_p in params]
-    transient = [0.0] * layout.pp
-    # the loss's logits (16-bit) and their fp32 softmax on the head's rank, two messages'
-    # receive buffers on every rank
-    transient[layout.rank_of(last)] += arch.tokens * arch.vocab * (arch.value_bytes + 4)
-    transient = [t + 2 * arch.boundary_bytes() for t in transient]
+    step = [n_p / shard_opt * ADAM_BYTES[arch.precision] / bandwidth for n_p in params]
+    static = [m["weights"] + m["gradients"] + m["optimizer"] for m in memory]
     return ModelCosts(
         arch, machine, layout, rates, layers, times["F"], times["I"], times["W"], boundary,
-        saved, held, params, step, [n_p * per_param for n_p in params], transient,
+        saved, held, params, step, static, [m["buffers"] for m in memory],
+        extra={"parts": parts, "memory": memory, "block": blk,
+               "fsdp_s": _fsdp_gather_s(arch, machine, layout, layers)},
     )  # fmt: skip
 
 
+def block_comm_s(machine: Machine, layout: Layout, blk, rates: Rates, tp_hidden: float) -> dict:
+    """Per block and pass, seconds of TP's collectives (less the share ``tp_hidden`` under the
+    GEMMs) and of CP's ring beyond the attention it overlaps; a fully recomputed block's I
+    repeats F's."""
+    tp, cp = layout.tp, layout.cp
+    out: dict[str, dict[str, float]] = {"tp": {}, "cp": {}}
+    lat, bw = machine.link(tp <= machine.gpus_per_node)
+    ring = 2 * (tp - 1) * lat * (1 if blk.tp_bytes and tp > 1 else 0)
+    tp_pass = (ring + blk.tp_bytes / bw) * (1 - tp_hidden)
+    full = layout.recompute == "full"
+    out["tp"] = {"F": tp_pass, "I": tp_pass * (2 if full else 1), "W": 0.0}
+    lat, bw = machine.link(tp * cp <= machine.gpus_per_node)
+    for kind, rate in (("F", rates.f), ("I", rates.i)):
+        ring = (cp - 1) * lat + blk.cp_bytes[kind] / bw if cp > 1 else 0.0
+        out["cp"][kind] = max(0.0, ring - blk.attention_flops[kind] / rate)
+    if full:
+        out["cp"]["I"] += out["cp"]["F"]
+    out["cp"]["W"] = 0.0
+    return out
+
+
+def _fsdp_gather_s(arch: Arch, machine: Machine, layout: Layout, layers: list[int]) -> list[float]:
+    """Per rank, ZeRO-3's exposed all-gather: each stage's 16-bit parameters are gathered over
+    the replicas' ring once per step before the stage's first F (torch's UNSHARD) and kept
+    until its last W (RESHARD); the first stage's gather waits, the rest are prefetched under
+    the stages before them."""
+    dp, lat_bw = layout.dp, machine.link(
+        all(layout.replicas_in_one_node(r, machine.gpus_per_node) for r in range(layout.pp)))
+    out = [0.0] * layout.pp
+    if layout.shard != "full" or dp == 1:
+        return out
+    for r in range(layout.pp):
+        s = min(st for st in range(len(layers)) if layout.rank_of(st) == r)
+        n_p = layers[s] * arch.layer_params() + (arch.embedding_params() if s == 0 else 0)
+        n_p /= layout.tp
+        out[r] = (dp - 1) * lat_bw[0] + (dp - 1) / dp * n_p * WEIGHT_BYTES[arch.precision] / lat_bw[1]
+    return out
+
+
+def _memory_parts(arch: Arch, layout: Layout, layers: list[int], params: list[int], blk,
+                  message: float) -> list[dict[str, float]]:  # fmt: skip
+    """Per GPU of each rank: weights, gradients and optimizer state (each divided over the
+    replicas as ``shard`` says) and buffers: the loss's logits (16-bit) and their fp32 softmax
+    on the head's GPU, two messages' receive buffers, one block's rebuilt activations while
+    it recomputes, and with ``full`` sharding the rank's gathered 16-bit weights and its
+    unsharded gradients, held from a stage's first F to its last W (less the shard counted
+    under weights and gradients)."""
+    p, dp, sh = arch.precision, layout.dp, layout.shard
+    w_div = dp if sh == "full" else 1
+    g_div = dp if sh in ("gradients", "full") else 1
+    o_div = dp if sh != "none" else 1
+    last = layout.rank_of(len(layers) - 1)
+    out = []
+    for r, n_p in enumerate(params):
+        buffers = 2 * message + blk.working_bytes
+        if r == last:
+            buffers += arch.tokens * arch.vocab * (arch.value_bytes + 4) / layout.group
+        if sh == "full":
+            buffers += n_p * (WEIGHT_BYTES[p] + GRAD_BYTES[p]) * (1 - 1 / dp)
+        out.append({"weights": n_p * WEIGHT_BYTES[p] / w_div,
+                    "gradients": n_p * GRAD_BYTES[p] / g_div,
+                    "optimizer": n_p * OPTIMIZER_BYTES[p] / o_div, "buffers": buffers})  # fmt: skip
+    return out
+
 
 def activation_peaks(
-    schedule: Schedule, alloc: Sequence[float], freed_by_i: Sequence[float]
+    schedule: Schedule, alloc: Sequence[float], freed_by_i: Sequence[float], flat: Any = None
 ) -> list[float]:
     """Each rank's peak activation bytes over its program order: a stage's F allocates
     ``alloc[stage]``, its I frees ``freed_by_i[stage]``, its W the rest, a full backward B
-    all of it (:class:`vpipe.schedules.adaptive.MemoryModel`'s accounting)."""
-    fl = flatten(schedule)
+    all of it (:class:`vpipe.schedules.adaptive.MemoryModel`'s accounting). ``flat``: the
+    schedule's :func:`vpipe.ir.flat.flatten`, when the caller keeps it."""
+    fl = flat if flat is not None else flatten(schedule)
     a, fi = np.asarray(alloc, float), np.asarray(freed_by_i, float)
     table = np.stack([a, -a, -fi, fi - a])  # F, B, I, W (the flat kind codes 0-3)
     delta = table[fl.p_kind, fl.p_stage]

@@ -1,0 +1,69 @@
+"""The share of a GPU's dense peak that a transformer block's passes reach, as a function of
+the GEMM shapes on that GPU, with a few terms fitted per machine preset.
+
+A block's matrices on one GPU are ``tokens x width`` products: ``tokens`` the microbatch's
+tokens on the GPU (microbatch x sequence / CP), ``width`` the hidden size over TP. Small
+products leave the tensor cores waiting on memory and launches, so the achieved share rises
+with both and saturates:
+
+    efficiency = peak_share[precision] * d / (d + d_half),   1 / d = 1 / tokens + 1 / width
+
+``peak_share`` (per precision) is what the largest products reach, ``d_half`` the size at
+which half of it is lost. A third term, ``tp_hidden``, is the share of tensor parallelism's
+collectives that runs under the GEMMs (Megatron-LM's and NeMo's ``--tp-comm-overlap``, on in
+the published H100 runs; not in the 2021 A100 runs). All are fitted per preset by ``python -m bench.cluster_published
+--fit`` on the published development tables (``shared/data/3d-parallel``: Megatron-LM's H100
+weak scaling and NeMo's H100 rows for ``h100``, the Megatron-LM paper's A100 Table 1 for
+``a100``), never one term per row. There are no published H200 rows: ``h200`` reuses the
+H100's terms (the same chip and clocks; only the memory differs) and its error is unknown.
+
+:data:`MEASURED_ERROR` is the median |error| of predicted against published tokens/s per GPU
+over each preset's rows, as that benchmark prints it: the cluster planner's tie band.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+__all__ = ["FITS", "MEASURED_ERROR", "Fit", "efficiency_of", "fit_for"]
+
+
+@dataclass(frozen=True)
+class Fit:
+    """A machine's fitted efficiency terms and the rows they come from."""
+
+    peak_share: dict[str, float]  # precision -> share of the dense peak at saturation
+    d_half: float  # GEMM size (tokens and width combined) at which half of it is lost
+    fitted_on: str
+    tp_hidden: float = 0.0  # share of TP's collectives hidden under the GEMMs
+
+    def efficiency(self, precision: str, tokens: float, width: float) -> float:
+        share = self.peak_share.get(precision, self.peak_share.get("bf16", 0.5))
+        d = 1.0 / (1.0 / tokens + 1.0 / width)
+        return share * d / (d + self.d_half)
+
+
+# Fitted by `python -m bench.cluster_published --fit` (see the module docstring).
+FITS: dict[str, Fit] = {
+    "h100": Fit({"bf16": 0.77, "fp16": 0.77, "fp8": 0.507}, 256.0,
+                "megatron_h100 (9 rows, bf16 assumed) and nemo_24_07 (fp8, 6 rows)", 0.8),
+    "a100": Fit({"bf16": 0.847, "fp16": 0.847}, 512.0, "narayanan_2021 (10 rows)", 0.0),
+}  # fmt: skip
+FITS["h200"] = FITS["h100"]
+
+# Median |error| of predicted against published tokens/s per GPU over each preset's rows, as
+# `python -m bench.cluster_published` prints it with the terms above (in-sample: the rows the
+# terms were fitted on); None: no published rows, the error is unknown.
+MEASURED_ERROR: dict[str, float | None] = {"h100": 0.076, "a100": 0.034, "h200": None}
+
+
+def fit_for(machine_name: str) -> Fit:
+    """The preset's fit; a machine of another name (a JSON file) gets the H100's, and says so
+    through :func:`efficiency_of`'s source."""
+    return FITS.get(machine_name, FITS["h100"])
+
+
+def efficiency_of(machine_name: str, precision: str, tokens: float, width: float) -> float:
+    """The achieved share of ``machine_name``'s dense ``precision`` peak for GEMMs of
+    ``tokens`` x ``width`` on one GPU."""
+    return fit_for(machine_name).efficiency(precision, tokens, width)
