@@ -37,7 +37,7 @@ def spec(budget_gib: float, machine=H100, **kw) -> ClusterSpec:
 @pytest.mark.parametrize(("tp", "cp", "recompute"), [(1, 1, "none"), (2, 2, "selective"),
                                                     (4, 1, "full")])  # fmt: skip
 def test_a_candidate_is_what_its_costs_simulate_to(tp, cp, recompute):
-    result = plan_cluster(spec(80, tp=tp, cp=cp, recompute=(recompute,)))
+    result = plan_cluster(spec(80, tp=tp, cp=cp, recompute=recompute))
     c = result["recommended"]
     assert (c["tp"], c["cp"], c["recompute"]) == (tp, cp, recompute)
     fam = catalogue.get(c["schedule"])
@@ -82,7 +82,7 @@ def test_recomputation_fits_what_does_not_fit_without_it():
     """Full recomputation keeps one input per block: it fits a budget that no schedule fits
     with every activation kept, and costs a forward more per microbatch."""
     def tight(recompute: str) -> ClusterSpec:
-        return replace(spec(5, recompute=(recompute,)), microbatch_sizes=(2,), schedules=("1f1b",))
+        return replace(spec(5, recompute=recompute), microbatch_sizes=(2,), schedules=("1f1b",))
 
     with pytest.raises(PlanError, match="nothing fits"):
         plan_cluster(tight("none"))

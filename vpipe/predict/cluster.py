@@ -85,6 +85,10 @@ class ClusterSpec:
     recompute: Sequence[str] | None = None  # the modes weighed (None: each)
     i_frees: float | None = None  # replaces the model's own share when given
 
+    def __post_init__(self) -> None:
+        if isinstance(self.recompute, str):  # one mode, not its letters
+            object.__setattr__(self, "recompute", (self.recompute,))
+
 
 def tie_band(machine: Machine) -> tuple[float, str]:
     """(relative band, how it was found): the machine's measured error, or the largest
