@@ -33,6 +33,8 @@ message's own), whichever span launched it.
   data's own device op (the copy its WAIT launched, else its message's NCCL kernel),
   never past the consumer's start; empty where the data was there before. What follows the data until the consumer starts is launch
   lag, not waiting. A WAIT whose data op is unknown ends at the consumer's device start.
+  A trace with no ``WAIT`` spans (torch's runtime, which waits inside the consuming action's
+  span) gets the same rows, found from the NCCL kernels (:mod:`vpipe.trace.device_waits`).
 - a ``REDUCE`` row (data parallel) is its all-reduce kernel on the device, not its enqueue.
 - a ``GPU`` row is other GPU work (another thread's ops, an action's side-stream ops), per
   source and step, overlapping ops merged: device busy, no action's.
@@ -46,6 +48,7 @@ import numpy as np
 import pandas as pd
 
 from vpipe.events import COMM_KINDS, COMPUTE_KINDS
+from vpipe.trace.device_waits import found_device_waits
 from vpipe.trace.gpu_owners import action_threads, compute_stream, message_ends
 from vpipe.trace.kineto_json import GpuActivity
 
@@ -155,7 +158,9 @@ def to_device_clock(
     in_compute = np.isin(owner, c_spans)
     stream = compute_stream(ops, in_compute)
     side = in_compute & (ops["stream"].to_numpy() != stream) & ~ops["nccl"].to_numpy()
-    dev = owned_intervals(ops, np.where(side, -1, owner), len(spans))
+    # a compute span's NCCL kernels (torch's GPipe posts its messages inside it): not compute
+    own_nccl = in_compute & ops["nccl"].to_numpy()
+    dev = owned_intervals(ops, np.where(side | own_nccl, -1, owner), len(spans))
     d0, d1, dbusy = (dev[c].to_numpy() for c in ("dev_start", "dev_end", "busy_ns"))
     has = dev["n_ops"].to_numpy() > 0
     # the device's reach before a launch at t: the latest end of the ops launched before t
@@ -196,6 +201,9 @@ def to_device_clock(
         busy[waits[ok]] = stop[ok] - begin[ok]
         clock[waits[ok]] = "device"
     df["start_ns"], df["end_ns"], df["busy_ns"], df["clock"] = start, end, busy, clock
+    if not len(waits):  # a runtime that marks no waits (torch's): found from the NCCL kernels
+        df = pd.concat([df, found_device_waits(df[compute], SPAN, spans, ops, owner,
+                                               reach_before)], ignore_index=True)  # fmt: skip
     other = ~mine & ~ops["nccl"].to_numpy()
     extra = other_work_rows(df, spans, ops, other, side, owner, thread_names or {})
     return pd.concat([df, extra], ignore_index=True).drop(columns=SPAN)
