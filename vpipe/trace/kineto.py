@@ -33,7 +33,8 @@ which files are traces and whether they agree: :mod:`vpipe.trace.files`.
 Rows come from the CPU-side spans, one per span. On CUDA the trace also holds the GPU's
 work (kernels, copies, memsets, each with the host call that launched it): each compute row
 takes the interval of the GPU work its span launched, from any thread, WAIT rows the device's
-wait for their data and REDUCE rows their all-reduce kernel (:mod:`vpipe.trace.device_clock`;
+wait for their data (found from the receives' NCCL kernels where the runtime marks no waits:
+:mod:`vpipe.trace.device_waits`) and REDUCE rows their all-reduce kernel (:mod:`vpipe.trace.device_clock`;
 ``clock="device"``, the CPU span kept as the row's launch span). Kineto's
 ``gpu_user_annotation`` copies of the spans never make rows. Without GPU activity every row is
 on the host clock (``clock="host"``, launch span = the row's span); a CUDA trace (the run's
