@@ -187,7 +187,9 @@ def _convert_file(raw: RawTrace, rank: int) -> tuple[pd.DataFrame, pd.DataFrame,
     ops = gpu_ops(raw.gpu, base) if len(raw.gpu) else None
     named = True
     if ops is not None and len(ops):
-        df, clock = to_device_clock(df.drop(columns="tid"), raw_spans, ops, raw.gpu.thread_names), "device"
+        named = bool(df["kind"].isin(COMPUTE_KINDS).any())
+        df = to_device_clock(df.drop(columns="tid"), raw_spans, ops, raw.gpu.thread_names, rank)
+        clock = "device"
     else:
         df, clock = df.drop(columns=SPAN), "host"
         if len(raw.ops["ts"]) and not is_vstep.any() and not (df["kind"] == "WAIT").any():

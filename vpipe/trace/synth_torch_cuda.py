@@ -7,22 +7,23 @@ with correlation ids and their ``ac2g`` flows, kernels on streams, thread names,
 ``distributedInfo``; no vpipe metadata, no ``PP:STEP`` spans):
 
 - **Host**: each rank's thread walks its program and never blocks (NCCL's ``wait()`` makes the
-  compute stream wait, not the host). Multi-stage classes (``single=False``) write a
+  compute stream wait, not the host). Multi-stage classes (``spans="actions"``) write a
   ``PP:{action}`` span per action: a SEND/RECV span launches its message's NCCL kernel, a
-  compute span its kernels. ``single=True`` writes GPipe's ``Forward i`` / ``Backward i``:
-  the span launches its receive's kernel, its compute, then its send's kernel.
+  compute span its kernels. The single-stage classes launch a compute action's receive
+  kernel, its compute, then its send's kernel, inside GPipe's ``Forward i`` / ``Backward i``
+  span (``spans="gpipe"``) or in no span at all (Schedule1F1B, ``spans="none"``).
 - **Device**: a compute stream (7) runs each action's kernels in order, the first one once
   its input's receive kernel has ended; each (peer, direction) has its own NCCL stream. A
   send kernel starts after the compute that produced its data (the NCCL stream waits for the
   compute stream); a send and its receive end together, ``transfer_us`` after both started.
-  Backward kernels after the first are launched by autograd's unnamed worker thread.
+  Backward kernels are launched by autograd's unnamed worker thread.
 - **Steps**: ``ProfilerStep#k`` ends after the device's last op (a synchronise).
 
 It returns the documents and what the layout says, per rank: the step ``window_us``, the
 ``busy_us`` (the union of each compute action's first kernel start to last kernel end) and
 each receiving action's ``waits`` (from the later of the device's previous work end and the
-action's span start, to the end of its receive kernel, never past its first kernel; the rule
-:mod:`vpipe.trace.device_waits` states).
+action's span start, or its receive's launch where it has no span, to the end of its receive
+kernel, never past its first kernel; the rule :mod:`vpipe.trace.device_waits` states).
 """
 
 from __future__ import annotations
@@ -57,7 +58,7 @@ def _recv_of(a: Action) -> str:
 def torch_cuda_run(
     schedule: Schedule,
     *,
-    single: bool = False,
+    spans: str = "actions",
     kernel_us: Mapping[int, float] | None = None,
     kernels: int = 3,
     transfer_us: float = 15.0,
@@ -67,7 +68,11 @@ def torch_cuda_run(
     program = lower(schedule)
     n = len(program.actions)
     dur = {s: (kernel_us or {}).get(s, 20.0) for s in range(schedule.n_stages)}
-    laid = [_host(acts, r, single, kernels) for r, acts in enumerate(program.actions)]
+    if spans not in ("actions", "gpipe", "none"):
+        raise ValueError(f"spans={spans!r}: one of actions, gpipe, none")
+    if any(a.kind is Kind.OVERLAP_F_B for acts in program.actions for a in acts):
+        raise ValueError(f"{schedule.name}: overlap actions are not laid out")
+    laid = [_host(acts, r, spans, kernels) for r, acts in enumerate(program.actions)]
     ev, launches = [e for e, _ in laid], [k for _, k in laid]
     _device(launches, dur, transfer_us)
     corr = 0
@@ -110,7 +115,7 @@ def torch_cuda_run(
 
 
 def _host(
-    acts: list[Action], r: int, single: bool, kernels: int
+    acts: list[Action], r: int, spans: str, kernels: int
 ) -> tuple[list[dict[str, Any]], list[dict[str, Any]]]:
     """One rank's spans and launches (device times come later), as the module docstring
     lays them out."""
@@ -118,6 +123,7 @@ def _host(
     events: list[dict[str, Any]] = []
     launches: list[dict[str, Any]] = []
     pending_recv: dict[str, Action] = {}
+    single = spans != "actions"
     prev = ""  # the last compute action: a send's data is its output
 
     def span(name: str, start: float, length: float) -> None:
@@ -148,14 +154,15 @@ def _host(
             nccl(t, got, False)
             t += _GAP
         for j in range(kernels):
-            backward = a.kind is not Kind.F and j > 0  # autograd's thread launches these
+            backward = a.kind is not Kind.F  # autograd's thread launches these
             launches.append({"kind": "kernel", "launch": t, "tid": pid + 50_000 if backward
                              else pid, "action": str(a), "j": j, "stage": a.stage})  # fmt: skip
             t += _GAP
         prev = str(a)
         t += 1.0 + 2.0 * single  # leaves room for a send posted inside the span
         name = f"{'Forward' if a.kind is Kind.F else 'Backward'} {a.microbatch}"
-        span(name if single else f"PP:{a}", begin, t - begin)
+        if spans != "none":
+            span(name if single else f"PP:{a}", begin, t - begin)
         t += 0.5
     return events, launches
 
@@ -216,11 +223,12 @@ def _truth(events: list[dict[str, Any]], launches: list[dict[str, Any]], window:
     spans = {e["name"]: e["ts"] for e in events if e.get("cat") == "user_annotation"}
     by_action: dict[str, list[tuple[float, float]]] = {}
     recv_end: dict[str, float] = {}
+    asked: dict[str, float] = {}  # RECV action -> when the host posted it
     for k in launches:
         if k["kind"] == "kernel":
             by_action.setdefault(k["action"], []).append(k["dev"])
         elif not k["send"]:
-            recv_end[k["name"]] = k["dev"][1]
+            recv_end[k["name"]], asked[k["name"]] = k["dev"][1], k["launch"]
     extents = sorted((min(s for s, _ in v), max(e for _, e in v), a) for a, v in by_action.items())
     busy, reach, waits = 0.0, None, {}
     prev_end = -1.0
@@ -230,7 +238,7 @@ def _truth(events: list[dict[str, Any]], launches: list[dict[str, Any]], window:
             f"{'Forward' if act.kind is Kind.F else 'Backward'} {act.microbatch}")  # fmt: skip
         data = recv_end.get(_recv_of(act)) if act.kind is not Kind.W else None
         if data is not None:
-            begin = min(max(prev_end, spans[name]), s)
+            begin = min(max(prev_end, spans.get(name, asked[_recv_of(act)])), s)
             waits[a] = max(0.0, min(data, s) - begin)
         busy += max(0.0, e - max(s, reach if reach is not None else s))
         reach = e if reach is None else max(reach, e)
