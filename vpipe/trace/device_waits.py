@@ -100,4 +100,5 @@ def found_device_waits(
         end_ns=stop,
         busy_ns=stop - begin,
     )
-    return out.drop_duplicates(["start_ns", "end_ns", span_col])  # an overlap's parts: one
+    # an overlap action's parts that waited alike: one row
+    return out.drop_duplicates(["start_ns", "end_ns", span_col])
