@@ -157,8 +157,9 @@ def analyze_command(args: argparse.Namespace) -> int:
     return 0
 
 
-def _load(source: str, run: str | None) -> tuple[Any, Any, dict]:
-    """(events, memory, metadata) of one measured run from a store, trace or events file."""
+def _load(source: str, run: str | None, microbatches: int | None = None) -> tuple[Any, Any, dict]:
+    """(events, memory, metadata) of one measured run from a store, trace or events file
+    (``microbatches``: M of a trace that names no actions, to name its runs of operators)."""
 
     from vpipe.trace.kineto import convert
     from vpipe.trace.store import Store, read_parquet
@@ -181,7 +182,7 @@ def _load(source: str, run: str | None) -> tuple[Any, Any, dict]:
         mem = memory_path(path)
         memory = read_parquet(mem)[0] if mem.exists() else None
         return events, memory, meta
-    tr = convert([path], run_id=run)
+    tr = convert([path], run_id=run, microbatches=microbatches)
     return tr.events, tr.memory, tr.meta
 
 
@@ -219,7 +220,7 @@ def analyze(
     from vpipe.metrics.catalogue import summarize
     from vpipe.metrics.per_run import kind_durations, peak_memory
 
-    events, memory, meta = _load(source, run)
+    events, memory, meta = _load(source, run, microbatches)
     if microbatches:
         meta = {**meta, "microbatches": microbatches}
     batch = batch or _int(meta.get("batch"))

@@ -47,6 +47,7 @@ import pandas as pd
 from vpipe.errors import TraceError
 from vpipe.events import COMPUTE_KINDS
 from vpipe.metrics.per_run import KEYS, _union_ns, rank_metrics, step_metrics
+from vpipe.trace.operators import RUN_NAME
 
 US = 1e3  # ns per cost-model time unit
 
@@ -149,8 +150,8 @@ def calibrate(events: pd.DataFrame, *, w_share: float = 0.5, stat: str = "median
     in_steps = events[events["step"] >= 0]
     ev = without_reductions(in_steps)
     kind = ev["kind"].astype(str)
-    dur_us = (ev["end_ns"] - ev["start_ns"]) / US
-    plain = ~ev["name"].astype(str).str.startswith("(")  # overlap parts share one span
+    dur_us, names = (ev["end_ns"] - ev["start_ns"]) / US, ev["name"].astype(str)
+    plain = ~names.str.startswith("(") & (names != RUN_NAME)  # overlap parts share a span
     if stat not in ("median", "mean"):
         raise TraceError(f"unknown statistic {stat!r}: use 'median' or 'mean'")
     med = dur_us[plain & kind.isin(COMPUTE_KINDS)].groupby([ev["stage"], kind]).agg(stat)

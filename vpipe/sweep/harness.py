@@ -285,8 +285,9 @@ class RankHarness:
         trace = p.path
         meta = dict(metadata)
         return convert(
-            [trace], run_id=meta.get("run_id"), impl=meta.get("impl"), schedule=meta.get("schedule")
-        ).events
+            [trace], run_id=meta.get("run_id"), impl=meta.get("impl"), schedule=meta.get("schedule"),
+            microbatches=meta.get("microbatches"),
+        ).events  # fmt: skip
 
     def memory_step(self) -> dict[str, Any]:
         """One step under the memory meter: the peak and samples of bytes saved for backward,

@@ -23,7 +23,7 @@ import numpy as np
 import pandas as pd
 
 from vpipe.trace.gpu_owners import merged_intervals
-from vpipe.trace.operators import OPS_WAIT, RUN_NAME
+from vpipe.trace.operators import AFTER_COMM, OPS_WAIT, RUN_NAME
 
 
 def device_runs(
@@ -40,7 +40,7 @@ def device_runs(
         work = ~mine["nccl"].to_numpy() & (mine["stream"].to_numpy() == stream)
         rows += _step_rows(mine[work | mine["nccl"].to_numpy()], step_tids, int(k))
     cols = ["kind", "name", "start_ns", "end_ns", "busy_ns", "launch_start_ns", "launch_end_ns"]
-    out = pd.DataFrame(rows, columns=[*cols, "step"])
+    out = pd.DataFrame(rows, columns=[*cols, "step", AFTER_COMM])
     return out.assign(stage=rank, microbatch=-1, clock="device")
 
 
@@ -49,6 +49,7 @@ def _step_rows(ops: pd.DataFrame, step_tids: set[int], step: int) -> list[dict]:
     rows: list[dict] = []
     run: list[tuple] = []  # (start, end, launch) of the current run's ops
     kind, posted = "", []  # the run's kind; NCCL kernels (launch, end) since the last run
+    after = False  # whether NCCL kernels were launched before the run
     reach = -1  # the device's previous work end
 
     def close() -> None:
@@ -59,7 +60,7 @@ def _step_rows(ops: pd.DataFrame, step_tids: set[int], step: int) -> list[dict]:
         m0, m1 = merged_intervals(s, e)
         rows.append({"kind": kind, "name": RUN_NAME, "start_ns": int(s.min()), "end_ns": int(e.max()),
                      "busy_ns": int((m1 - m0).sum()), "launch_start_ns": int(ln.min()),
-                     "launch_end_ns": int(ln.max()), "step": step})  # fmt: skip
+                     "launch_end_ns": int(ln.max()), "step": step, AFTER_COMM: after})  # fmt: skip
         reach = max(reach, int(e.max()))
         run.clear()
 
@@ -72,13 +73,16 @@ def _step_rows(ops: pd.DataFrame, step_tids: set[int], step: int) -> list[dict]:
         this = "F" if int(tid) in step_tids else "B"
         if run and this != kind:
             close()
+        if not run:
+            after = bool(posted)
         if not run and posted:
             begin = min(max(reach, posted[-1][0]), int(s))
             stop = min(max(end for _, end in posted), int(s))
             if stop > begin:
                 rows.append({"kind": "WAIT", "name": OPS_WAIT, "start_ns": begin, "end_ns": stop,
                              "busy_ns": stop - begin, "launch_start_ns": posted[-1][0],
-                             "launch_end_ns": posted[-1][0], "step": step})  # fmt: skip
+                             "launch_end_ns": posted[-1][0], "step": step,
+                             AFTER_COMM: False})  # fmt: skip
             posted = []
         kind = this
         run.append((int(s), int(e), int(ln)))

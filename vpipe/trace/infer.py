@@ -7,7 +7,8 @@ by torch.distributed.pipelining or another runtime).
 - the schedule: the catalogue family whose program is exactly that one (its name; torch's class
   where the family has one), else ``custom`` (``vpipe trace --csv`` writes the program out).
 
-What cannot be inferred (a rank that names no actions) is left out, and commands that need it
+What cannot be inferred (a rank that names no actions, whose runs of operators follow no
+catalogue program: :mod:`vpipe.trace.run_actions`) is left out, and commands that need it
 ask for it by its flag.
 """
 
@@ -21,12 +22,14 @@ from vpipe.errors import ScheduleError
 from vpipe.events import COMPUTE_KINDS
 from vpipe.ir import Schedule, parse_action
 from vpipe.schedules import catalogue, make_schedule
+from vpipe.trace.operators import RUN_NAME
 
 
 def program_of(events: pd.DataFrame, n_ranks: int) -> Schedule | None:
-    """The compute program of the first profiled step, one action list per rank; None when a
-    rank of ``n_ranks`` names no actions."""
+    """The compute program of the first profiled step, one action list per rank (runs of
+    operators outside every action left out); None when a rank of ``n_ranks`` names none."""
     ev = events[events["kind"].astype(str).isin(COMPUTE_KINDS)]
+    ev = ev[ev["name"].astype(str) != RUN_NAME]  # a step's own work outside its actions
     if ev.empty:
         return None
     ev = ev[ev["step"] == ev["step"].min()].sort_values(["rank", "start_ns", "end_ns"])

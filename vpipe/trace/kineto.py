@@ -80,6 +80,7 @@ from vpipe.trace.files import check_steps, rank_of, read_traces, world_size
 from vpipe.trace.infer import inferred_meta
 from vpipe.trace.kineto_json import RawTrace
 from vpipe.trace.operators import no_actions_note, read_by_operators
+from vpipe.trace.run_actions import name_runs
 
 _STEP_MARK, _PROF_STEP_MARK = "STEP", "PROFSTEP"
 _SINGLE_STAGE = re.compile(r"(Forward|Backward) (\d+)")
@@ -377,6 +378,7 @@ def convert(
     run_id: str | None = None,
     impl: str | None = None,
     schedule: str | None = None,
+    microbatches: int | None = None,
 ) -> Trace:
     """Convert the per-rank trace files of one run (files or directories) to tables.
 
@@ -384,6 +386,7 @@ def convert(
     either, the run id is the directory name, impl is ``vpipe`` when the trace has vpipe's
     ``PP:STEP`` spans and ``torch`` otherwise, and the schedule the catalogue family equal to
     the program the trace ran (``custom`` if none is, ``unknown`` if the trace names no actions).
+    ``microbatches``: M of a run whose ranks name no actions (else counted from its runs).
     """
     traces = read_traces(paths)
     files = [p for p, _ in traces]
@@ -427,9 +430,10 @@ def convert(
     meta["schedule"] = schedule or meta.get("schedule") or "unknown"
     meta["ranks_in_trace"] = sorted(ranks)
     meta["clock"] = clocks.pop() if len(clocks) == 1 else "mixed"
-    if unnamed:
-        meta["note"] = no_actions_note(sorted(unnamed))
     events = pd.concat(ev_parts, ignore_index=True).sort_values(["rank", "start_ns", "end_ns"])
+    if unnamed:  # runs of operators: actions where they follow a single-stage program
+        events, follows, why = name_runs(events, n_ranks or max(ranks) + 1, microbatches)
+        meta["note"] = no_actions_note(sorted(unnamed), follows, why)
     if meta["impl"] != "vpipe":  # what vpipe's metadata would say, from the trace itself
         found = inferred_meta(events, n_ranks)
         if not schedule and meta["schedule"] == "unknown" and "schedule" in found:

@@ -16,8 +16,10 @@ that no operator runs. So, on a rank's thread:
 - A rank that names no actions (torch's Schedule1F1B) gets one row per run of operators
   between two communication calls, split where autograd's backward nodes start or stop: ``B``
   for backward runs, ``F`` for the rest, microbatch -1, named ``ops``; the time between two
-  runs that holds a communication call is a ``WAIT(ops)`` row. Busy time, waits and bubble per
-  rank are right; per-action rows (microbatches, F/B costs) are not recoverable.
+  runs that holds a communication call is a ``WAIT(ops)`` row (each run says in
+  ``AFTER_COMM`` whether a communication call came before it). Busy time, waits and bubble
+  per rank are right; the runs are named as actions where they follow a catalogue program
+  (:mod:`vpipe.trace.run_actions`).
 """
 
 from __future__ import annotations
@@ -31,15 +33,20 @@ from vpipe.events import COMPUTE_KINDS
 
 OPS_WAIT = "WAIT(ops)"  # the name prefix of a wait found from the operators
 RUN_NAME = "ops"  # a compute row that is a run of operators, not an action
+AFTER_COMM = "after_comm"  # a run's column: a communication call came before it in its step
 
 
-def no_actions_note(ranks: list[int]) -> str:
-    """The line saying what a trace whose ``ranks`` name no actions cannot tell."""
+def no_actions_note(ranks: list[int], follows: str | None, why: str = "") -> str:
+    """The line saying what a trace whose ``ranks`` name no actions tells: the program their
+    runs of operators ``follow`` (:mod:`vpipe.trace.run_actions`), else ``why`` they follow
+    none and what is then lost."""
     who = f"rank {ranks[0]} names" if len(ranks) == 1 else f"ranks {ranks} name"
-    return (
-        f"{who} no actions (e.g. torch's Schedule1F1B): busy time, waits and bubble come from "
-        "runs of operators between communication calls; microbatches, the schedule and "
-        "per-action costs are not recoverable"
+    head = f"{who} no actions (e.g. torch's Schedule1F1B): "
+    if follows:
+        return head + f"their runs of operators follow {follows} and are named as its actions"
+    return head + (
+        "busy time, waits and bubble come from runs of operators between communication calls; "
+        f"microbatches, the schedule and per-action costs are not recoverable ({why})"
     )
 
 
@@ -140,14 +147,14 @@ def _runs(step: pd.Series, ops: Mapping[str, np.ndarray], base: int, rank: int) 
         kind = "B" if backward[i] else "F"
         rows.append({"kind": kind, "name": RUN_NAME, "start_ns": int(start[i]),
                      "end_ns": int(end[j]), "busy_ns": _union(start[i : j + 1], end[i : j + 1]),
-                     "comm_before": bool(i and comm[i - 1])})  # fmt: skip
+                     AFTER_COMM: bool(i and comm[i - 1])})  # fmt: skip
         i = j + 1
     out = []
     for k, r in enumerate(rows):
-        if k and r["comm_before"] and r["start_ns"] > rows[k - 1]["end_ns"]:
+        if k and r[AFTER_COMM] and r["start_ns"] > rows[k - 1]["end_ns"]:
             t0 = rows[k - 1]["end_ns"]
             out.append({"kind": "WAIT", "name": OPS_WAIT, "start_ns": t0,
-                        "end_ns": r["start_ns"], "busy_ns": r["start_ns"] - t0})  # fmt: skip
-        out.append({k2: v for k2, v in r.items() if k2 != "comm_before"})
-    frame = pd.DataFrame(out, columns=["kind", "name", "start_ns", "end_ns", "busy_ns"])
+                        "end_ns": r["start_ns"], "busy_ns": r["start_ns"] - t0, AFTER_COMM: False})  # fmt: skip
+        out.append(r)
+    frame = pd.DataFrame(out, columns=["kind", "name", "start_ns", "end_ns", "busy_ns", AFTER_COMM])
     return frame.assign(stage=rank, microbatch=-1, step=int(step["step"]), tid=int(step["tid"]))
