@@ -79,14 +79,18 @@ def test_the_rank_beside_a_slow_stage_waits(tmp_path, case):
     assert m.at[0, "bubble_ratio"] > 3 * m.at[1, "bubble_ratio"]
 
 
-def test_schedule1f1b_gets_a_run_per_action_and_says_what_is_lost(tmp_path):
+def test_schedule1f1b_gets_a_run_per_action_named_as_its_action(tmp_path):
+    from vpipe.schedules import make_schedule
+
     trace, _ = _read(tmp_path, "1f1b")
     ev = trace.events
+    program = make_schedule("1f1b", 2, 4)
     for r in (0, 1):
-        runs = ev[(ev["rank"] == r) & ev["kind"].isin(["F", "B"])]
-        assert (runs["name"] == "ops").all() and (runs["clock"] == "device").all()
-        assert (runs["kind"] == "F").sum() == (runs["kind"] == "B").sum() == 4
-    assert "no actions" in trace.meta["note"] and trace.meta["ranks"] == 2
+        runs = ev[(ev["rank"] == r) & ev["kind"].isin(["F", "B"])].sort_values("start_ns")
+        assert (runs["clock"] == "device").all()
+        assert list(runs["name"]) == [str(a) for a in program.actions[r]], r
+    assert "follow 1f1b at M=4" in trace.meta["note"] and trace.meta["ranks"] == 2
+    assert trace.meta["schedule"] == "1f1b" and trace.meta["microbatches"] == 4
 
 
 @pytest.mark.parametrize("case", ["zbv", "interleaved-slow", "gpipe"])

@@ -100,16 +100,16 @@ def _check_run(d: Path, n_ranks: int, slow: bool) -> None:
         theirs = independent_bubble(d / f"rank{r}_trace.json")
         assert ours == pytest.approx(theirs, abs=0.03), (d.name, r)
     assert tr.meta["ranks"] == n_ranks
-    if name == "1F1B":  # no action spans: what is missing is said
-        assert "no actions" in tr.meta["note"] and "microbatches" not in tr.meta
+    if name == "1F1B":  # no action spans: its runs of operators follow the program
+        assert f"follow 1f1b at M={M_OF[n_ranks]}" in tr.meta["note"], tr.meta["note"]
+        _check_named_runs(tr.events, n_ranks)
+    assert tr.meta["microbatches"] == M_OF[n_ranks]
+    n_stages = n_ranks if CLASSES[name] == "single" else 2 * n_ranks
+    assert tr.meta["stages"] == n_stages
+    if name in NOT_A_CATALOGUE_PROGRAM:
+        assert tr.meta["schedule"] == "custom" and tr.meta["program"]
     else:
-        assert tr.meta["microbatches"] == M_OF[n_ranks]
-        n_stages = n_ranks if CLASSES[name] == "single" else 2 * n_ranks
-        assert tr.meta["stages"] == n_stages
-        if name in NOT_A_CATALOGUE_PROGRAM:
-            assert tr.meta["schedule"] == "custom" and tr.meta["program"]
-        else:
-            assert tr.meta["torch_class"] == f"Schedule{name}", d.name
+        assert tr.meta["torch_class"] == f"Schedule{name}", d.name
     if slow:  # its neighbours wait for the slow stage's rank
         slow_rank = SLOW[0]
         for r in (slow_rank - 1, slow_rank + 1):
@@ -118,6 +118,20 @@ def _check_run(d: Path, n_ranks: int, slow: bool) -> None:
                 # (not also "idler than the slow rank": on a shared 2-core host the ranks take
                 # turns on the cores, and a rank descheduled mid-action looks busy)
                 assert row["comm_wait_s"] > 0.05 * row["window_s"], (d.name, r)
+
+
+def _check_named_runs(events, n_ranks: int) -> None:
+    """Each rank's named rows of each step are its stage's 1f1b program in order, and the
+    wait before a forward past stage 0 names its receive."""
+    from vpipe.schedules import make_schedule
+
+    program = make_schedule("1f1b", n_ranks, M_OF[n_ranks])
+    named = events[events["kind"].isin(["F", "B"]) & (events["name"] != "ops")]
+    for (r, k), g in named.groupby(["rank", "step"]):
+        assert list(g.sort_values("start_ns")["name"]) == [str(a) for a in program.actions[r]]
+        assert (g["stage"] == r).all() and (g["microbatch"] >= 0).all(), (r, k)
+    waits = set(events.loc[events["kind"] == "WAIT", "name"].astype(str))
+    assert "WAIT(ops):1RECV_F1" in waits and "WAIT(ops):0RECV_B0" in waits
 
 
 @pytest.mark.parametrize("name", list(CLASSES))
@@ -138,8 +152,50 @@ def test_predict_without_vpipe_metadata(p2):
     table = found["predictions"].set_index("schedule")
     assert found["run"]["schedule"] == "zbv" and found["run"]["microbatches"] == M_OF[2]
     assert (table["predicted_step_ms"] > 0).all() and len(table) == 3
-    with pytest.raises(TraceError, match="per-action costs.*name no actions"):
-        analyze(str(p2 / "1F1B"), run=None, predict=["zbv"], microbatches=M_OF[2])
+    found = analyze(str(p2 / "1F1B-slow"), run=None, predict=["zbv"])
+    table = found["predictions"].set_index("schedule")
+    assert found["run"]["schedule"] == "1f1b" and found["run"]["microbatches"] == M_OF[2]
+    assert list(table.index) == ["1f1b (calibration run)", "zbv"]
+    assert (table["predicted_step_ms"] > 0).all()
+    f_us = found["calibration"]["f_us"]
+    assert f_us[1] > 2 * f_us[0]  # stage 1 runs 4 times the blocks
+
+
+def _run_trace(rank: int, tokens: str) -> dict:
+    """A Kineto document of one rank of 2 with one profiled step of top-level operators:
+    ``F`` a forward op, ``B`` a backward node, ``C`` a communication call, 10 us each."""
+    names = {"F": "aten::linear", "B": "autograd::engine::evaluate_function: AddmmBackward0",
+             "C": "c10d::send"}  # fmt: skip
+    ops = [{"ph": "X", "cat": "cpu_op", "name": names[t], "pid": 1, "tid": 1, "ts": 100.0 + 20 * i,
+            "dur": 10.0} for i, t in enumerate(tokens)]  # fmt: skip
+    step = {"ph": "X", "cat": "user_annotation", "name": "ProfilerStep#1", "pid": 1, "tid": 1,
+            "ts": 90.0, "dur": 20.0 * len(tokens) + 20}  # fmt: skip
+    return {"distributedInfo": {"rank": rank, "world_size": 2}, "baseTimeNanoseconds": 0,
+            "traceEvents": [step, *ops]}  # fmt: skip
+
+
+@pytest.mark.parametrize(
+    ("rank1", "why"),
+    [
+        ("CFBCFBCFBCFBC", None),  # 1f1b at M=4 on stage 1 of 2
+        ("CFBCFBCFBCFCFBC", "rank 1: step 1's runs are not 1f1b's order"),  # an extra forward
+        ("CFBCFBCFBC", "rank 1: 3 backward runs in step 1, 4 expected"),
+    ],
+)
+def test_runs_that_do_not_follow_a_program(tmp_path, rank1, why):
+    rank0 = "FCFCBFCBFCBCBC"  # stage 0 of 2: two forwards, then one backward one forward
+    for r, tokens in enumerate((rank0, rank1)):
+        (tmp_path / f"rank{r}_trace.json").write_text(json.dumps(_run_trace(r, tokens)))
+    tr = convert([tmp_path])
+    if why is None:
+        assert tr.meta["schedule"] == "1f1b" and tr.meta["microbatches"] == 4
+    else:
+        assert tr.meta["note"].endswith(f"not recoverable ({why})"), tr.meta["note"]
+        assert "microbatches" not in tr.meta and tr.meta["schedule"] == "unknown"
+        with pytest.raises(TraceError, match="per-action costs.*not recoverable"):
+            from vpipe.commands.trace import analyze
+
+            analyze(str(tmp_path), run=None, predict=["zbv"])
 
 
 def test_store_report_and_csv_without_vpipe_metadata(p2, tmp_path):
