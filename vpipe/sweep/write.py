@@ -86,9 +86,10 @@ def report_sections(res: BenchResults) -> list[Section]:
             "over the whole profiled step (1 - total busy / total window over ranks); profiled step: "
             "the median of the steps recorded under torch.profiler (slower than the timed "
             "steps: profiling costs time per span); sim: simulator calibrated from those "
-            "profiled steps, error vs the timed median. torch's single-stage schedule classes (gpipe, "
-            "1f1b) record no per-action profiler spans, so they have no bubble, timeline or "
-            "simulation." + vpipe_only_note(res.spec.schedules, res.spec.impls),
+            "profiled steps, error vs the timed median. torch's Schedule1F1B records no "
+            "per-action spans: its actions are its runs of operators, named where they follow "
+            "the 1f1b program (else it has a bubble and waits but no simulation)."
+            + vpipe_only_note(res.spec.schedules, res.spec.impls),
         )
     )
     vv = v_vs_baseline(runs, res.steps)
