@@ -245,7 +245,7 @@ def collect(
         traced = has_actions(ev)
         sim_row = None
         mine = [x for x in dp_records if x["config"] == i]
-        if simulate and has_actions(ev, named=True):  # torch's Schedule1F1B names none
+        if simulate and has_actions(ev, named=True):  # else runs of operators (Schedule1F1B)
             sim_row, events[sim_id] = simulate_config(spec, cfg, ev, sim_id, mine or None)
         config = {
             **common,
@@ -331,14 +331,16 @@ def host_table(rounds: list[dict[str, Any]], steps: pd.DataFrame) -> pd.DataFram
 
 def has_actions(events: pd.DataFrame, *, named: bool = False) -> bool:
     """Whether an event table holds compute rows (F, B, I, W) to analyse; ``named``: compute
-    actions to calibrate from, not only runs of operators (a trace that names no actions,
-    e.g. torch's Schedule1F1B)."""
+    actions to calibrate from on every rank with compute rows, not only runs of operators
+    (torch's Schedule1F1B where its runs follow no program: :mod:`vpipe.trace.run_actions`)."""
     from vpipe.trace.operators import RUN_NAME
 
     compute = events["kind"].isin(COMPUTE_KINDS)
-    if named:
-        compute &= events["name"].astype(str) != RUN_NAME
-    return bool(compute.any())
+    if not named:
+        return bool(compute.any())
+    actions = compute & (events["name"].astype(str) != RUN_NAME)
+    ranks = set(events.loc[compute, "rank"])
+    return bool(actions.any()) and set(events.loc[actions, "rank"]) == ranks
 
 
 def simulate_config(

@@ -15,11 +15,12 @@ that no operator runs. So, on a rank's thread:
   interpreter's time between operators.
 - A rank that names no actions (torch's Schedule1F1B) gets one row per run of operators
   between two communication calls, split where autograd's backward nodes start or stop: ``B``
-  for backward runs, ``F`` for the rest, microbatch -1, named ``ops``; the time between two
-  runs that holds a communication call is a ``WAIT(ops)`` row (each run says in
-  ``AFTER_COMM`` whether a communication call came before it). Busy time, waits and bubble
-  per rank are right; the runs are named as actions where they follow a catalogue program
-  (:mod:`vpipe.trace.run_actions`).
+  for backward runs, ``F`` for the rest, microbatch -1, named ``ops`` (a run split off so
+  starts where the one before it ended: the time between them is the interpreter's, counted
+  as within a run); the time between two runs that holds a communication call is a
+  ``WAIT(ops)`` row (each run says in ``AFTER_COMM`` whether a communication call came before
+  it). Busy time, waits and bubble per rank are right; the runs are named as actions where
+  they follow a catalogue program (:mod:`vpipe.trace.run_actions`).
 """
 
 from __future__ import annotations
@@ -144,10 +145,13 @@ def _runs(step: pd.Series, ops: Mapping[str, np.ndarray], base: int, rank: int) 
         j = i
         while j + 1 < n and not comm[j + 1] and backward[j + 1] == backward[i]:
             j += 1
-        kind = "B" if backward[i] else "F"
-        rows.append({"kind": kind, "name": RUN_NAME, "start_ns": int(start[i]),
-                     "end_ns": int(end[j]), "busy_ns": _union(start[i : j + 1], end[i : j + 1]),
-                     AFTER_COMM: bool(i and comm[i - 1])})  # fmt: skip
+        kind, after = "B" if backward[i] else "F", bool(i and comm[i - 1])
+        # cut where backward starts or stops, not at a communication call: the time between
+        # the two runs is the interpreter's, as between two operators of one run
+        s0 = int(start[i]) if after or not rows else rows[-1]["end_ns"]
+        rows.append({"kind": kind, "name": RUN_NAME, "start_ns": s0, "end_ns": int(end[j]),
+                     "busy_ns": _union(start[i : j + 1], end[i : j + 1]),
+                     AFTER_COMM: after})  # fmt: skip
         i = j + 1
     out = []
     for k, r in enumerate(rows):
