@@ -144,7 +144,8 @@ def fidelity_sections(
                     ""
                     if impl == "vpipe"
                     else " torch's traces mark no waits: vpipe reads them from the operators "
-                    "(the time in an action before its first operator)."
+                    "(the time in an action before its first operator; for Schedule1F1B, "
+                    "between two runs of operators, across a communication call)."
                 ),
             )
         )
