@@ -174,6 +174,16 @@ def _run_trace(rank: int, tokens: str) -> dict:
             "traceEvents": [step, *ops]}  # fmt: skip
 
 
+def test_runs_in_gpipe_order_are_gpipe(tmp_path):
+    # all forwards, then all backwards: a forward past stage 0 and a backward before the last
+    # stage each follow a communication call
+    for r, tokens in enumerate(("FCFCFCFCBCBCBCBC", "CFCFCFCFBCBCBCBC")):
+        (tmp_path / f"rank{r}_trace.json").write_text(json.dumps(_run_trace(r, tokens)))
+    tr = convert([tmp_path])
+    assert tr.meta["schedule"] == "gpipe" and tr.meta["microbatches"] == 4
+    assert "follow gpipe at M=4" in tr.meta["note"]
+
+
 @pytest.mark.parametrize(
     ("rank1", "why"),
     [

@@ -61,8 +61,7 @@ def name_runs(
 
 def _name_all(events: pd.DataFrame, program: Schedule) -> tuple[pd.DataFrame | None, str]:
     """``events`` named by ``program``, or None and the first rank and step that differ."""
-    out = events.copy()
-    cols = ["kind", "stage", "microbatch", "name"]
+    rows: dict[object, list] = {}  # row label -> its kind, stage, microbatch and name
     for (r, k), g in events.groupby(["rank", "step"]):
         runs = g[g["name"].astype(str).isin([RUN_NAME, OPS_WAIT])].sort_values("start_ns")
         if runs.empty:
@@ -71,9 +70,15 @@ def _name_all(events: pd.DataFrame, program: Schedule) -> tuple[pd.DataFrame | N
         if starts is None:
             return None, f"rank {r}: step {k}'s runs are not {program.name}'s order"
         for label, a in starts.items():
-            out.loc[label, cols] = [a.kind.value, a.stage, a.microbatch, str(a)]
+            rows[label] = [a.kind.value, a.stage, a.microbatch, str(a)]
         for label, a in _waits(runs, starts):
-            out.loc[label, cols[1:]] = [a.stage, a.microbatch, _wait_name(a, program.n_stages)]
+            rows[label] = ["WAIT", a.stage, a.microbatch, _wait_name(a, program.n_stages)]
+    out = events.copy()
+    cols = ["kind", "stage", "microbatch", "name"]
+    if rows:
+        out.loc[list(rows), cols] = pd.DataFrame(
+            list(rows.values()), index=list(rows), columns=cols
+        )
     return out, ""
 
 
