@@ -35,6 +35,4 @@ def test_one_bit_off_in_one_row_is_a_difference(now):
     moved = copy.deepcopy(now[name])
     row = moved["candidates"][-1]
     row["bubble"] = math.nextafter(row["bubble"], math.inf)
-    assert [d.split(":")[0] for d in differences(summary(now[name]), summary(moved))] == [
-        "sha256"
-    ]
+    assert [d.split(":")[0] for d in differences(summary(now[name]), summary(moved))] == ["sha256"]
