@@ -283,3 +283,23 @@ def test_rates_from_a_calibrated_gpt_run():
     assert "run r1" in rates.source
     with pytest.raises(PlanError, match="needs a run of the gpt model"):
         run_arch({"model": "mlp"}, 4)
+
+
+@pytest.mark.parametrize("inner", [True, False])
+@pytest.mark.parametrize(("pp", "dp", "tp"), [(4, 2, 1), (16, 2, 1), (4, 4, 2), (2, 8, 4),
+                                               (8, 1, 16)])  # fmt: skip
+def test_node_checks_agree_with_each_gpu(pp, dp, tp, inner):
+    lay = Layout(pp=pp, dp=dp, tp=tp, pp_inner=inner)
+    gpn = 8
+
+    def nodes(rank):  # the node of every GPU of the rank's group, per replica
+        return [[(lay.gpu(rank, d) + k) // gpn for k in range(lay.group)] for d in range(dp)]
+
+    pairs = [(a, b) for a in range(pp) for b in range(pp)]
+    want = [tp <= gpn and all(x[0] == y[0] for x, y in zip(nodes(a), nodes(b), strict=True))
+            for a, b in pairs]  # fmt: skip
+    got = lay.same_nodes([a for a, _ in pairs], [b for _, b in pairs], gpn)
+    assert got.tolist() == want
+    assert [lay.same_node(a, b, gpn) for a, b in pairs] == want
+    one = all(len({n for g in nodes(r) for n in g}) == 1 for r in range(pp))
+    assert lay.all_replicas_in_one_node(gpn) == one

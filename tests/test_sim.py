@@ -382,3 +382,23 @@ def test_posting_and_gap_overheads_are_charged_where_the_program_has_them():
     assert simulate(lower(s), CostModel.parse("f=1,b=1,w=1,post=0.1,gap=0.01")).makespan == (
         pytest.approx(9.26)
     )
+
+
+def test_a_prepared_schedule_simulates_as_a_fresh_one():
+    from vpipe.sim.simulator import prepare
+
+    s = make_schedule("interleaved-1f1b", 4, 8, 2)
+    prep = prepare(s)
+    for costs in (
+        CostModel(f=1, b=2, w=1, comm_latency=0.5, activation_bytes=[1] * 8),
+        CostModel(f=2, b=3, w=1, post=0.1, comm_handshake=0.2),
+    ):
+        fresh, kept = simulate(s, costs), simulate(s, costs, prepared=prep)
+        assert kept.to_dict() == fresh.to_dict()
+        assert {k: v.tolist() for k, v in kept.columns.items()} == {
+            k: v.tolist() for k, v in fresh.columns.items()
+        }
+    kept.columns["start"][:] = -1.0  # a caller's own columns: the next ones are untouched
+    assert simulate(s, costs, prepared=prep).columns["start"].min() >= 0
+    with pytest.raises(ValueError, match="another schedule"):
+        simulate(make_schedule("interleaved-1f1b", 4, 8, 2), costs, prepared=prep)

@@ -125,9 +125,13 @@ def ready_times(
     :func:`gradient_rows`, when the caller keeps them."""
     rank, kind, end = (np.asarray(columns[k]) for k in ("rank", "kind", "end"))
     compute = kind < COMPUTE_CODES
+    # each rank's compute rows in order (an overlap action's parts are rows of their own)
+    by_rank = np.argsort(rank[compute], kind="stable")
+    ends_all = end[compute][by_rank]
+    lo = np.searchsorted(rank[compute][by_rank], np.arange(schedule.n_ranks + 1))
     out = {}
     for r, points in enumerate(rows if rows is not None else gradient_rows(schedule)):
-        ends = end[compute & (rank == r)]  # an overlap action's parts are rows of their own
+        ends = ends_all[lo[r] : lo[r + 1]]
         for first, n, stages in points:
             t = float(ends[first : first + n].max())
             for s in stages:
