@@ -10,6 +10,7 @@ import math
 import numpy as np
 import pytest
 
+from vpipe.ir import Schedule, actions_from_strings
 from vpipe.schedules import make_schedule
 from vpipe.sim import CostModel, simulate
 from vpipe.sim.arch import PRESETS as ARCHS
@@ -20,6 +21,7 @@ from vpipe.sim.model_costs import (
     ADAM_BYTES,
     MEMORY_EFFICIENCY,
     Layout,
+    ModelCostError,
     Rates,
     activation_peaks,
     layer_split,
@@ -230,6 +232,12 @@ def test_activation_peaks_follow_the_program():
     held = activation_peaks(z, [1.0] * 4, [0.0] * 4)
     freed = activation_peaks(z, [1.0] * 4, [0.5] * 4)
     assert all(f <= h for f, h in zip(freed, held, strict=True)) and freed != held
+    # ranks of unequal programs: rank 0 runs full backwards, rank 1 splits them
+    rows = [["0F0", "0F1", "0B0", "0B1"], ["1F0", "1I0", "1F1", "1W0", "1I1", "1W1"]]
+    mixed = Schedule(2, 2, 2, {0: 0, 1: 1}, actions_from_strings(rows))
+    assert activation_peaks(mixed, [3.0, 2.0], [1.0, 1.5]) == [6.0, 2.5]
+    with pytest.raises(ModelCostError, match="one figure per stage"):
+        activation_peaks(mixed, [3.0], [1.0])
 
 
 def test_boundary_time_replaces_the_link_per_boundary():

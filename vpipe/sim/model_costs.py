@@ -443,11 +443,16 @@ def activation_peaks(
     schedule's :func:`vpipe.ir.flat.flatten`, when the caller keeps it."""
     fl = flat if flat is not None else flatten(schedule)
     a, fi = np.asarray(alloc, float), np.asarray(freed_by_i, float)
-    table = np.stack([a, -a, -fi, fi - a])  # F, B, I, W (the flat kind codes 0-3)
-    delta = table[fl.p_kind, fl.p_stage]
-    bounds = np.searchsorted(fl.p_rank, np.arange(schedule.n_ranks + 1))
-    peaks = []
-    for r in range(schedule.n_ranks):
-        seg = delta[bounds[r] : bounds[r + 1]]
-        peaks.append(float(max(np.cumsum(seg).max(), 0.0)) if len(seg) else 0.0)
-    return peaks
+    if len(a) != schedule.n_stages or len(fi) != schedule.n_stages:
+        raise ModelCostError(f"activation peaks need one figure per stage ({schedule.n_stages}"
+                             f"), got {len(a)} allocated and {len(fi)} freed")  # fmt: skip
+    table = np.concatenate([a, -a, -fi, fi - a])  # F, B, I, W (the flat kind codes 0-3)
+    delta = table[fl.part_index]
+    P, n = schedule.n_ranks, len(delta)
+    if n and n % P == 0 and np.all(np.bincount(fl.p_rank, minlength=P) == n // P):  # alike
+        tops = np.cumsum(delta.reshape(P, n // P), axis=1).max(axis=1).tolist()
+    else:
+        bounds = np.searchsorted(fl.p_rank, np.arange(P + 1)).tolist()
+        tops = [np.cumsum(delta[lo:hi]).max() if hi > lo else 0.0
+                for lo, hi in zip(bounds[:-1], bounds[1:], strict=True)]  # fmt: skip
+    return [max(t, 0.0) for t in tops]

@@ -308,7 +308,7 @@ def simulate(
     fl, plan, prog = prepared.fl, prepared.plan, prepared.prog
     S = schedule.n_stages
     f, b, w = costs.stage_times(S)
-    part_dur = np.concatenate([f, costs.backward_times(S), b, w])[fl.p_kind * S + fl.p_stage]
+    part_dur = np.concatenate([f, costs.backward_times(S), b, w])[fl.part_index]
     if costs.overlap != 1.0 and len(fl.p_op) > len(fl.o_rank):  # parts of overlap actions
         in_compound = np.bincount(fl.p_op, minlength=len(fl.o_rank))[fl.p_op] > 1
         part_dur = np.where(in_compound, part_dur * costs.overlap, part_dur)
