@@ -89,7 +89,8 @@ def _rows(name: str, pp: int, m: int, v: int) -> list:
     """The gradient points of :func:`_built`'s schedule, read once."""
     from vpipe.sim.collectives import gradient_rows
 
-    return gradient_rows(_built(name, pp, m, v)[0])
+    schedule, prepared = _built(name, pp, m, v)
+    return gradient_rows(schedule, prepared.fl)
 
 
 def _memory(costs: ModelCosts, peaks: list[float]) -> dict[str, float]:
