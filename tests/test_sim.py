@@ -410,6 +410,10 @@ def test_a_prepared_schedule_simulates_as_a_fresh_one(make):
         assert {k: v.tolist() for k, v in kept.columns.items()} == {
             k: v.tolist() for k, v in fresh.columns.items()
         }
+        compute = kept.columns["kind"] < 4
+        assert {k: v.tolist() for k, v in kept.compute_columns.items()} == {
+            k: v[compute].tolist() for k, v in kept.columns.items()
+        }
     assert prep.prog.order is not None
     kept.columns["start"][:] = -1.0  # a caller's own columns: the next ones are untouched
     assert simulate(s, costs, prepared=prep).columns["start"].min() >= 0

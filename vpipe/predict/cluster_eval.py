@@ -200,9 +200,10 @@ def _timed(costs: ModelCosts, schedule: Any, post_validated: bool, rows: list | 
     reductions = None
     if lay.dp > 1:
         collective, buckets = costs.dp_reduction()
-        reductions = simulate_reductions(schedule, sim.columns, sim.makespan, collective, buckets,
-                                         rows)  # fmt: skip
-    return iteration(sim.columns, lay.pp, costs.iteration_costs(post_validated), reductions), sim
+        reductions = simulate_reductions(schedule, sim.compute_columns, sim.makespan, collective,
+                                         buckets, rows)  # fmt: skip
+    it = iteration(sim.compute_columns, lay.pp, costs.iteration_costs(post_validated), reductions)
+    return it, sim
 
 
 def _recomputed_flops(costs: ModelCosts) -> float:

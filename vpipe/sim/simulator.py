@@ -103,6 +103,16 @@ class SimResult:
         return _timeline_columns(self._raw)
 
     @cached_property
+    def compute_columns(self) -> dict[str, np.ndarray]:
+        """The compute rows of :attr:`columns` alone, in the same order (rank-major, program
+        order): what the iteration's end and the data-parallel reductions read, without
+        the SEND/RECV rows or a sort."""
+        fl, timing = self._raw.prepared.fl, self._raw.timing
+        return {"rank": fl.p_rank.copy(), "stage": fl.p_stage.copy(),
+                "microbatch": fl.p_mb.copy(), "kind": fl.p_kind.astype(np.int8),
+                "start": timing.start.copy(), "end": timing.end.copy()}  # fmt: skip
+
+    @cached_property
     def timeline(self):
         """One row per action (overlap parts as their own rows, each from its own start:
         a part may wait for its input after the previous part; SEND and RECV rows span from
