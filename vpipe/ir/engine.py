@@ -180,7 +180,7 @@ def replay(
     fl = prog.flat
     P = fl.schedule.n_ranks
     n_parts = len(fl.p_op)
-    dur = [0.0] * n_parts if durations is None else np.asarray(durations, float).tolist()
+    dur = np.zeros(n_parts) if durations is None else np.asarray(durations, float)
     lead_a = np.zeros(n_parts) if lead is None else np.asarray(lead, float)
     links = links or LinkModel()
     cost = links.message_costs(prog)
@@ -227,7 +227,7 @@ def _replay_by_rank(prog: Program, rank_lo: np.ndarray, cols: tuple,
     P = len(rank_lo) - 1
     n_parts = int(rank_lo[-1])
     lo = rank_lo.tolist()
-    cols = tuple(x.tolist() if isinstance(x, np.ndarray) else x for x in cols)
+    cols = tuple(x.tolist() for x in cols)
     # zip reuses its result tuple while the loop unpacks it: no allocation per part.
     iters = [
         zip(range(lo[r], lo[r + 1]), *(x[lo[r] : lo[r + 1]] for x in cols), strict=True)
@@ -290,7 +290,7 @@ def _replay_in_order(order: np.ndarray, rank_lo: np.ndarray, cols: tuple,
     n_parts = int(rank_lo[-1])
     prev = np.arange(-1, n_parts - 1)
     prev[rank_lo[:-1][rank_lo[:-1] < n_parts]] = -1  # a rank's first part starts at 0
-    cols = [np.asarray(x)[order].tolist() for x in (prev, *cols)]
+    cols = [x[order].tolist() for x in (prev, *cols)]
     end = [0.0] * (n_parts + 1)  # end[-1]: 0.0, where every rank starts
     for i, p, s_part, r_part, transfer, d, ld in zip(order.tolist(), *cols, strict=True):
         t = end[p] + ld
