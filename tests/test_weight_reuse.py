@@ -157,7 +157,8 @@ def test_torchs_error_log_is_read_for_the_action_and_kept_off_stderr():
     handler = logging.Handler(logging.INFO)
     handler.emit = lambda record: shown.append(record.getMessage())
     logger.addHandler(handler)
-    level, logger.level = logger.level, logging.INFO
+    level = logger.level
+    logger.setLevel(logging.INFO)  # setLevel, not .level: it clears the logger's cached checks
     try:
         with torch_failures.torch_error_log() as actions:
             logger.error("_PipelineScheduleRuntime caught exception at step %s when running "

@@ -33,6 +33,8 @@ message's own), whichever span launched it.
   data's own device op (the copy its WAIT launched, else its message's NCCL kernel),
   never past the consumer's start; empty where the data was there before. What follows the data until the consumer starts is launch
   lag, not waiting. A WAIT whose data op is unknown ends at the consumer's device start.
+  A trace with no ``WAIT`` spans (torch's runtime, which waits inside the consuming action's
+  span) gets the same rows, found from the NCCL kernels (:mod:`vpipe.trace.device_waits`).
 - a ``REDUCE`` row (data parallel) is its all-reduce kernel on the device, not its enqueue.
 - a ``GPU`` row is other GPU work (another thread's ops, an action's side-stream ops), per
   source and step, overlapping ops merged: device busy, no action's.
@@ -46,6 +48,8 @@ import numpy as np
 import pandas as pd
 
 from vpipe.events import COMM_KINDS, COMPUTE_KINDS
+from vpipe.trace.device_runs import device_runs
+from vpipe.trace.device_waits import found_device_waits
 from vpipe.trace.gpu_owners import action_threads, compute_stream, message_ends
 from vpipe.trace.kineto_json import GpuActivity
 
@@ -132,19 +136,23 @@ def to_device_clock(
     spans: pd.DataFrame,
     ops: pd.DataFrame,
     thread_names: dict[int, str] | None = None,
+    rank: int = -1,
 ) -> pd.DataFrame:
     """One rank's rows on the device clock, as the module docstring says.
 
     ``df`` holds the rows (host intervals, compute rows already trimmed of nested waits) with
     their raw span's index in :data:`SPAN`; ``spans`` the raw spans (``name``, ``start_ns``,
     ``end_ns``, ``tid``, in trace order); ``ops`` :func:`gpu_ops`'s table; ``thread_names``
-    the trace's names of threads. Adds ``busy_ns`` and the rows of other GPU work; drops
-    :data:`SPAN`."""
+    the trace's names of threads. Adds ``busy_ns`` and the rows of other GPU work (and a
+    rank's runs of ops where it names no actions: :mod:`vpipe.trace.device_runs`, ``rank``
+    their stage); drops :data:`SPAN`."""
     s0, s1 = spans["start_ns"].to_numpy(), spans["end_ns"].to_numpy()
     idx = df[SPAN].to_numpy()
     kind = df["kind"].astype(str).to_numpy()
     compute = np.isin(kind, COMPUTE_KINDS)
-    c_spans = np.unique(idx[compute])
+    is_step = (kind == "other") & (df["name"].astype(str) == "STEP").to_numpy()
+    # a rank naming no actions (torch's Schedule1F1B): its steps stand for them
+    c_spans = np.unique(idx[compute if compute.any() else is_step])
     launch = ops["launch_ns"].to_numpy()
     tids = ops["tid"].to_numpy()
     span_tids = set(spans["tid"].tolist()) - {-1} if "tid" in spans else set()
@@ -155,7 +163,9 @@ def to_device_clock(
     in_compute = np.isin(owner, c_spans)
     stream = compute_stream(ops, in_compute)
     side = in_compute & (ops["stream"].to_numpy() != stream) & ~ops["nccl"].to_numpy()
-    dev = owned_intervals(ops, np.where(side, -1, owner), len(spans))
+    # a compute span's NCCL kernels (torch's GPipe posts its messages inside it): not compute
+    own_nccl = in_compute & ops["nccl"].to_numpy()
+    dev = owned_intervals(ops, np.where(side | own_nccl, -1, owner), len(spans))
     d0, d1, dbusy = (dev[c].to_numpy() for c in ("dev_start", "dev_end", "busy_ns"))
     has = dev["n_ops"].to_numpy() > 0
     # the device's reach before a launch at t: the latest end of the ops launched before t
@@ -196,6 +206,12 @@ def to_device_clock(
         busy[waits[ok]] = stop[ok] - begin[ok]
         clock[waits[ok]] = "device"
     df["start_ns"], df["end_ns"], df["busy_ns"], df["clock"] = start, end, busy, clock
+    if not len(waits):  # a runtime that marks no waits (torch's): found from the NCCL kernels
+        df = pd.concat([df, found_device_waits(df[compute], SPAN, spans, ops, owner,
+                                               reach_before)], ignore_index=True)  # fmt: skip
+    if not compute.any() and is_step.any():
+        runs = device_runs(df[is_step], ops[mine & ~side], span_tids, stream, rank)
+        df = pd.concat([df, runs.assign(**{SPAN: -1})], ignore_index=True)
     other = ~mine & ~ops["nccl"].to_numpy()
     extra = other_work_rows(df, spans, ops, other, side, owner, thread_names or {})
     return pd.concat([df, extra], ignore_index=True).drop(columns=SPAN)

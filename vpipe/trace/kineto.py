@@ -33,7 +33,8 @@ which files are traces and whether they agree: :mod:`vpipe.trace.files`.
 Rows come from the CPU-side spans, one per span. On CUDA the trace also holds the GPU's
 work (kernels, copies, memsets, each with the host call that launched it): each compute row
 takes the interval of the GPU work its span launched, from any thread, WAIT rows the device's
-wait for their data and REDUCE rows their all-reduce kernel (:mod:`vpipe.trace.device_clock`;
+wait for their data (found from the receives' NCCL kernels where the runtime marks no waits:
+:mod:`vpipe.trace.device_waits`) and REDUCE rows their all-reduce kernel (:mod:`vpipe.trace.device_clock`;
 ``clock="device"``, the CPU span kept as the row's launch span). Kineto's
 ``gpu_user_annotation`` copies of the spans never make rows. Without GPU activity every row is
 on the host clock (``clock="host"``, launch span = the row's span); a CUDA trace (the run's
@@ -186,7 +187,9 @@ def _convert_file(raw: RawTrace, rank: int) -> tuple[pd.DataFrame, pd.DataFrame,
     ops = gpu_ops(raw.gpu, base) if len(raw.gpu) else None
     named = True
     if ops is not None and len(ops):
-        df, clock = to_device_clock(df.drop(columns="tid"), raw_spans, ops, raw.gpu.thread_names), "device"
+        named = bool(df["kind"].isin(COMPUTE_KINDS).any())
+        df = to_device_clock(df.drop(columns="tid"), raw_spans, ops, raw.gpu.thread_names, rank)
+        clock = "device"
     else:
         df, clock = df.drop(columns=SPAN), "host"
         if len(raw.ops["ts"]) and not is_vstep.any() and not (df["kind"] == "WAIT").any():

@@ -101,7 +101,7 @@ def read_by_operators(
     what = waits[["kind", "stage", "microbatch", "name"]].itertuples(index=False)
     waits = waits.assign(
         kind="WAIT",
-        name=[_wait_name(*w) for w in what],
+        name=[wait_name(*w) for w in what],
         end_ns=w_end,
         busy_ns=w_end - waits["start_ns"].to_numpy(),
     )
@@ -110,7 +110,7 @@ def read_by_operators(
     return pd.concat([df, waits], ignore_index=True), True
 
 
-def _wait_name(kind: str, stage: int, microbatch: int, name: str) -> str:
+def wait_name(kind: str, stage: int, microbatch: int, name: str) -> str:
     """A found wait's name: the receive its action waits for, as vpipe's runtime names its
     waits (``WAIT(ops):1RECV_F3`` before ``1F3``, ``RECV_B`` before an I or B); an overlap
     action's, or a W's (which receives nothing), names the action."""
