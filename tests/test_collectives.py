@@ -151,3 +151,28 @@ def test_plan_with_dp_tries_microbatch_counts_of_the_replica_batch():
     costs = SpecCosts.parse("f=1000,b=1000,w=1000")
     found = candidates(costs, 2, 16, dp=DPCosts.parse("grad_bytes=1e8,bw=10", 2))
     assert {c.microbatches for c in found} == {1, 2, 4, 8}  # divisors of 16 / 2 replicas
+
+
+@pytest.mark.parametrize(
+    ("name", "p", "m", "v"),
+    [("1f1b", 4, 8, None), ("zb-h1", 3, 6, None), ("interleaved-1f1b", 4, 8, 2),
+     ("zbv", 4, 8, None), ("dualpipev", 4, 8, None), ("looped-bfs", 2, 4, 4)],
+)  # fmt: skip
+@pytest.mark.parametrize("lowered", [False, True])
+def test_gradient_rows_follow_the_runtimes_rule(name, p, m, v, lowered):
+    """The rows read off the flat columns are gradient_points' actions, counted in compute
+    rows (an overlap action's parts are rows of their own)."""
+    from vpipe.ir.lowering import lower
+    from vpipe.ir.reduction import gradient_points
+    from vpipe.schedules import make_schedule
+    from vpipe.sim.collectives import gradient_rows
+
+    s = make_schedule(name, p, m, v)
+    s = lower(s) if lowered else s
+    want = []
+    for r in range(s.n_ranks):
+        program = [a for a in s.actions[r] if a.is_compute]
+        sizes = [len(a.compute_parts()) for a in program]
+        points = gradient_points(program, s.stages_of(r))
+        want.append([(sum(sizes[:at]), sizes[at], sorted(st)) for at, st in points.items()])
+    assert gradient_rows(s) == want

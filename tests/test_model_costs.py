@@ -10,6 +10,7 @@ import math
 import numpy as np
 import pytest
 
+from vpipe.ir import Schedule, actions_from_strings
 from vpipe.schedules import make_schedule
 from vpipe.sim import CostModel, simulate
 from vpipe.sim.arch import PRESETS as ARCHS
@@ -20,6 +21,7 @@ from vpipe.sim.model_costs import (
     ADAM_BYTES,
     MEMORY_EFFICIENCY,
     Layout,
+    ModelCostError,
     Rates,
     activation_peaks,
     layer_split,
@@ -230,6 +232,12 @@ def test_activation_peaks_follow_the_program():
     held = activation_peaks(z, [1.0] * 4, [0.0] * 4)
     freed = activation_peaks(z, [1.0] * 4, [0.5] * 4)
     assert all(f <= h for f, h in zip(freed, held, strict=True)) and freed != held
+    # ranks of unequal programs: rank 0 runs full backwards, rank 1 splits them
+    rows = [["0F0", "0F1", "0B0", "0B1"], ["1F0", "1I0", "1F1", "1W0", "1I1", "1W1"]]
+    mixed = Schedule(2, 2, 2, {0: 0, 1: 1}, actions_from_strings(rows))
+    assert activation_peaks(mixed, [3.0, 2.0], [1.0, 1.5]) == [6.0, 2.5]
+    with pytest.raises(ModelCostError, match="one figure per stage"):
+        activation_peaks(mixed, [3.0], [1.0])
 
 
 def test_boundary_time_replaces_the_link_per_boundary():
@@ -283,3 +291,23 @@ def test_rates_from_a_calibrated_gpt_run():
     assert "run r1" in rates.source
     with pytest.raises(PlanError, match="needs a run of the gpt model"):
         run_arch({"model": "mlp"}, 4)
+
+
+@pytest.mark.parametrize("inner", [True, False])
+@pytest.mark.parametrize(("pp", "dp", "tp"), [(4, 2, 1), (16, 2, 1), (4, 4, 2), (2, 8, 4),
+                                               (8, 1, 16)])  # fmt: skip
+def test_node_checks_agree_with_each_gpu(pp, dp, tp, inner):
+    lay = Layout(pp=pp, dp=dp, tp=tp, pp_inner=inner)
+    gpn = 8
+
+    def nodes(rank):  # the node of every GPU of the rank's group, per replica
+        return [[(lay.gpu(rank, d) + k) // gpn for k in range(lay.group)] for d in range(dp)]
+
+    pairs = [(a, b) for a in range(pp) for b in range(pp)]
+    want = [tp <= gpn and all(x[0] == y[0] for x, y in zip(nodes(a), nodes(b), strict=True))
+            for a, b in pairs]  # fmt: skip
+    got = lay.same_nodes([a for a, _ in pairs], [b for _, b in pairs], gpn)
+    assert got.tolist() == want
+    assert [lay.same_node(a, b, gpn) for a, b in pairs] == want
+    one = all(len({n for g in nodes(r) for n in g}) == 1 for r in range(pp))
+    assert lay.all_replicas_in_one_node(gpn) == one

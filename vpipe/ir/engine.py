@@ -92,12 +92,16 @@ class Program:
     receive is posted when op ``recv_op[e]`` ends (-1: at time 0, or no such message). Each
     compute part waits for message ``wait[part]`` (-1: none). ``lowered``: the messages have
     explicit SEND/RECV points (given, or planned), which is how a deadlock is reported.
+    ``order``: the parts in an order where each comes after its rank's previous part and the
+    part that sends its input, kept by the first :func:`replay` (it holds for any costs), so
+    that replaying the program again is one pass over the parts.
     """
 
     flat: Flat
     send_op: np.ndarray
     recv_op: np.ndarray
     lowered: bool
+    order: np.ndarray | None = None
 
     @property
     def wait(self) -> np.ndarray:
@@ -176,7 +180,7 @@ def replay(
     fl = prog.flat
     P = fl.schedule.n_ranks
     n_parts = len(fl.p_op)
-    dur = [0.0] * n_parts if durations is None else np.asarray(durations, float).tolist()
+    dur = np.zeros(n_parts) if durations is None else np.asarray(durations, float)
     lead_a = np.zeros(n_parts) if lead is None else np.asarray(lead, float)
     links = links or LinkModel()
     cost = links.message_costs(prog)
@@ -195,18 +199,47 @@ def replay(
         r_op = np.where((cost[e] > 0) | (handshake > 0), prog.recv_op[e], -1)
         ro[has] = np.where(r_op >= 0, last_part[r_op], -1)
     rank_lo = np.searchsorted(fl.p_rank, np.arange(P + 1))
+    if prog.order is None:
+        end, prog.order = _replay_by_rank(prog, rank_lo, (so, ro, c, dur, lead_a), handshake)
+    else:
+        end = _replay_in_order(prog.order, rank_lo, (so, ro, c, dur, lead_a), handshake)
+    end_a = np.array(end)
+    op_end = end_a[last_part]
+    arrive = message_arrivals(prog, op_end, cost, handshake)
+    # Start of each part, as the loop had it: its rank's previous end (0 for a rank's first
+    # part) plus its lead, or its input's arrival when later. (The arrival counts the RECV's
+    # post even where the loop skips it; that post lies before the part on its rank, so it
+    # never decides.)
+    start = np.zeros(n_parts)
+    start[1:] = end_a[:-1]
+    start[rank_lo[:-1][rank_lo[:-1] < n_parts]] = 0.0
+    start += lead_a
+    start[has] = np.maximum(start[has], arrive[wait[has]])
+    return Timing(start, end_a, start[first_part], op_end, arrive)
+
+
+def _replay_by_rank(prog: Program, rank_lo: np.ndarray, cols: tuple,
+                    handshake: float) -> tuple[list[float], np.ndarray]:  # fmt: skip
+    """:func:`replay`'s loop: each rank runs its parts until one waits for a part not yet
+    ended, then the next ready rank runs. Per part: the part that posts its input's SEND and
+    the one that posts its RECV (-1: none), the transfer, its duration and its lead (``cols``).
+    Returns each part's end and the order the parts ran in."""
+    P = len(rank_lo) - 1
+    n_parts = int(rank_lo[-1])
     lo = rank_lo.tolist()
-    cols = (so.tolist(), ro.tolist(), c.tolist(), dur, lead_a.tolist())
+    cols = tuple(x.tolist() for x in cols)
     # zip reuses its result tuple while the loop unpacks it: no allocation per part.
     iters = [
         zip(range(lo[r], lo[r + 1]), *(x[lo[r] : lo[r + 1]] for x in cols), strict=True)
         for r in range(P)
     ]
     end = [-1.0] * n_parts
+    ran: list[int] = []
     waiter = [-1] * n_parts
     extra_waiters: dict[int, list[int]] = {}
     pending: list[tuple | None] = [None] * P
     clocks = [0.0] * P
+    nxt = lo[:-1]  # per rank: its next part
     ready = list(range(P - 1, -1, -1))
     while ready:
         r = ready.pop()
@@ -241,22 +274,36 @@ def replay(
                 if extra_waiters:
                     ready.extend(extra_waiters.pop(i, ()))
         clocks[r] = t
+        stop = lo[r + 1] if pending[r] is None else pending[r][0]
+        ran.extend(range(nxt[r], stop))  # the parts this turn ran, in order
+        nxt[r] = stop
     stuck = [r for r in range(P) if pending[r] is not None]
     if stuck:
         raise ScheduleError(_deadlock_message(prog, [pending[r][0] for r in stuck], stuck))
-    end_a = np.array(end)
-    op_end = end_a[last_part]
-    arrive = message_arrivals(prog, op_end, cost, handshake)
-    # Start of each part, as the loop had it: its rank's previous end (0 for a rank's first
-    # part) plus its lead, or its input's arrival when later. (The arrival counts the RECV's
-    # post even where the loop skips it; that post lies before the part on its rank, so it
-    # never decides.)
-    start = np.zeros(n_parts)
-    start[1:] = end_a[:-1]
-    start[rank_lo[:-1][rank_lo[:-1] < n_parts]] = 0.0
-    start += lead_a
-    start[has] = np.maximum(start[has], arrive[wait[has]])
-    return Timing(start, end_a, start[first_part], op_end, arrive)
+    return end, np.array(ran, np.int64)
+
+
+def _replay_in_order(order: np.ndarray, rank_lo: np.ndarray, cols: tuple,
+                     handshake: float) -> list[float]:  # fmt: skip
+    """:func:`_replay_by_rank`'s ends, computed in a known ``order`` (each part after its
+    rank's previous one and its input's sender): one pass, the same arithmetic per part."""
+    n_parts = int(rank_lo[-1])
+    prev = np.arange(-1, n_parts - 1)
+    prev[rank_lo[:-1][rank_lo[:-1] < n_parts]] = -1  # a rank's first part starts at 0
+    cols = [x[order].tolist() for x in (prev, *cols)]
+    end = [0.0] * (n_parts + 1)  # end[-1]: 0.0, where every rank starts
+    for i, p, s_part, r_part, transfer, d, ld in zip(order.tolist(), *cols, strict=True):
+        t = end[p] + ld
+        if s_part >= 0:
+            s = end[s_part]
+            if r_part >= 0 and end[r_part] > s:
+                s = end[r_part] + handshake
+            s += transfer
+            if s > t:
+                t = s
+        end[i] = t + d
+    end.pop()
+    return end
 
 
 def _op_parts(fl: Flat) -> tuple[np.ndarray, np.ndarray]:

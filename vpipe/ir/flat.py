@@ -88,6 +88,12 @@ class Flat:
         return len(self.c_rank) > 0
 
     @cached_property
+    def part_index(self) -> np.ndarray:
+        """Per compute part, ``kind * n_stages + stage``: where its figure sits in a (kind,
+        stage) table flattened kind-major (what a cost or memory model looks up per part)."""
+        return self.p_kind * self.schedule.n_stages + self.p_stage
+
+    @cached_property
     def part_messages(self) -> tuple[np.ndarray, np.ndarray]:
         """Per compute part: the message id it waits on and the one it sends (-1: none, e.g.
         a W, an end stage or a same-rank neighbour)."""

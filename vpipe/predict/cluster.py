@@ -173,18 +173,21 @@ def cluster_candidates(spec: ClusterSpec) -> dict[str, Any]:
                     for placement, v in _shapes(fam, pp, arch.layers):
                         lay = Layout(pp, dp, v, placement, spec.pp_inner, spec.shard, tp, cp, rc)
                         queue.append((lay, mb, m, fam))
-    costed: dict[tuple, ModelCosts | None] = {}
+    # a layout's costs and bound, shared by the families of its shape (m follows from it)
+    costed: dict[tuple, tuple[ModelCosts, float] | None] = {}
+    archs = {mb: arch.with_microbatch(mb) for mb in spec.microbatch_sizes}
     bounds = []
     for lay, mb, m, fam in queue:
         key = (lay, mb)
         if key not in costed:
             try:
-                costed[key] = model_costs(arch.with_microbatch(mb), spec.machine, lay, spec.rates)
+                costs = model_costs(archs[mb], spec.machine, lay, spec.rates)
+                costed[key] = costs, busy_bound(costs, m, spec.post_validated)
             except (ModelCostError, ParallelError):
                 costed[key] = None
         if costed[key] is not None:
-            bound = busy_bound(costed[key], m, spec.post_validated)
-            bounds.append((bound, len(bounds), costed[key], fam, m))
+            costs, bound = costed[key]
+            bounds.append((bound, len(bounds), costs, fam, m))
     bounds.sort(key=lambda x: (x[0], x[1]))
     found: list[ClusterCandidate] = []
     least: ClusterCandidate | None = None

@@ -74,13 +74,14 @@ class ClusterCandidate:
 
 @lru_cache(maxsize=128)
 def _built(name: str, pp: int, m: int, v: int) -> tuple[Any, Any]:
-    """A catalogue family's schedule and its flat form: the same for every layout with this
-    pipeline shape, so built once per search."""
-    from vpipe.ir.flat import flatten
+    """A catalogue family's schedule and what simulating it needs that no cost changes
+    (:func:`vpipe.sim.simulator.prepare`: its flat form, communication plan and program): the
+    same for every layout with this pipeline shape, so built once per search."""
     from vpipe.schedules import catalogue
+    from vpipe.sim.simulator import prepare
 
     schedule = catalogue.get(name).generator(pp, m, v)
-    return schedule, flatten(schedule)
+    return schedule, prepare(schedule)
 
 
 @lru_cache(maxsize=128)
@@ -88,7 +89,8 @@ def _rows(name: str, pp: int, m: int, v: int) -> list:
     """The gradient points of :func:`_built`'s schedule, read once."""
     from vpipe.sim.collectives import gradient_rows
 
-    return gradient_rows(_built(name, pp, m, v)[0])
+    schedule, prepared = _built(name, pp, m, v)
+    return gradient_rows(schedule, prepared.fl)
 
 
 def _memory(costs: ModelCosts, peaks: list[float]) -> dict[str, float]:
@@ -136,8 +138,8 @@ def evaluate(costs: ModelCosts, fam: Any, m: int, batch: int, budget: float,
     extend = fam.name != "auto" and m > EXTEND * lay.n_stages
     try:
         if fam.name != "auto" and m > probe:  # its first microbatches' peak bounds the whole's
-            sched, flat = _built(fam.name, lay.pp, probe, lay.stages_per_rank)
-            first = _memory(costs, activation_peaks(sched, alloc, freed, flat))
+            sched, prep = _built(fam.name, lay.pp, probe, lay.stages_per_rank)
+            first = _memory(costs, activation_peaks(sched, alloc, freed, prep.fl))
             if first["total"] > budget:
                 return ClusterCandidate(**base, memory_bytes=first, fits=False)
         if fam.name == "auto":
@@ -147,7 +149,7 @@ def evaluate(costs: ModelCosts, fam: Any, m: int, batch: int, budget: float,
             built = [_built(fam.name, lay.pp, k, lay.stages_per_rank) for k in counts]
     except ScheduleError:
         return None
-    runs = [activation_peaks(sched, alloc, freed, flat) for sched, flat in built]
+    runs = [activation_peaks(sched, alloc, freed, prep and prep.fl) for sched, prep in built]
     if extend:  # a family's step and peak grow linearly with M past its warm-up
         grow = _linear(probe, EXTEND * lay.n_stages, m)
         need = _memory(costs, [grow(a, b) for a, b in zip(*runs, strict=True)])
@@ -157,8 +159,8 @@ def evaluate(costs: ModelCosts, fam: Any, m: int, batch: int, budget: float,
         return ClusterCandidate(**base, memory_bytes=need, fits=False)
     keys = [None] if fam.name == "auto" else [(fam.name, lay.pp, k, lay.stages_per_rank)
                                               for k in counts]  # fmt: skip
-    timed = [_timed(costs, sched, post_validated, key and _rows(*key))
-             for (sched, _), key in zip(built, keys, strict=True)]  # fmt: skip
+    timed = [_timed(costs, sched, post_validated, key and _rows(*key), prep)
+             for (sched, prep), key in zip(built, keys, strict=True)]  # fmt: skip
     if extend:
         (it1, sim1), (it2, sim2) = timed
         it = SimpleNamespace(**{k: grow(getattr(it1, k), getattr(it2, k))
@@ -184,22 +186,24 @@ def _linear(m1: int, m2: int, m: int) -> Any:
     return lambda a, b: a + (m - m1) * (b - a) / (m2 - m1)
 
 
-def _timed(costs: ModelCosts, schedule: Any, post_validated: bool,
-           rows: list | None = None) -> tuple[Any, Any]:  # fmt: skip
+def _timed(costs: ModelCosts, schedule: Any, post_validated: bool, rows: list | None = None,
+           prepared: Any = None) -> tuple[Any, Any]:  # fmt: skip
     """The simulated step of ``schedule`` with its data-parallel reductions (``rows``: its
-    gradient points, when kept), and its iteration."""
+    gradient points, ``prepared``: its :func:`vpipe.sim.simulator.prepare`, when kept), and
+    its iteration."""
     from vpipe.sim import simulate
     from vpipe.sim.collectives import simulate_reductions
     from vpipe.sim.iteration import iteration
 
     lay = costs.layout
-    sim = simulate(schedule, costs.cost_model())
+    sim = simulate(schedule, costs.cost_model(), prepared=prepared)
     reductions = None
     if lay.dp > 1:
         collective, buckets = costs.dp_reduction()
-        reductions = simulate_reductions(schedule, sim.columns, sim.makespan, collective, buckets,
-                                         rows)  # fmt: skip
-    return iteration(sim.columns, lay.pp, costs.iteration_costs(post_validated), reductions), sim
+        reductions = simulate_reductions(schedule, sim.compute_columns, sim.makespan, collective,
+                                         buckets, rows)  # fmt: skip
+    it = iteration(sim.compute_columns, lay.pp, costs.iteration_costs(post_validated), reductions)
+    return it, sim
 
 
 def _recomputed_flops(costs: ModelCosts) -> float:

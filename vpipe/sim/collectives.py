@@ -16,12 +16,13 @@ from __future__ import annotations
 import math
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
+from typing import Any
 
 import numpy as np
 
 from vpipe.errors import VpipeError
 from vpipe.ir import Schedule
-from vpipe.ir.reduction import gradient_points
+from vpipe.ir.flat import flatten
 
 __all__ = ["CollectiveCost", "DPStep", "Reduction", "bucket_sizes", "simulate_reductions"]
 
@@ -125,9 +126,13 @@ def ready_times(
     :func:`gradient_rows`, when the caller keeps them."""
     rank, kind, end = (np.asarray(columns[k]) for k in ("rank", "kind", "end"))
     compute = kind < COMPUTE_CODES
+    # each rank's compute rows in order (an overlap action's parts are rows of their own)
+    by_rank = np.argsort(rank[compute], kind="stable")
+    ends_all = end[compute][by_rank]
+    lo = np.searchsorted(rank[compute][by_rank], np.arange(schedule.n_ranks + 1))
     out = {}
     for r, points in enumerate(rows if rows is not None else gradient_rows(schedule)):
-        ends = end[compute & (rank == r)]  # an overlap action's parts are rows of their own
+        ends = ends_all[lo[r] : lo[r + 1]]
         for first, n, stages in points:
             t = float(ends[first : first + n].max())
             for s in stages:
@@ -135,20 +140,30 @@ def ready_times(
     return out
 
 
-def gradient_rows(schedule: Schedule) -> list[list[tuple[int, int, list[int]]]]:
+def gradient_rows(schedule: Schedule, flat: Any = None) -> list[list[tuple[int, int, list[int]]]]:
     """Per rank, each gradient point as (its action's first compute row, the action's rows,
     the stages whose gradients it completes): what :func:`ready_times` reads off a timeline
-    (a plan that times one schedule under many costs keeps them)."""
+    (a plan that times one schedule under many costs keeps them). The rule is
+    :func:`vpipe.ir.reduction.gradient_points`', read off the schedule's flat columns
+    (``flat``: its :func:`vpipe.ir.flat.flatten`, when the caller keeps it)."""
+    fl = flat if flat is not None else flatten(schedule)
+    n_ops = len(fl.o_rank)
+    first = np.searchsorted(fl.p_op, np.arange(n_ops)).tolist()  # each op's first part
+    parts = np.bincount(fl.p_op, minlength=n_ops).tolist()
+    part_lo = np.searchsorted(fl.p_rank, np.arange(schedule.n_ranks + 1)).tolist()
+    # per stage, the last op of its rank that runs its W or B
+    own = (fl.p_kind == 1) | (fl.p_kind == 3)
+    own &= fl.place[fl.p_stage] == fl.p_rank
+    last = np.full(schedule.n_stages, -1, np.int64)
+    np.maximum.at(last, fl.p_stage[own], fl.p_op[own])
+    last_l, o_lo = last.tolist(), fl.o_lo.tolist()
     out = []
     for r in range(schedule.n_ranks):
-        program = [a for a in schedule.actions[r] if a.is_compute]
-        starts, i = [], 0
-        for a in program:
-            n = len(a.compute_parts())
-            starts.append((i, n))
-            i += n
-        points = gradient_points(program, schedule.stages_of(r))
-        out.append([(*starts[at], sorted(stages)) for at, stages in points.items()])
+        points: dict[int, list[int]] = {}
+        for st in sorted(schedule.stages_of(r)):  # no W or B: the rank's last action
+            points.setdefault(last_l[st] if last_l[st] >= 0 else o_lo[r + 1] - 1, []).append(st)
+        out.append([(first[op] - part_lo[r], parts[op], sorted(stages))
+                    for op, stages in points.items()])  # fmt: skip
     return out
 
 

@@ -68,11 +68,11 @@ def iteration(
     rank, kind = np.asarray(columns["rank"]), np.asarray(columns["kind"])
     start, end = np.asarray(columns["start"]), np.asarray(columns["end"])
     compute = kind < COMPUTE_CODES
-    first, last = np.zeros(n_ranks), np.zeros(n_ranks)
-    for r in range(n_ranks):
-        mine = compute & (rank == r)
-        if mine.any():
-            first[r], last[r] = start[mine].min(), end[mine].max()
+    first, last = np.full(n_ranks, np.inf), np.full(n_ranks, -np.inf)
+    np.minimum.at(first, rank[compute], start[compute])
+    np.maximum.at(last, rank[compute], end[compute])
+    idle = np.bincount(rank[compute], minlength=n_ranks)[:n_ranks] == 0
+    first[idle], last[idle] = 0.0, 0.0
     done = last.copy()
     if reductions is not None:
         for red in reductions.reductions:

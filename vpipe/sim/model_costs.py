@@ -171,21 +171,27 @@ class Layout:
 
     def same_node(self, rank_a: int, rank_b: int, gpus_per_node: int) -> bool:
         """Whether every replica's ranks ``rank_a`` and ``rank_b`` share a node."""
-        if self.group > gpus_per_node:
-            return False
-        a, b = self._gpus(rank_a), self._gpus(rank_b)
-        return bool(np.all(a // gpus_per_node == b // gpus_per_node))
+        return bool(self.same_nodes([rank_a], [rank_b], gpus_per_node)[0])
 
-    def _gpus(self, rank: int) -> np.ndarray:
-        """The first GPU of the rank's group in every replica."""
-        d = np.arange(self.dp)
-        g = d * self.pp + rank if self.pp_inner else rank * self.dp + d
+    def same_nodes(self, ranks_a: Sequence[int], ranks_b: Sequence[int],
+                   gpus_per_node: int) -> np.ndarray:  # fmt: skip
+        """:meth:`same_node` of each pair of ``ranks_a`` and ``ranks_b`` at once."""
+        if self.group > gpus_per_node:
+            return np.zeros(len(ranks_a), bool)
+        nodes = self._first_gpus() // gpus_per_node
+        return np.all(nodes[:, list(ranks_a)] == nodes[:, list(ranks_b)], axis=0)
+
+    def _first_gpus(self) -> np.ndarray:
+        """(replica, rank): the first GPU of the rank's group in that replica."""
+        d, r = np.arange(self.dp)[:, None], np.arange(self.pp)[None, :]
+        g = d * self.pp + r if self.pp_inner else r * self.dp + d
         return g * self.group
 
-    def replicas_in_one_node(self, rank: int, gpus_per_node: int) -> bool:
-        first = self._gpus(rank)
-        nodes = np.concatenate([first, first + self.group - 1]) // gpus_per_node
-        return bool(np.all(nodes == nodes[0]))
+    def all_replicas_in_one_node(self, gpus_per_node: int) -> bool:
+        """Whether each rank's replicas (all their GPUs) share one node, rank by rank."""
+        first = self._first_gpus()
+        lo, hi = first // gpus_per_node, (first + self.group - 1) // gpus_per_node
+        return bool(np.all(lo == lo[0]) and np.all(hi == lo[0]))
 
 
 def layer_split(layers: int, stages: int) -> list[int]:
@@ -268,7 +274,7 @@ class ModelCosts:
         all-gather runs under the next iteration's forwards (not counted), except ZeRO-3's
         first gather per rank (``extra["fsdp_s"]``, in :meth:`iteration_costs`)."""
         lay, m = self.layout, self.machine
-        inside = all(lay.replicas_in_one_node(r, m.gpus_per_node) for r in range(lay.pp))
+        inside = lay.all_replicas_in_one_node(m.gpus_per_node)
         latency, bandwidth = m.link(inside)
         cost = CollectiveCost(lay.dp, bandwidth / US, latency * US)
         per_param = GRAD_BYTES[self.arch.precision]
@@ -321,19 +327,21 @@ def model_costs(
     blk = block_on_gpu(arch, split)
     comm = block_comm_s(machine, layout, blk, rates, fit.tp_hidden)
     parts: dict[str, list[dict[str, float]]] = {k: [] for k in "FIW"}
-    for s, k in enumerate(layers):
-        for kind, rate in zip("FIW", (rates.f, rates.i, rates.w), strict=True):
-            head = arch.head_flops(kind) / n_gpu if s == last else 0.0
-            part = {"compute": (k * blk.flops[kind] + head) / rate,
-                    "recompute": k * blk.recompute_flops / rate if kind == "I" else 0.0,
-                    "tp": k * comm["tp"][kind], "cp": k * comm["cp"][kind]}  # fmt: skip
-            parts[kind].append(part)
+    for kind, rate in zip("FIW", (rates.f, rates.i, rates.w), strict=True):
+        flops, tp_s, cp_s = blk.flops[kind], comm["tp"][kind], comm["cp"][kind]
+        head, out = arch.head_flops(kind) / n_gpu, parts[kind]
+        for s, k in enumerate(layers):
+            out.append({"compute": (k * flops + (head if s == last else 0.0)) / rate,
+                        "recompute": k * blk.recompute_flops / rate if kind == "I" else 0.0,
+                        "tp": k * tp_s, "cp": k * cp_s})  # fmt: skip
+    ranks = [layout.rank_of(s) for s in range(n)]
     params = [0] * layout.pp
-    for s, k in enumerate(layers):
-        params[layout.rank_of(s)] += k * arch.layer_params()
-    params[layout.rank_of(0)] += arch.embedding_params()
-    if not (arch.tied_embeddings and layout.rank_of(0) == layout.rank_of(last)):
-        params[layout.rank_of(last)] += arch.head_params()
+    per_layer = arch.layer_params()
+    for r, k in zip(ranks, layers, strict=True):
+        params[r] += k * per_layer
+    params[ranks[0]] += arch.embedding_params()
+    if not (arch.tied_embeddings and ranks[0] == ranks[last]):
+        params[ranks[last]] += arch.head_params()
     params = [-(-p_r // layout.tp) for p_r in params]  # per GPU: TP splits every matrix
     times = {k: [sum(p.values()) for p in parts[k]] for k in "FIW"}
     saved = [k * blk.saved_bytes + (arch.head_saved_bytes() / n_gpu if s == last else 0.0)
@@ -342,11 +350,10 @@ def model_costs(
     held = [k * blk.held_after_i + (arch.head_weight_grad_bytes() / n_gpu if s == last else 0.0)
             for s, k in enumerate(layers)]  # fmt: skip
     message = arch.boundary_bytes() / n_gpu  # each GPU of a group sends its own share
-    boundary = []
-    for s in range(n - 1):
-        a, b = layout.rank_of(s), layout.rank_of(s + 1)
-        same = layout.same_node(a, b, machine.gpus_per_node)
-        boundary.append(0.0 if a == b else machine.message_time(message, same))
+    send = {same: machine.message_time(message, same) for same in (False, True)}
+    same = layout.same_nodes(ranks[:-1], ranks[1:], machine.gpus_per_node).tolist()
+    boundary = [0.0 if a == b else send[sm]
+                for a, b, sm in zip(ranks[:-1], ranks[1:], same, strict=True)]  # fmt: skip
     memory = _memory_parts(arch, layout, layers, params, blk, message)
     shard_opt = layout.dp if layout.shard != "none" else 1
     bandwidth = machine.memory_bandwidth * MEMORY_EFFICIENCY
@@ -386,13 +393,15 @@ def _fsdp_gather_s(arch: Arch, machine: Machine, layout: Layout, layers: list[in
     the replicas' ring once per step before the stage's first F (torch's UNSHARD) and kept
     until its last W (RESHARD); the first stage's gather waits, the rest are prefetched under
     the stages before them."""
-    dp, lat_bw = layout.dp, machine.link(
-        all(layout.replicas_in_one_node(r, machine.gpus_per_node) for r in range(layout.pp)))
+    dp, lat_bw = layout.dp, machine.link(layout.all_replicas_in_one_node(machine.gpus_per_node))
     out = [0.0] * layout.pp
     if layout.shard != "full" or dp == 1:
         return out
+    firsts: dict[int, int] = {}
+    for st in range(len(layers)):
+        firsts.setdefault(layout.rank_of(st), st)
     for r in range(layout.pp):
-        s = min(st for st in range(len(layers)) if layout.rank_of(st) == r)
+        s = firsts[r]
         n_p = layers[s] * arch.layer_params() + (arch.embedding_params() if s == 0 else 0)
         n_p /= layout.tp
         out[r] = (dp - 1) * lat_bw[0] + (dp - 1) / dp * n_p * WEIGHT_BYTES[arch.precision] / lat_bw[1]
@@ -434,11 +443,16 @@ def activation_peaks(
     schedule's :func:`vpipe.ir.flat.flatten`, when the caller keeps it."""
     fl = flat if flat is not None else flatten(schedule)
     a, fi = np.asarray(alloc, float), np.asarray(freed_by_i, float)
-    table = np.stack([a, -a, -fi, fi - a])  # F, B, I, W (the flat kind codes 0-3)
-    delta = table[fl.p_kind, fl.p_stage]
-    bounds = np.searchsorted(fl.p_rank, np.arange(schedule.n_ranks + 1))
-    peaks = []
-    for r in range(schedule.n_ranks):
-        seg = delta[bounds[r] : bounds[r + 1]]
-        peaks.append(float(max(np.cumsum(seg).max(), 0.0)) if len(seg) else 0.0)
-    return peaks
+    if len(a) != schedule.n_stages or len(fi) != schedule.n_stages:
+        raise ModelCostError(f"activation peaks need one figure per stage ({schedule.n_stages}"
+                             f"), got {len(a)} allocated and {len(fi)} freed")  # fmt: skip
+    table = np.concatenate([a, -a, -fi, fi - a])  # F, B, I, W (the flat kind codes 0-3)
+    delta = table[fl.part_index]
+    P, n = schedule.n_ranks, len(delta)
+    if n and n % P == 0 and np.all(np.bincount(fl.p_rank, minlength=P) == n // P):  # alike
+        tops = np.cumsum(delta.reshape(P, n // P), axis=1).max(axis=1).tolist()
+    else:
+        bounds = np.searchsorted(fl.p_rank, np.arange(P + 1)).tolist()
+        tops = [np.cumsum(delta[lo:hi]).max() if hi > lo else 0.0
+                for lo, hi in zip(bounds[:-1], bounds[1:], strict=True)]  # fmt: skip
+    return [max(t, 0.0) for t in tops]

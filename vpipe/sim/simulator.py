@@ -42,7 +42,15 @@ from vpipe.ir.lowering import CommPlan, plan_comm, slot_keys
 from vpipe.ir.validation import check_static
 from vpipe.sim.cost_model import CostModel, CostModelError, parse_numbers
 
-__all__ = ["CostModel", "CostModelError", "SimResult", "parse_numbers", "simulate"]
+__all__ = [
+    "CostModel",
+    "CostModelError",
+    "Prepared",
+    "SimResult",
+    "parse_numbers",
+    "prepare",
+    "simulate",
+]
 
 KIND_NAMES = ("F", "B", "I", "W", "SEND_F", "RECV_F", "SEND_B", "RECV_B")
 
@@ -93,6 +101,16 @@ class SimResult:
         """The timeline as numpy columns, without pandas: rank, stage, microbatch, kind (codes
         into ``KIND_NAMES``), start, end."""
         return _timeline_columns(self._raw)
+
+    @cached_property
+    def compute_columns(self) -> dict[str, np.ndarray]:
+        """The compute rows of :attr:`columns` alone, in the same order (rank-major, program
+        order): what the iteration's end and the data-parallel reductions read, without
+        the SEND/RECV rows or a sort."""
+        fl, timing = self._raw.prepared.fl, self._raw.timing
+        return {"rank": fl.p_rank.copy(), "stage": fl.p_stage.copy(),
+                "microbatch": fl.p_mb.copy(), "kind": fl.p_kind.astype(np.int8),
+                "start": timing.start.copy(), "end": timing.end.copy()}  # fmt: skip
 
     @cached_property
     def timeline(self):
@@ -238,12 +256,48 @@ class SimResult:
         return trace
 
 
+@dataclass
+class Prepared:
+    """What simulating a schedule needs that no cost changes: its flat columns (statically
+    valid), its communication plan and replay program, and (lazily) the layout of its
+    timeline. A caller timing one schedule under many cost models prepares it once
+    (:func:`prepare`)."""
+
+    schedule: Schedule
+    recv_lookahead: int
+    fl: Flat
+    plan: CommPlan | None
+    prog: Program
+
+    @cached_property
+    def timeline_layout(self) -> _Layout:
+        return _timeline_layout(self.fl, self.prog, self.plan)
+
+    @cached_property
+    def stage_peaks(self) -> list:
+        """Peak live (stage, microbatch) activations per rank, in program order."""
+        fl, P = self.fl, self.schedule.n_ranks
+        delta = np.array([1, -1, 0, -1], np.int64)[fl.p_kind]
+        return _segment_peaks(delta, np.searchsorted(fl.p_rank, np.arange(P + 1)))
+
+
+def prepare(schedule: Schedule, recv_lookahead: int = 1) -> Prepared:
+    """Flatten, check and plan ``schedule`` for :func:`simulate` (``prepared=``); invalid
+    schedules raise ScheduleError."""
+    fl = flatten(schedule)
+    check_static(fl)
+    plan = None if fl.lowered else plan_comm(fl, recv_lookahead)
+    prog = compile_program(fl, None if plan is None else (plan.e, plan.recv_op))
+    return Prepared(schedule, recv_lookahead, fl, plan, prog)
+
+
 def simulate(
     schedule: Schedule,
     costs: CostModel | str | None = None,
     *,
     recv_lookahead: int = 1,
     action_times: Mapping[tuple[int, str, int], float] | None = None,
+    prepared: Prepared | None = None,
 ) -> SimResult:
     """Simulate one step of a schedule. A compute-only schedule is lowered as
     :func:`vpipe.ir.lowering.lower` would (``recv_lookahead``) without materialising the actions;
@@ -251,18 +305,20 @@ def simulate(
     keyed by (stage, kind letter, microbatch), e.g. a measured step's
     (:mod:`vpipe.predict.step_replay`); the others cost what ``costs`` says, overlap scaling
     included. ``costs`` per rank's share (``unit="rank"``, as cost strings are) are split evenly
-    over the schedule's stages per rank; a string is parsed (:meth:`CostModel.parse`). Invalid
+    over the schedule's stages per rank; a string is parsed (:meth:`CostModel.parse`).
+    ``prepared``: this schedule's :func:`prepare`, when the caller keeps it. Invalid
     schedules raise ScheduleError."""
     if isinstance(costs, str):
         costs = CostModel.parse(costs)
     costs = (costs or CostModel()).for_schedule(schedule.stages_per_rank)  # unit=rank: 1/V each
-    fl = flatten(schedule)
-    check_static(fl)
-    plan = None if fl.lowered else plan_comm(fl, recv_lookahead)
-    prog = compile_program(fl, None if plan is None else (plan.e, plan.recv_op))
+    if prepared is None:
+        prepared = prepare(schedule, recv_lookahead)
+    elif prepared.schedule is not schedule or prepared.recv_lookahead != recv_lookahead:
+        raise ValueError("simulate: prepared= was prepared for another schedule or lookahead")
+    fl, plan, prog = prepared.fl, prepared.plan, prepared.prog
     S = schedule.n_stages
     f, b, w = costs.stage_times(S)
-    part_dur = np.concatenate([f, costs.backward_times(S), b, w])[fl.p_kind * S + fl.p_stage]
+    part_dur = np.concatenate([f, costs.backward_times(S), b, w])[fl.part_index]
     if costs.overlap != 1.0 and len(fl.p_op) > len(fl.o_rank):  # parts of overlap actions
         in_compound = np.bincount(fl.p_op, minlength=len(fl.o_rank))[fl.p_op] > 1
         part_dur = np.where(in_compound, part_dur * costs.overlap, part_dur)
@@ -274,7 +330,7 @@ def simulate(
     part_lead = np.zeros(len(fl.p_op))
     part_lead[np.searchsorted(fl.p_op, np.arange(len(fl.o_rank)))] = op_lead
     timing = replay(prog, part_dur, costs.links(S), part_lead)
-    return _summarise(schedule, costs, fl, prog, plan, part_dur, timing, tail)
+    return _summarise(schedule, costs, prepared, part_dur, timing, tail)
 
 
 def _overheads(fl: Flat, plan: CommPlan | None, costs: CostModel) -> tuple[np.ndarray, np.ndarray]:
@@ -304,10 +360,9 @@ def _overheads(fl: Flat, plan: CommPlan | None, costs: CostModel) -> tuple[np.nd
     return lead_t.astype(float), tail.astype(float)
 
 
-def _summarise(
-    schedule, costs, fl: Flat, prog: Program, plan, part_dur, timing: Timing, tail
-) -> SimResult:
+def _summarise(schedule, costs, prepared: Prepared, part_dur, timing: Timing, tail) -> SimResult:
     P, S = schedule.n_ranks, schedule.n_stages
+    fl, plan = prepared.fl, prepared.plan
     lo = fl.o_lo
     end = timing.op_end
     rank_end = tail.copy()
@@ -325,20 +380,16 @@ def _summarise(
     with np.errstate(invalid="ignore", divide="ignore"):
         per_rank_ex = np.where(span > 0, (span - busy) / np.where(span > 0, span, 1), 0.0)
     overall_ex = float((span - busy).sum() / span.sum()) if span.sum() > 0 else 0.0
-    # Live activations in program order, per part.
-    delta = np.array([1, -1, 0, -1], np.int64)[fl.p_kind]
-    plo = np.searchsorted(fl.p_rank, np.arange(P + 1))
-    peaks = _segment_peaks(delta, plo)
     act = costs.stage_activation_bytes(S)
     peak_bytes = None
     if act is not None:
+        plo = np.searchsorted(fl.p_rank, np.arange(P + 1))
         peak_bytes = _byte_peaks(fl, act, costs.stage_recompute_bytes(S), plo)
     if fl.lowered:
         comm_ops = np.bincount(fl.c_rank, minlength=P)
     else:
         comm_ops = np.bincount(fl.o_rank[plan.send_op], minlength=P)
         comm_ops += np.bincount(plan.dst, minlength=P)
-    raw = _Raw(fl, prog, plan, timing)
     return SimResult(
         schedule=schedule,
         costs=costs,
@@ -347,12 +398,12 @@ def _summarise(
         bubble_ratio_per_rank=[float(x) for x in per_rank],
         bubble_ratio_excl_skew=overall_ex,
         bubble_ratio_per_rank_excl_skew=[float(x) for x in per_rank_ex],
-        peak_stage_activations=[int(x) for x in peaks],
+        peak_stage_activations=[int(x) for x in prepared.stage_peaks],
         peak_activation_bytes=None if peak_bytes is None else [float(x) for x in peak_bytes],
         comm_ops=[int(x) for x in comm_ops],
         busy=[float(x) for x in busy],
         span=float(span.max()) if len(span) else 0.0,
-        _raw=raw,
+        _raw=_Raw(prepared, timing),
     )
 
 
@@ -360,15 +411,23 @@ def _summarise(
 class _Raw:
     """What the lazy timeline is built from."""
 
-    fl: Flat
-    prog: Program
-    plan: CommPlan | None
+    prepared: Prepared
     timing: Timing
 
 
-def _timeline_columns(raw: _Raw) -> dict[str, np.ndarray]:
-    """Timeline columns, one row per compute part and per SEND/RECV, in program order."""
-    fl, prog, plan = raw.fl, raw.prog, raw.plan
+@dataclass(frozen=True)
+class _Layout:
+    """A schedule's timeline without its times: the rows' rank, stage, microbatch and kind in
+    program order (``order``: where each row comes from among the compute parts, then the
+    SEND/RECV rows), and per SEND/RECV row the op whose end posts it and its message."""
+
+    columns: dict[str, np.ndarray]
+    order: np.ndarray
+    post_op: np.ndarray
+    message: np.ndarray
+
+
+def _timeline_layout(fl: Flat, prog: Program, plan: CommPlan | None) -> _Layout:
     s = fl.schedule
     M, NB = s.n_microbatches, s.n_stages - 1
     if fl.lowered:
@@ -390,19 +449,25 @@ def _timeline_columns(raw: _Raw) -> dict[str, np.ndarray]:
         p_seq = op_key[fl.p_op] << PART_BITS | fl.p_sub
         c_seq = np.concatenate([send_key << PART_BITS | plan.send_sub, recv_key << PART_BITS])
         tie = np.concatenate([np.zeros(len(fl.p_rank) + n, np.int64), plan.order])
-    timing = raw.timing
     post_op = np.where(is_send, prog.send_op[e], prog.recv_op[e])
-    c_start = np.append(timing.op_end, 0.0)[post_op]  # -1: a RECV posted at the start
     cols = {
         "rank": np.concatenate([fl.p_rank, c_rank]),
         "stage": np.concatenate([fl.p_stage, c_stage]),
         "microbatch": np.concatenate([fl.p_mb, c_mb]),
         "kind": np.concatenate([fl.p_kind, c_kind]).astype(np.int8),
-        "start": np.concatenate([timing.start, c_start]),
-        "end": np.concatenate([timing.end, timing.arrive[e]]),
     }
     order = np.lexsort((tie, np.concatenate([p_seq, c_seq]), cols["rank"]))
-    return {k: v[order] for k, v in cols.items()}
+    return _Layout({k: v[order] for k, v in cols.items()}, order, post_op, e)
+
+
+def _timeline_columns(raw: _Raw) -> dict[str, np.ndarray]:
+    """Timeline columns, one row per compute part and per SEND/RECV, in program order."""
+    lay, timing = raw.prepared.timeline_layout, raw.timing
+    c_start = np.append(timing.op_end, 0.0)[lay.post_op]  # -1: a RECV posted at the start
+    start = np.concatenate([timing.start, c_start])
+    end = np.concatenate([timing.end, timing.arrive[lay.message]])
+    cols = {k: v.copy() for k, v in lay.columns.items()}  # the caller's own, as before
+    return {**cols, "start": start[lay.order], "end": end[lay.order]}
 
 
 def _byte_peaks(fl: Flat, act: np.ndarray, rec: np.ndarray, bounds: np.ndarray) -> list:
