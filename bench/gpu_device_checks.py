@@ -98,10 +98,9 @@ def timeline_findings(events: Any) -> dict[str, Any]:
 
 def union_ns(starts: Any, ends: Any) -> int:
     """The total length of the union of intervals [start, end)."""
-    from vpipe.trace.gpu_owners import merged_intervals
+    from vpipe.trace.gpu_owners import union_length
 
-    a, b = merged_intervals(np.asarray(starts), np.asarray(ends))
-    return int((b - a).sum())
+    return union_length(np.asarray(starts), np.asarray(ends))
 
 
 def trace_ops_ns(path: Path) -> tuple[np.ndarray, np.ndarray]:

@@ -6,6 +6,7 @@ threads' compute-stream work, other work is its own row kind and counts as devic
 
 from __future__ import annotations
 
+import numpy as np
 import orjson
 import pandas as pd
 import pytest
@@ -138,3 +139,24 @@ def test_which_threads_launch_for_actions():
              5: "thread 5 (python3)", 6: ""}  # fmt: skip
     # 3: unnamed, launched between compute spans; 5, 6: unnamed, only inside them
     assert action_threads(tid, at, {1}, compute, names) == {1, 2, 5, 6}
+
+
+def test_merged_intervals_is_the_union_walked_interval_by_interval():
+    """The vectorised union against a plain walk over the sorted intervals (touching ones
+    joined), on random sets, empty ones included."""
+    from vpipe.trace.gpu_owners import merged_intervals, union_length
+
+    rng = np.random.default_rng(7)
+    for _ in range(500):
+        n = int(rng.integers(0, 12))
+        s = rng.integers(0, 100, n)
+        e = s + rng.integers(0, 30, n)
+        walked: list[list[int]] = []
+        for a, b in sorted(zip(s.tolist(), e.tolist(), strict=True)):
+            if walked and a <= walked[-1][1]:
+                walked[-1][1] = max(walked[-1][1], b)
+            else:
+                walked.append([a, b])
+        m0, m1 = merged_intervals(s, e)
+        assert [[int(a), int(b)] for a, b in zip(m0, m1, strict=True)] == walked
+        assert union_length(s, e) == sum(b - a for a, b in walked)

@@ -65,17 +65,21 @@ def action_threads(
 
 
 def merged_intervals(starts: np.ndarray, ends: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
-    """The union of intervals [start, end) as sorted disjoint intervals."""
+    """The union of intervals [start, end) as sorted disjoint intervals (touching ones joined)."""
     order = np.argsort(starts, kind="stable")
-    out0: list[int] = []
-    out1: list[int] = []
-    for a, b in zip(np.asarray(starts)[order], np.asarray(ends)[order], strict=True):
-        if out1 and a <= out1[-1]:
-            out1[-1] = max(out1[-1], int(b))
-        else:
-            out0.append(int(a))
-            out1.append(int(b))
-    return np.asarray(out0, np.int64), np.asarray(out1, np.int64)
+    s = np.asarray(starts, np.int64)[order]
+    reach = np.maximum.accumulate(np.asarray(ends, np.int64)[order])
+    if not len(s):
+        return s, reach
+    new = np.concatenate(([True], s[1:] > reach[:-1]))
+    first = np.flatnonzero(new)
+    return s[first], reach[np.concatenate((first[1:] - 1, [len(s) - 1]))]
+
+
+def union_length(starts: np.ndarray, ends: np.ndarray) -> int:
+    """Length of the union of intervals [start, end)."""
+    a, b = merged_intervals(starts, ends)
+    return int((b - a).sum())
 
 
 def compute_stream(ops: pd.DataFrame, in_compute: np.ndarray) -> int | None:

@@ -31,6 +31,7 @@ import numpy as np
 import pandas as pd
 
 from vpipe.events import COMPUTE_KINDS
+from vpipe.trace.gpu_owners import union_length
 
 OPS_WAIT = "WAIT(ops)"  # the name prefix of a wait found from the operators
 RUN_NAME = "ops"  # a compute row that is a run of operators, not an action
@@ -58,15 +59,6 @@ def _ops_ns(ops: Mapping[str, np.ndarray], base: int, tid: int) -> tuple[np.ndar
     end = start + np.rint(ops["dur"][on] * 1000.0).astype(np.int64)
     order = np.argsort(start, kind="stable")
     return start[order], end[order], ops["comm"][on][order], ops["backward"][on][order]
-
-
-def _union(start: np.ndarray, end: np.ndarray) -> int:
-    """Length of the union of intervals sorted by start."""
-    if not len(start):
-        return 0
-    reach = np.maximum.accumulate(end)
-    prev = np.concatenate(([start[0]], reach[:-1]))
-    return int(np.maximum(0, end - np.maximum(start, prev)).sum())
 
 
 def read_by_operators(
@@ -100,7 +92,7 @@ def read_by_operators(
                 continue
             oe = np.minimum(end[i:j], e)
             lead[at] = start[i] - s
-            s_all[at], e_all[at], busy[at] = start[i], oe.max(), _union(start[i:j], oe)
+            s_all[at], e_all[at], busy[at] = start[i], oe.max(), union_length(start[i:j], oe)
     waits = df.iloc[rows[lead[rows] > 0]]
     w_end = s_all[rows[lead[rows] > 0]]
     df = df.assign(start_ns=s_all, end_ns=e_all, busy_ns=busy)
@@ -150,7 +142,7 @@ def _runs(step: pd.Series, ops: Mapping[str, np.ndarray], base: int, rank: int) 
         # the two runs is the interpreter's, as between two operators of one run
         s0 = int(start[i]) if after or not rows else rows[-1]["end_ns"]
         rows.append({"kind": kind, "name": RUN_NAME, "start_ns": s0, "end_ns": int(end[j]),
-                     "busy_ns": _union(start[i : j + 1], end[i : j + 1]),
+                     "busy_ns": union_length(start[i : j + 1], end[i : j + 1]),
                      AFTER_COMM: after})  # fmt: skip
         i = j + 1
     out = []
