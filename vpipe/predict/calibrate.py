@@ -37,8 +37,7 @@ Times in the cost model are microseconds (``time_unit_ns=1000``).
 
 from __future__ import annotations
 
-import math
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Any
 
 import numpy as np
@@ -47,6 +46,7 @@ import pandas as pd
 from vpipe.errors import TraceError
 from vpipe.events import COMPUTE_KINDS
 from vpipe.metrics.per_run import KEYS, _union_ns, rank_metrics, step_metrics
+from vpipe.predict.links import comm_link_us
 from vpipe.trace.operators import RUN_NAME
 
 US = 1e3  # ns per cost-model time unit
@@ -67,6 +67,7 @@ class Calibration:
     overlap: float = 1.0  # an overlap action's span over the sum of its parts' separate costs
     comm_handshake: float = 0.0  # added to a message whose receive is posted after its send
     full_b: np.ndarray | None = None  # B's own time where a stage also ran I and W, else NaN
+    compute_scale: float = 1.0  # F, I, W and B times are multiplied by it (vpipe.predict.anchor)
 
     @property
     def n_stages(self) -> int:
@@ -76,19 +77,19 @@ class Calibration:
         """A CostModel for ``schedule`` on the same model (split into its stage count)."""
         from vpipe.sim import CostModel
 
-        n_stages = schedule.n_stages
+        n_stages, k = schedule.n_stages, self.compute_scale
         if n_stages == self.n_stages:
-            f, b, w = self.f, self.b, self.w
+            f, b, w = self.f * k, self.b * k, self.w * k
         else:
             n_units = n_units or _lcm(self.n_stages, n_stages)
-            f, total = (_rescale(x, n_units, n_stages) for x in (self.f, self.b + self.w))
+            f, total = (_rescale(x * k, n_units, n_stages) for x in (self.f, self.b + self.w))
             w = total * self.share_of_w()
             w[0] = total[0]  # the first stage computes no input gradient: all of it is W
             b = total - w
         per_stage = {s: {"f": f[s], "b": b[s], "w": w[s]} for s in range(n_stages)}
         if n_stages == self.n_stages and self.full_b is not None:  # same split: B as measured
             for s in np.flatnonzero(np.isfinite(self.full_b)):
-                per_stage[int(s)]["B"] = float(self.full_b[s])
+                per_stage[int(s)]["B"] = float(self.full_b[s] * k)
         return CostModel(
             comm_latency=self.comm_latency,
             comm_handshake=self.comm_handshake,
@@ -118,6 +119,7 @@ class Calibration:
             "comm_handshake_us": round(self.comm_handshake, 1),
             "overlap": round(self.overlap, 3),
             "w_share": self.w_share,
+            "compute_scale": round(self.compute_scale, 4),
         }
 
 
@@ -283,83 +285,6 @@ def _gap_per_action_us(ev: pd.DataFrame) -> float:
     return float(gap.sum() / n.sum() * 1e6) if n.sum() else 0.0
 
 
-# A wait that finds its data there takes about 20 us (the executor's own work); one that
-# took longer was blocked until the data arrived.
-_BLOCKED_NS = 50_000
-
-
-def comm_link_us(events: pd.DataFrame) -> tuple[float, float]:
-    """The link model's ``(latency, handshake)`` in microseconds, from the receives ranks
-    waited on (0 when no wait was still blocked once its message could move, e.g. no WAIT
-    spans).
-
-    A message can move once the matching SEND on the peer and the rank's own RECV are both
-    posted; from then to the end of a wait still blocked at that point is one message's time.
-    Its median over receives posted before the send began is ``latency``; over receives posted
-    after it, ``latency + handshake`` (gloo's rendezvous: the sender's I/O thread writes the
-    payload only once it hears of the receive). A run without such late receives, or without
-    early ones, gives handshake 0 and the median of what it has as latency.
-    """
-    kind = events["kind"].astype(str)
-    name = events["name"].astype(str)
-    waits = events[kind == "WAIT"].assign(comm=name[kind == "WAIT"].str.extract(r"(RECV_[FB])")[0])
-    sends = events[kind.isin(["SEND_F", "SEND_B"])]
-    if waits.empty or sends.empty:
-        return 0.0, 0.0
-    # the send feeding RECV_F at stage s comes from stage s-1; RECV_B at s from stage s+1
-    w = waits.assign(
-        src_stage=np.where(waits["comm"] == "RECV_F", waits["stage"] - 1, waits["stage"] + 1),
-        send_kind=np.where(waits["comm"] == "RECV_F", "SEND_F", "SEND_B"),
-    )
-    keys = ["run_id", "step", "microbatch"]
-    s = sends[[*keys, "stage", "start_ns", "end_ns"]].assign(send_kind=kind[sends.index])
-    m = w.merge(
-        s.rename(columns={"stage": "src_stage", "start_ns": "send_start", "end_ns": "send_end"}),
-        on=[*keys, "send_kind", "src_stage"],
-        how="inner",
-    )
-    recvs = events[kind.isin(["RECV_F", "RECV_B"])]
-    r = recvs[[*keys, "stage", "end_ns"]].assign(comm=kind[recvs.index])
-    m = m.merge(r.rename(columns={"end_ns": "recv_end"}), on=[*keys, "stage", "comm"], how="left")
-    late = (m["recv_end"] > m["send_start"]).to_numpy()
-    early = m[~late]
-    blocked = (early["start_ns"] <= early["send_end"]) & (early["end_ns"] >= early["send_end"])
-    took_early = ((early["end_ns"] - early["send_end"])[blocked] / US).to_numpy()
-    m = m[late]
-    ready = np.maximum(m["recv_end"], m["send_end"])
-    waited = (m["end_ns"] - m["start_ns"] > _BLOCKED_NS) & (m["end_ns"] >= ready)
-    took_late = _left_censored_median(
-        ((m["end_ns"] - ready)[waited] / US).to_numpy(),
-        ((m["start_ns"] - ready)[~waited].clip(lower=0) / US).to_numpy(),
-    )
-    if math.isnan(took_late):
-        return (float(np.median(took_early)) if len(took_early) else 0.0), 0.0
-    if not len(took_early):
-        return took_late, 0.0
-    latency = float(np.median(took_early))
-    return latency, max(took_late - latency, 0.0)
-
-
-def _left_censored_median(exact: np.ndarray, at_most: np.ndarray) -> float:
-    """Median of a sample of which ``exact`` values are known and the rest are only known to
-    be at most ``at_most`` (a late receive whose wait did not block: its message had arrived
-    by the time the wait began). Kaplan-Meier on the negated values; NaN when empty."""
-    if not len(exact):
-        return math.nan
-    values = np.concatenate([-exact, -at_most])
-    is_exact = np.concatenate([np.ones(len(exact), bool), np.zeros(len(at_most), bool)])
-    order = np.lexsort((~is_exact, values))  # ascending; exact values before bounds at a tie
-    at_risk, survive, last = len(values), 1.0, math.nan
-    for v, ex in zip(values[order], is_exact[order], strict=True):
-        if ex:
-            survive *= 1 - 1 / at_risk
-            last = -float(v)
-            if survive <= 0.5:
-                return last
-        at_risk -= 1
-    return last
-
-
 def model_units(meta: dict[str, Any]) -> int | None:
     """Pieces the benchmark model of a run is split into (MLP blocks; GPT embedding, layers
     and head), from the run's metadata; None when unknown."""
@@ -380,6 +305,39 @@ def predict(
     from vpipe.sim import simulate
 
     return simulate(schedule, cal.cost_model(schedule, n_units), recv_lookahead=recv_lookahead)
+
+
+_ANCHOR_ROUNDS = 6  # fixed-point steps; each shrinks the miss by about overheads / step
+
+
+def anchor(
+    cal: Calibration,
+    schedule: Any,
+    timed_s: float | None,
+    n_units: int | None = None,
+    *,
+    recv_lookahead: int = 1,
+) -> Calibration:
+    """``cal`` with the ``compute_scale`` that makes its own ``schedule`` (the config it was
+    calibrated on) simulate to ``timed_s`` seconds, its timed median; ``cal`` unchanged when
+    there is none (a run converted from traces).
+
+    Why: the few profiled steps a calibration reads are a small sample of a shared host's state
+    and run under the profiler, so their level is off by several percent either way, while
+    their structure (how F, I, W and B of each stage compare; posting and link costs) is
+    measured inside the same steps and holds. The timed median is taken over many interleaved
+    steps. Only compute is scaled, never the overheads or the link."""
+    if timed_s is None or not timed_s > 0:
+        return cal
+    target = timed_s * 1e9 / US
+    k = cal.compute_scale
+    for _ in range(_ANCHOR_ROUNDS):
+        made = predict(replace(cal, compute_scale=k), schedule, n_units,
+                       recv_lookahead=recv_lookahead).makespan  # fmt: skip
+        if not made > 0 or abs(made / target - 1) < 1e-4:
+            break
+        k *= target / made
+    return replace(cal, compute_scale=k)
 
 
 def fidelity_table(
@@ -455,11 +413,13 @@ def leave_one_out(cases: list[Case], n_units: int | None = None) -> pd.DataFrame
     """Calibrate on each case in turn and predict every case (itself included: the in-sample
     error); one row per calibration case, one column per predicted case, holding the relative
     error predicted / timed median - 1 (:func:`fidelity_table`'s ``error``). Each calibration
-    uses the per-action medians over all of that case's profiled steps."""
+    uses the per-action medians over all of that case's profiled steps, anchored to that
+    case's timed median (:func:`anchor`: the diagonal is then 0 by construction)."""
     targets = [(c.label, c.schedule, None, c.timed_s) for c in cases]
     rows = []
     for source in cases:
-        t = fidelity_table(calibrate(source.events), targets, n_units)
+        cal = anchor(calibrate(source.events), source.schedule, source.timed_s, n_units)
+        t = fidelity_table(cal, targets, n_units)
         rows.append(
             {"calibrated on": source.label, **dict(zip(t["schedule"], t["error"], strict=True))}
         )
