@@ -201,8 +201,10 @@ def _counterpart(source: str, meta: dict, schedule: str) -> tuple[Any, float | N
             same &= runs[key] == meta[key]
     if not same.any():
         return None, None
+    from vpipe.predict.calibrate import timed_median_s
+
     row = runs[same].iloc[0]
-    return Store(path).events([str(row["run_id"])]), _timed_s(row)
+    return Store(path).events([str(row["run_id"])]), timed_median_s(row)
 
 
 def analyze(
@@ -248,7 +250,9 @@ def _with_timed(metrics: dict[str, Any], row: dict[str, Any]) -> dict[str, Any]:
     give none and the run has timed steps (a sweep's run): the figures of the timed steps
     (step time, throughput, the normalised step, the simulator's error), so that every name
     means what it means in ``vpipe runs``, the report and the runs table."""
-    if _timed_s(row) is None:
+    from vpipe.predict.calibrate import timed_median_s
+
+    if timed_median_s(row) is None:
         return metrics
     out = dict(metrics)
     for name, value in metrics.items():
@@ -299,6 +303,11 @@ def analysis_text(found: dict[str, Any]) -> str:
             f"{d['comm_handshake_us']} us"
             + (f"; I/W split assumed (W = {d['w_share']} of B)" if d["w_share"] is not None else "")
             + (f"; model in {units} pieces" if units else "")
+            + (
+                f"; compute x{d['compute_scale']:.3f}, anchored to the run's timed median"
+                if d.get("compute_scale", 1.0) != 1.0
+                else "; no timed steps to anchor to: compute as profiled"
+            )
         )
         table = found["predictions"]
         shown = table.to_string(index=False, float_format=lambda x: f"{x:.3f}", na_rep="-")
@@ -375,7 +384,13 @@ def metric_lines(values: dict[str, Any]) -> list[str]:
 def _fidelity(
     source: str, events: Any, meta: dict, predict: list[str], w_share: float, stat: str
 ) -> dict[str, Any]:
-    from vpipe.predict.calibrate import calibrate, fidelity_table, model_units
+    from vpipe.predict.calibrate import (
+        anchor,
+        calibrate,
+        fidelity_table,
+        model_units,
+        timed_median_s,
+    )
     from vpipe.schedules import make_schedule
     from vpipe.sweep.results import has_actions
 
@@ -397,8 +412,10 @@ def _fidelity(
     cases = []
     own = str(meta.get("schedule", "unknown"))
     if own not in ("unknown", "custom"):
-        timed = _timed_s(meta)
-        cases.append((f"{own} (calibration run)", make_schedule(own, ranks, mbs), events, timed))
+        timed = timed_median_s(meta)
+        schedule = make_schedule(own, ranks, mbs)
+        cal = anchor(cal, schedule, timed, units)  # its level: the timed median's
+        cases.append((f"{own} (calibration run)", schedule, events, timed))
     for item in predict:
         name, _, trace = item.partition("=")
         if name == own and not trace:
@@ -413,13 +430,6 @@ def _fidelity(
         "model_pieces": units,
         "predictions": table,
     }
-
-
-def _timed_s(row: Any) -> float | None:
-    """A measured run's timed median step time, when it has timed steps (a sweep's run)."""
-    steps = _int(row.get("measured_steps"))
-    value = row.get("step_time_s")
-    return float(value) if steps and value is not None and value == value else None
 
 
 def _gpt_seq_len(meta: dict) -> int | None:

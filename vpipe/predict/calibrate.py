@@ -426,6 +426,17 @@ def leave_one_out(cases: list[Case], n_units: int | None = None) -> pd.DataFrame
     return pd.DataFrame(rows)
 
 
+def timed_median_s(row: Any) -> float | None:
+    """A measured run's timed median step time (its runs-table row or metadata), when it has
+    timed steps (a sweep's run; a run converted from traces has none)."""
+    try:
+        steps = int(row.get("measured_steps") or 0)
+    except (TypeError, ValueError):  # NA
+        steps = 0
+    value = row.get("step_time_s")
+    return float(value) if steps and value is not None and value == value else None
+
+
 def _judged_against(run: Any) -> float:
     """A measured run's step time to judge predictions against: its timed median, or the
     median of its profiled steps when it has no timed steps (a run converted from traces)."""

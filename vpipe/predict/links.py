@@ -84,7 +84,9 @@ def comm_link_us(events: pd.DataFrame) -> tuple[float, float]:
 def _left_censored_median(exact: np.ndarray, at_most: np.ndarray) -> float:
     """Median of a sample of which ``exact`` values are known and the rest are only known to
     be at most ``at_most`` (a late receive whose wait did not block: its message had arrived
-    by the time the wait began). Kaplan-Meier on the negated values; NaN when empty."""
+    by the time the wait began). Kaplan-Meier on the negated values; NaN when empty, or when
+    the exact values are too few to reach the median (one blocked wait among many that did
+    not block says nothing of the typical message)."""
     if not len(exact):
         return math.nan
     values = np.concatenate([-exact, -at_most])
@@ -98,4 +100,4 @@ def _left_censored_median(exact: np.ndarray, at_most: np.ndarray) -> float:
             if survive <= 0.5:
                 return last
         at_risk -= 1
-    return last
+    return math.nan

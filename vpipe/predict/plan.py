@@ -147,6 +147,7 @@ _NEEDED = {
 
 def from_run(store_root: str, run_id: str) -> CalibratedCosts:
     """Costs from a measured run of a results store (see :func:`calibrated_costs`)."""
+    from vpipe.predict.calibrate import timed_median_s
     from vpipe.schedules import make_schedule
     from vpipe.trace.store import Store
 
@@ -159,17 +160,22 @@ def from_run(store_root: str, run_id: str) -> CalibratedCosts:
     saved = memory[memory["what"].astype(str) == "saved_activations"]
     peaks = saved.groupby("rank")["bytes"].max().to_dict() if len(saved) else {}
     schedule = make_schedule(str(meta["schedule"]), int(meta["ranks"]), int(meta["microbatches"]))
-    return calibrated_costs(run.events, peaks, schedule, meta)
+    return calibrated_costs(run.events, peaks, schedule, meta, timed_median_s(meta))
 
 
 def calibrated_costs(
-    events: Any, peak_bytes: dict[int, float], schedule: Schedule, meta: dict[str, Any]
+    events: Any,
+    peak_bytes: dict[int, float],
+    schedule: Schedule,
+    meta: dict[str, Any],
+    timed_s: float | None = None,
 ) -> CalibratedCosts:
-    """Costs from a measured run: calibrated per-action medians (:mod:`vpipe.predict.calibrate`) and
-    the bytes saved for backward per model piece and row, from the run's measured peak per
-    rank (``peak_bytes``) against the simulated peak of the same schedule. ``meta`` names the
+    """Costs from a measured run: calibrated per-action medians (:mod:`vpipe.predict.calibrate`),
+    anchored to the run's timed median step ``timed_s`` when it has one, and the bytes saved
+    for backward per model piece and row, from the run's measured peak per rank
+    (``peak_bytes``) against the simulated peak of the same schedule. ``meta`` names the
     model, its sizes, stages and batch (the global batch of ``meta["dp"]`` replicas, if any)."""
-    from vpipe.predict.calibrate import calibrate, model_units, split_sizes
+    from vpipe.predict.calibrate import anchor, calibrate, model_units, split_sizes
     from vpipe.sim import simulate
 
     pieces = model_units({**meta, "stages": schedule.n_stages})
@@ -181,7 +187,8 @@ def calibrated_costs(
     units = split_sizes(pieces, schedule.n_stages)
     sim = simulate(schedule, CostModel(activation_bytes=[u * rows for u in units]))
     ratios = [peak_bytes.get(r, 0) / p for r, p in enumerate(sim.peak_activation_bytes) if p]
-    return CalibratedCosts(calibrate(events), pieces, rows, float(max(ratios, default=0.0)), meta)
+    cal = anchor(calibrate(events), schedule, timed_s, pieces)
+    return CalibratedCosts(cal, pieces, rows, float(max(ratios, default=0.0)), meta)
 
 
 def _replicas(meta: dict[str, Any]) -> int:

@@ -138,8 +138,9 @@ def fidelity_sections(
                 fidelity_shown(table),
                 "error of the predicted step time against the timed median of each config "
                 "(columns), calibrated on the profiled steps of one config (rows: per-action "
-                f"medians over {res.spec.profile_steps} profiled steps); the diagonal is in "
-                f"sample. Largest |error|: {fidelity_worst(table) * 100:.1f}% (goal: within 5%)."
+                f"medians over {res.spec.profile_steps} profiled steps, compute anchored to "
+                "that config's timed median, so the diagonal is 0 by construction). Largest "
+                f"|error|: {fidelity_worst(table) * 100:.1f}% (goal: within 5%)."
                 + (
                     ""
                     if impl == "vpipe"
@@ -212,7 +213,9 @@ def plan_sections(
     budget = Budget(float(res.ranks["peak_bytes"].max()))
     dp, dp_note = plan_dp(res.dp_sweep(), base.run_id)  # --dp: each step ends with its reductions
     try:
-        costs = calibrated_costs(res.events[base.run_id], peaks, schedule, meta)
+        costs = calibrated_costs(
+            res.events[base.run_id], peaks, schedule, meta, float(base.step_time_s)
+        )
         result = plan(costs, res.spec.ranks, res.spec.batch, budget, dp=dp)
     except PlanError as e:
         return [Section("Plan for this host", f'<p class="note">{e}</p>', str(e))]
@@ -234,7 +237,8 @@ def plan_sections(
     )
     note = (
         f"vpipe plan for {res.spec.ranks} ranks and batch {res.spec.batch}, costs calibrated on "
-        f"{base.schedule} M={int(base.microbatches)} (vpipe), budget: the most memory a config "
+        f"{base.schedule} M={int(base.microbatches)} (vpipe; compute anchored to its timed "
+        "median), budget: the most memory a config "
         f"of this sweep used ({budget.describe(budget.value)} per rank). Recommended: "
         f"{rec['schedule']} with {plural(rec['stages_per_rank'], 'stage')} per rank and "
         f"{plural(rec['microbatches'], 'microbatch')}, "

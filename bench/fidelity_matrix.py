@@ -1,0 +1,167 @@
+"""The simulator's fidelity matrix: calibrate on each schedule, predict every other one.
+
+    python -m bench.fidelity_matrix [--runs 3] [--hog-runs 1] [--minutes 3] [--impl vpipe]
+                                    [--profile-steps 3] [--keep DIR]
+
+Each run is one ``vpipe bench`` sweep of five schedules (P=2, M=6, an MLP of a shape no test
+uses, compute-bound: actions of 7-30 ms), quiet or beside a CPU hog (a busy loop pinned to one
+core, :class:`bench.false_alarms.Hog`). From its store, per implementation:
+
+- **absolute**: calibrated on the row's profiled steps and anchored to its timed median
+  (:func:`vpipe.predict.calibrate.anchor`), predicted / timed median - 1 for each column: what
+  ``vpipe bench``'s fidelity table shows. The diagonal is 0 by construction.
+- **relative**: without the anchor, each prediction's error relative to the calibration
+  config's own: (predicted / timed) / (own predicted / own timed) - 1.
+- **breakdown**: for the calibration the report's plan uses (zbv), what each term adds to each
+  prediction (:func:`vpipe.predict.error_terms.breakdown`).
+
+Ends with the worst held-out error of each run against the goals (relative 5%, absolute 10%).
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import pandas as pd
+
+SCHEDULES = "1f1b,interleaved-1f1b,zb-h1,zbv,dualpipev"
+SIZES = "d_model=384,d_hidden=1536,n_blocks=8"
+RANKS, MICROBATCHES, BATCH = 2, 6, 384
+GOAL_RELATIVE, GOAL_ABSOLUTE = 0.05, 0.10
+
+
+def sweep(out: Path, minutes: float, impl: str, profile_steps: int) -> float:
+    """One ``vpipe bench`` launch into ``out``; returns its wall seconds."""
+    cmd = [
+        sys.executable, "-m", "vpipe", "bench", "-p", str(RANKS), "-m", str(MICROBATCHES),
+        "--batch", str(BATCH), "--sizes", SIZES, "--schedules", SCHEDULES, "--impl", impl,
+        "--max-minutes", str(minutes), "--profile-steps", str(profile_steps),
+        "--rounds", str(profile_steps), "--out", str(out), "--force",
+    ]  # fmt: skip
+    t = time.monotonic()
+    subprocess.run(cmd, check=True, stdout=subprocess.DEVNULL)
+    return time.monotonic() - t
+
+
+def matrices(store_dir: Path) -> list[dict[str, Any]]:
+    """Per implementation of a stored sweep: its absolute (anchored) and relative (unanchored)
+    error tables, and the breakdown of the zbv calibration (or the first one)."""
+    from vpipe.predict.calibrate import (
+        Case,
+        anchor,
+        calibrate,
+        leave_one_out,
+        model_units,
+        predict,
+    )
+    from vpipe.predict.error_terms import breakdown
+    from vpipe.schedules import make_schedule
+    from vpipe.trace.store import Store
+
+    store = Store(str(store_dir))
+    runs = store.runs()
+    runs = runs[runs["source"].fillna("measured") == "measured"]
+    meta = store.run_meta(str(runs["run_id"].iloc[0]))
+    out = []
+    for impl, group in runs.groupby("impl", sort=True):
+        cases = []
+        for r in group.itertuples():
+            ev = store.events([r.run_id])
+            if ev is None or not ev["kind"].astype(str).isin(["F", "B", "I", "W"]).any():
+                continue
+            schedule = make_schedule(r.schedule, RANKS, int(r.microbatches))
+            cases.append(Case(r.schedule, schedule, ev, float(r.step_time_s)))
+        if len(cases) < 2:
+            continue
+        units = model_units({**meta, "stages": max(c.schedule.n_stages for c in cases)})
+        absolute = leave_one_out(cases, units).set_index("calibrated on")
+        relative = {}
+        for src in cases:
+            cal = calibrate(src.events)
+            own = predict(cal, src.schedule, units).makespan / 1e6 / src.timed_s
+            relative[src.label] = {
+                c.label: predict(cal, c.schedule, units).makespan / 1e6 / c.timed_s / own - 1
+                for c in cases
+            }
+        base = next((c for c in cases if c.label == "zbv"), cases[0])
+        cal = anchor(calibrate(base.events), base.schedule, base.timed_s, units)
+        terms = breakdown(cal, [(c.label, c.schedule, c.timed_s) for c in cases], units)
+        out.append({
+            "impl": str(impl), "absolute": absolute,
+            "relative": pd.DataFrame(relative).T.loc[absolute.index, absolute.columns],
+            "base": base.label, "scale": cal.compute_scale, "breakdown": terms,
+        })  # fmt: skip
+    return out
+
+
+def held_out(table: pd.DataFrame) -> np.ndarray:
+    """The off-diagonal cells of a square error table."""
+    values = table.to_numpy(dtype=float)
+    return values[~np.eye(len(values), dtype=bool)]
+
+
+def shown(table: pd.DataFrame) -> str:
+    return table.map(lambda e: f"{e * 100:+.1f}%").to_string()
+
+
+def host_line() -> str:
+    load = os.getloadavg()[0] if hasattr(os, "getloadavg") else float("nan")
+    return f"load average {load:.2f}, {os.cpu_count()} cores"
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("--runs", type=int, default=3, help="quiet sweeps (default 3)")
+    ap.add_argument("--hog-runs", type=int, default=1, help="sweeps beside a hog (default 1)")
+    ap.add_argument("--minutes", type=float, default=3.0, help="budget of each sweep")
+    ap.add_argument("--impl", default="vpipe", help="vpipe, torch or both (default vpipe)")
+    ap.add_argument("--profile-steps", type=int, default=3)
+    ap.add_argument("--keep", type=Path, help="keep the sweeps' stores under this folder")
+    args = ap.parse_args(argv)
+    from bench.false_alarms import Hog
+
+    root = args.keep or Path(tempfile.mkdtemp(prefix="vpipe-fidelity-"))
+    kinds = ["quiet"] * args.runs + ["hog"] * args.hog_runs
+    print(f"fidelity matrix: P={RANKS}, M={MICROBATCHES}, mlp {SIZES}, batch {BATCH}, "
+          f"{SCHEDULES}, impl {args.impl}, {args.minutes:g} min per sweep, "
+          f"{args.profile_steps} profiled steps per config")  # fmt: skip
+    summary = []
+    for i, kind in enumerate(kinds, start=1):
+        before = host_line()
+        out = root / f"run{i}-{kind}"
+        if kind == "hog":
+            with Hog():
+                wall = sweep(out, args.minutes, args.impl, args.profile_steps)
+        else:
+            wall = sweep(out, args.minutes, args.impl, args.profile_steps)
+        for m in matrices(out):
+            rel, ab = held_out(m["relative"]), held_out(m["absolute"])
+            worst_rel, worst_abs = float(np.abs(rel).max()), float(np.abs(ab).max())
+            summary.append((i, kind, m["impl"], worst_rel, worst_abs, np.median(np.abs(ab))))
+            print(f"\nrun {i} ({kind}; {before} before; sweep {wall:.0f} s), {m['impl']}")
+            print("absolute error (anchored; rows: calibrated on, columns: predicted):")
+            print(shown(m["absolute"]))
+            print("relative error (unanchored, to the calibration config's own error):")
+            print(shown(m["relative"]))
+            print(f"breakdown, calibrated on {m['base']} (compute scale {m['scale']:.3f}; ms):")
+            print(m["breakdown"].round(2).to_string(index=False))
+    print("\nrun kind   impl   worst relative  worst absolute  median absolute")
+    for i, kind, impl, r, a, med in summary:
+        verdict = "within" if r <= GOAL_RELATIVE and a <= GOAL_ABSOLUTE else "outside"
+        print(f"{i:3d} {kind:5s}  {impl:5s}  {r * 100:13.1f}%  {a * 100:13.1f}%  {med * 100:14.1f}%"
+              f"  {verdict} the goals ({GOAL_RELATIVE:.0%} / {GOAL_ABSOLUTE:.0%})")  # fmt: skip
+    if not args.keep:
+        print(f"(stores in {root}; pass --keep DIR to keep them somewhere of your choosing)")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
