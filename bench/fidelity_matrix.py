@@ -14,6 +14,9 @@ core, :class:`bench.false_alarms.Hog`). From its store, per implementation:
   config's own: (predicted / timed) / (own predicted / own timed) - 1.
 - **breakdown**: for the calibration the report's plan uses (zbv), what each term adds to each
   prediction (:func:`vpipe.predict.error_terms.breakdown`).
+- **replay**: each profiled step simulated with the times its own actions took
+  (:func:`vpipe.predict.step_replay.action_times`) and the calibrated posting, gaps and link,
+  against that step's measured time: the error of everything but the per-action costs.
 
 Ends with the worst held-out error of each run against the goals (relative 5%, absolute 10%).
 """
@@ -95,10 +98,31 @@ def matrices(store_dir: Path) -> list[dict[str, Any]]:
         cal = anchor(calibrate(base.events), base.schedule, base.timed_s, units)
         terms = breakdown(cal, [(c.label, c.schedule, c.timed_s) for c in cases], units)
         out.append({
-            "impl": str(impl), "absolute": absolute,
+            "impl": str(impl), "absolute": absolute, "replay": replay_errors(cases),
             "relative": pd.DataFrame(relative).T.loc[absolute.index, absolute.columns],
             "base": base.label, "scale": cal.compute_scale, "breakdown": terms,
         })  # fmt: skip
+    return out
+
+
+def replay_errors(cases: list[Any]) -> dict[str, list[float]]:
+    """Per case, each profiled step's replay (its own action times, the calibrated overheads
+    and link) over its measured step time, less 1."""
+    from vpipe.metrics.per_run import step_metrics
+    from vpipe.predict.calibrate import calibrate
+    from vpipe.predict.step_replay import action_times
+    from vpipe.sim import simulate
+
+    out = {}
+    for c in cases:
+        ev = c.events[c.events["step"] >= 0]
+        cal = calibrate(ev)
+        measured = step_metrics(ev).set_index("step")["step_time_s"]
+        costs = cal.cost_model(c.schedule)
+        out[c.label] = [
+            simulate(c.schedule, costs, action_times=times).makespan / 1e6 / measured[step] - 1
+            for step, times in sorted(action_times(ev, cal).items())
+        ]
     return out
 
 
@@ -151,6 +175,9 @@ def main(argv: list[str] | None = None) -> int:
             print(shown(m["absolute"]))
             print("relative error (unanchored, to the calibration config's own error):")
             print(shown(m["relative"]))
+            print("replay of each profiled step with its own action times, error per step:")
+            for label, errs in m["replay"].items():
+                print(f"  {label:17s} " + " ".join(f"{e * 100:+.1f}%" for e in errs))
             print(f"breakdown, calibrated on {m['base']} (compute scale {m['scale']:.3f}; ms):")
             print(m["breakdown"].round(2).to_string(index=False))
     print("\nrun kind   impl   worst relative  worst absolute  median absolute")

@@ -26,7 +26,9 @@ time is the slowest rank's. Printed per schedule, implementation and mode:
   does not see what torch's checkpoint keeps inside its own hooks);
 - the simulator's step time predicted from the ``none`` run's calibration with the mode's
   recomputation (full: one forward in each B and I; selective: attention's core, by its share
-  of the block's multiply-adds), and its error against the timed median (``sim ms``, ``err``).
+  of the block's multiply-adds), its compute anchored to the ``none`` run's timed median
+  (:func:`vpipe.predict.calibrate.anchor`: ``none``'s error is 0 by construction), and its
+  error against the timed median (``sim ms``, ``err``).
 
 Run: ``python -m bench.recompute [--rounds 6] [--steps 3] [--batch 64] [--stage-repeats 30]``.
 """
@@ -169,7 +171,7 @@ def report(specs: list, per_rank: list[dict], rounds: int, steps: int, batch: in
     """The benchmark's printed lines."""
     import pandas as pd
 
-    from vpipe.predict.calibrate import calibrate
+    from vpipe.predict.calibrate import anchor, calibrate
     from vpipe.sim import simulate
     from vpipe.stats import paired_ratio
 
@@ -193,7 +195,8 @@ def report(specs: list, per_rank: list[dict], rounds: int, steps: int, batch: in
         base = specs.index(replace(spec, recompute="none"))
         slowest = list(map(max, *(r["times"][i] for r in per_rank)))
         base_slowest = list(map(max, *(r["times"][base] for r in per_rank)))
-        cal_base, cal = calibrate(events(base)), calibrate(events(i))
+        cal, none_s = calibrate(events(i)), statistics.median(base_slowest)
+        cal_base = anchor(calibrate(events(base)), spec.schedule, none_s)  # none's timed level
         ratio = paired_ratio(slowest, base_slowest)
         extra_bi, extra_w = _backward_extra(cal, cal_base)
         share = {"none": 0.0, "full": 1.0, "selective": _selective_share()}[mode]
