@@ -12,8 +12,9 @@ spec. Both are turned into a cost model for any schedule and microbatch size:
 
 Every catalogue family x stages per rank x microbatch count that the family can build is
 simulated (:func:`vpipe.sim.simulate`). The candidates whose peak activation memory fits the
-budget on every rank and whose predicted step is within the prediction's error
-(:data:`PREDICTION_ERROR`, ``--tie``) of the fastest are a tie; the tie rule
+budget on every rank and whose predicted step is within the predictions' error (``tie``:
+measured on the calibration run's sweep, :mod:`vpipe.predict.plan_error`; else
+:data:`PREDICTION_ERROR`) of the fastest are a tie; the tie rule
 (:mod:`vpipe.schedules.ties`: less memory, then the simpler schedule) picks the one recommended,
 with the receive lookahead to run it with (:func:`best_lookahead`). Budgets are bytes (``12GiB``, ``500MB``) or
 activation units (``6units``: the most microbatch activations of a full stage, 1/P of the

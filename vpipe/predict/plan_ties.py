@@ -13,9 +13,8 @@ from typing import Any
 
 __all__ = ["PREDICTION_ERROR", "candidate_label", "tie_note", "tied"]
 
-# The error a prediction is taken to have (relative): the simulator's fidelity goal against the
-# timed median (the bench report's fidelity tables measure it on each host). Candidates
-# predicted within it of the fastest are a tie.
+# The default tie band (relative), used only where the error of the predictions is unknown
+# (vpipe.predict.plan_error): the simulator's fidelity goal against the timed median.
 PREDICTION_ERROR = 0.05
 
 
