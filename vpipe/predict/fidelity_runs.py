@@ -124,8 +124,8 @@ def store_errors(store_root: str, run_id: str) -> PlanErrors:
     sweep = runs[same.fillna(False).astype(bool)]
     base = next((r for r in sweep.itertuples() if r.run_id == run_id), None)
     m = meta.get("microbatches")
-    if base is None or not meta.get("ranks") or "batch" not in meta:
-        return PlanErrors(unknown("one config measured"), unknown("one config measured"),
-                          (int(m),) if m else ())  # fmt: skip
+    if base is None or not meta.get("bench_id") or not meta.get("ranks") or "batch" not in meta:
+        alone = unknown("one config measured (the run belongs to no sweep)")
+        return PlanErrors(alone, alone, (int(m),) if m else ())
     events_of = lambda rid: store.events([rid])  # noqa: E731
     return plan_errors(sweep, events_of, base, int(meta["ranks"]), meta)
