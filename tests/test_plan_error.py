@@ -11,7 +11,7 @@ import pandas as pd
 import pytest
 
 from vpipe.predict.fidelity import MeasuredError, held_out_error, interval_text
-from vpipe.predict.fidelity_runs import PlanErrors, across_m_table
+from vpipe.predict.fidelity_runs import PlanErrors, across_m_table, plan_errors
 from vpipe.predict.plan import Budget, Candidate, recommend
 from vpipe.predict.plan_error import alternative_note, tie_band, with_errors
 
@@ -109,7 +109,7 @@ def test_the_error_across_microbatch_counts_is_exact_on_traces_with_known_costs(
     from vpipe.sim import CostModel, simulate
 
     runs, events = [], {}
-    for name in ("1f1b", "zbv"):
+    for name in ("1f1b", "zb-h1", "zbv"):
         for m in (4, 8):
             s = make_schedule(name, 2, m)
             k = 4 // s.n_stages * 8 / m  # pieces per stage x rows per microbatch (per 4 rows)
@@ -124,10 +124,18 @@ def test_the_error_across_microbatch_counts_is_exact_on_traces_with_known_costs(
     meta = {"model": "mlp", "sizes": {"n_blocks": 4}, "batch": 32}
     sources = [r for r in runs.itertuples() if r.run_id == "zbv-m4"]
     table = across_m_table(runs, events.get, 2, meta, sources)
-    assert list(table.columns) == ["calibrated on", "1f1b M=8", "zbv M=8"]
+    assert list(table.columns) == ["calibrated on", "1f1b M=8", "zb-h1 M=8", "zbv M=8"]
     assert table["calibrated on"].tolist() == ["zbv M=4"]
     assert (table.drop(columns="calibrated on").abs() < 1e-9).all().all(), table
+    # the plan's errors from the same runs: exact at M=4 (two held out) and across M
+    errors = plan_errors(runs, events.get, sources[0], 2, meta)
+    assert errors.measured_m == (4, 8)
+    assert errors.measured.value == pytest.approx(0, abs=1e-9) and errors.measured.cells == 2
+    assert errors.extrapolated.value == pytest.approx(0, abs=1e-9)
+    assert errors.extrapolated.cells == 3
     runs.loc[runs["run_id"] == "1f1b-m8", "step_time_s"] *= 1.25
+    wider = plan_errors(runs, events.get, sources[0], 2, meta)
+    assert wider.extrapolated.value == pytest.approx(0.2) and wider.measured.value < 1e-9
     bad = across_m_table(runs, events.get, 2, meta, sources)
     assert math.isclose(bad["1f1b M=8"].iloc[0], 1 / 1.25 - 1, abs_tol=1e-9)
     assert across_m_table(runs[runs["microbatches"] == 4], events.get, 2, meta, sources) is None

@@ -10,7 +10,7 @@ of a stored run and measures both, for ``vpipe plan --from`` and ``vpipe analyze
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Any
 
 import pandas as pd
@@ -99,7 +99,8 @@ def plan_errors(
         f"{base.impl} calibrated on {base.schedule} at M={m}, predicting the other M",
     )  # fmt: skip
     if measured.known and across.known and measured.value > across.value:
-        across = measured  # an extrapolated prediction is never stated tighter than a measured one
+        # an extrapolated prediction is never stated tighter than a measured one
+        across = replace(across, value=measured.value, where=f"{across.where}; as at M={m}")
     return PlanErrors(measured, across, swept)
 
 
