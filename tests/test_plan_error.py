@@ -268,3 +268,22 @@ def test_report_and_analyze_of_a_stored_sweep_state_the_error(tmp_path, capsys, 
     assert main(["analyze", str(BASELINE), "--run", ZBV, "--predict", "1f1b"]) == 0
     out = capsys.readouterr().out
     assert f"predicted step times: ±{worst_zbv:.1%} (the largest |error| of 4 held-out" in out
+
+
+def test_a_stored_output_reads_back_as_its_last_sweep(tmp_path):
+    """``--append`` keeps earlier sweeps' runs in the store; ``meta.json`` and the steps are the
+    last sweep's, so only its runs are read back."""
+    import json
+    import shutil
+
+    from vpipe.sweep.stored import load_bench
+
+    assert load_bench(tmp_path) is None  # not a bench output
+    copy = tmp_path / "out"
+    shutil.copytree(BASELINE, copy)
+    res = load_bench(copy)
+    measured = res.measured
+    assert len(measured) == 10 and set(res.events) == set(measured["run_id"])
+    meta = json.loads((copy / "meta.json").read_text())
+    (copy / "meta.json").write_text(json.dumps({**meta, "bench_id": "a-later-sweep"}))
+    assert load_bench(copy).runs.empty

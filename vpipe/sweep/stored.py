@@ -21,8 +21,9 @@ __all__ = ["load_bench"]
 
 
 def load_bench(path: str | Path) -> BenchResults | None:
-    """The sweep stored in ``path`` (a ``vpipe bench`` output), events and memory of its
-    measured runs included; None when ``path`` is not one (no ``meta.json`` or steps table)."""
+    """The sweep stored in ``path`` (a ``vpipe bench`` output; with ``--append``, the last
+    sweep, whose ``meta.json`` and steps it holds), events and memory of its measured runs
+    included; None when ``path`` is not one (no ``meta.json`` or steps table)."""
     from vpipe.trace.store import Store
 
     path = Path(path)
@@ -34,6 +35,8 @@ def load_bench(path: str | Path) -> BenchResults | None:
                         for k, v in meta.items() if k in fields})  # fmt: skip
     store = Store(path)
     runs = store.runs()
+    if meta.get("bench_id"):  # --append: the store holds earlier sweeps too; meta.json the last
+        runs = runs[(runs["bench_id"] == meta["bench_id"]).fillna(False).astype(bool)]
     ids = [str(r) for r in runs.loc[runs["source"] == "measured", "run_id"]]
     events = store.events(ids)
     memory = store.memory(ids)
