@@ -66,11 +66,18 @@ def contradictions(md: str) -> list[str]:
 def _plan(plan: str, s: dict[str, str]) -> list[str]:
     found = []
     rows = table(plan)
-    worst = [float(x) for t, b in s.items() if t.startswith("Simulator fidelity")
-             for x in re.findall(r"Largest \|error\|: ([\d.]+)%", b)]  # fmt: skip
-    band = re.search(r"within (\d+)% \(the prediction's error\)", plan)
-    if band and worst and max(worst) > float(band[1]):
-        found.append(f"plan calls {band[1]}% the prediction's error; fidelity measured {max(worst)}%")
+    stated = re.search(r"Predicted step times: ±([\d.]+)%", plan)
+    band = re.search(r"([\d.]+)% (?:of the fastest )?\(the error measured on the sweep\)", plan)
+    if band and (not stated or band[1] != stated[1]):
+        found.append(f"plan's tie band {band[1]}% is called the measured error, which it states "
+                     f"as {stated[1] if stated else 'nothing'}")  # fmt: skip
+    if "default band" in plan and "Predicted step times: error unknown" not in plan:
+        found.append("plan uses the default tie band while stating a measured error")
+    swept = re.search(r"the sweep ran M=([\d, ]+);", plan)
+    rec = re.search(r"Recommended: .*? and (\d+) microbatch", plan)
+    measured_fits = [r for r in rows if r.get("M measured") == "yes" and r.get("fits") == "yes"]
+    if swept and rec and measured_fits and rec[1] not in swept[1].split(", "):
+        found.append(f"plan recommends M={rec[1]}, which the sweep (M={swept[1]}) did not run")
     for fam in re.findall(r"Left out ([\w-]+):", plan):
         if any(r["schedule"] == fam for r in rows):
             found.append(f"plan leaves out {fam} and lists it")

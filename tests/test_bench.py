@@ -208,4 +208,8 @@ def test_quick_sweep_writes_store_plots_and_report(tmp_path, capsys):
     assert "V-schedules vs interleaved-1f1b" in md and "torch/vpipe" in md
     assert "## Simulator fidelity (vpipe, M=4)" in md and "calibrated on" in md
     assert "## Plan for this host" in md and "Recommended:" in md
+    # two configs per implementation and M: one held out, too few to state the plan's error
+    plan = md.split("## Plan for this host", 1)[1]
+    assert "Predicted step times: error unknown: two configs measured, 1 held out" in plan
+    assert "the default band, the error being unknown" in plan
     assert contradictions(md) == []  # the report read back: no statement another contradicts

@@ -225,10 +225,16 @@ def test_plan_says_which_candidates_tie_and_why(capsys):
     assert out["recommended"] in out["tied"]
     assert main(argv) == 0
     text = capsys.readouterr().out
-    assert f"a tie: {len(out['tied'])} candidates predicted within 5% of the fastest (--tie: " in text
+    assert (f"a tie: {len(out['tied'])} candidates predicted within 5.0% of the fastest (the "
+            "default band, the error being unknown)") in text  # fmt: skip
+    assert "predicted step times: error unknown: costs given with --cost, never measured" in text
+    assert out["error"] is None and out["error_source"].startswith("error unknown: costs given")
+    assert out["tie_source"] == "the default band, the error being unknown"
     assert "broken by less peak memory per rank, then the simpler schedule" in text
     rows = [ln for ln in text.splitlines() if ln.endswith(" yes  yes")]  # fits, tie
     assert rows and len(rows) <= len(out["tied"])
+    assert main([*argv, "--tie", "0.1"]) == 0  # the user's band, labelled as such
+    assert "predicted within 10.0% of the fastest (--tie, yours)" in capsys.readouterr().out
     assert main([*argv, "--tie", "1.5"]) == 2
     assert "--tie must be a fraction in [0, 1), got 1.5" in capsys.readouterr().err
 

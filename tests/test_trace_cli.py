@@ -70,4 +70,10 @@ def test_analyze_prints_metrics_and_predictions(tmp_path, capsys):
     assert "profiled step " in out and "bubble ratio" in out and "calibrated on cli1" in out
     lines = {ln.split()[0]: ln for ln in out.splitlines() if ln.strip()}
     assert "zbv" in lines and "gpipe" in lines and "1f1b" in lines
+    # a store of one run, or a trace alone: no other config to measure the error on
+    alone = "predicted step times: error unknown: one config measured (the run belongs to no sweep)"
+    assert alone in out
+    assert main(["analyze", str(tmp_path / "tr"), "--predict", "zbv"]) == 0
+    out = capsys.readouterr().out
+    assert "predicted step times: error unknown: a single trace has no cross-config fidelity" in out
     assert main(["analyze", str(tmp_path / "st"), "--run", "nope"]) == 2

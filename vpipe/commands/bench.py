@@ -351,7 +351,7 @@ def run_report(args: argparse.Namespace) -> int:
 
     out = check_output_file(args.output, "-o")
     md = check_output_file(out.with_suffix(".md"), "-o (Markdown)")
-    html_text, md_text = comparison_report(args.runs)
+    html_text, md_text = comparison_report(args.runs, _sweep_sections(args.runs))
     atomic_write(out, lambda p: p.write_text(html_text, encoding="utf-8"))
     atomic_write(md, lambda p: p.write_text(md_text, encoding="utf-8"))
     verdict = md_text.split("## Verdict\n\n", 1)
@@ -359,3 +359,17 @@ def run_report(args: argparse.Namespace) -> int:
         print(verdict[1].split("\n", 1)[0])
     print(f"wrote {out} and {out.with_suffix('.md')}")
     return 0
+
+
+def _sweep_sections(paths: list[str]) -> list:
+    """One ``vpipe bench`` output's simulator fidelity and plan, made again from its store
+    (:mod:`vpipe.sweep.plan_section`): the plan's predictions with their measured error."""
+    from vpipe.sweep.plan_section import plan_sections
+    from vpipe.sweep.stored import load_bench
+    from vpipe.sweep.write import fidelity_sections, fidelity_tables
+
+    res = load_bench(paths[0]) if len(paths) == 1 else None
+    if res is None:
+        return []
+    fidelity = fidelity_tables(res)
+    return [*fidelity_sections(res, fidelity), *plan_sections(res, fidelity)]

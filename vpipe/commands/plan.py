@@ -71,7 +71,8 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     p.add_argument(
         "--tie", type=float, default=None, metavar="FRACTION",
         help="candidates predicted within this fraction of the fastest are a tie, broken by less "
-        "memory, then the simpler schedule (default 0.05: the prediction's error)",
+        "memory, then the simpler schedule (default: the error measured on the sweep of --run; "
+        "0.05 when it is unknown)",
     )  # fmt: skip
     p.add_argument("--top", type=int, default=15, help="rows of the table to print (default 15)")
     p.add_argument("--plot", metavar="PNG", help="throughput vs peak memory, Pareto front")
@@ -83,7 +84,8 @@ def register(subparsers: argparse._SubParsersAction) -> None:
 def plan_command(args: argparse.Namespace) -> int:
     from vpipe.outputs import atomic_write, check_output_file
     from vpipe.predict.dp_costs import DPCosts
-    from vpipe.predict.plan import PREDICTION_ERROR, Budget, PlanError, SpecCosts, from_run, plan
+    from vpipe.predict.plan import Budget, PlanError, SpecCosts, from_run, plan
+    from vpipe.predict.plan_error import tie_band, with_errors
     from vpipe.sweep.cli_lists import parse_list
 
     if args.arch or args.gpus or args.machine:
@@ -111,11 +113,14 @@ def plan_command(args: argparse.Namespace) -> int:
     schedules = parse_list(args.schedules) if args.schedules else None
     n_dp = args.dp or 1
     dp = DPCosts.parse(args.dp_cost, n_dp) if n_dp > 1 or args.dp_cost else None
+    errors = _errors(args)
+    tie, tie_source = tie_band(errors, args.tie)
     result = plan(
         costs, args.ranks, args.batch, budget, microbatches=mbs, schedules=schedules, dp=dp,
-        objective=args.objective, tie=PREDICTION_ERROR if args.tie is None else args.tie,
-        recompute=recompute_modes(args.recompute or "none"),
+        objective=args.objective, tie=tie, recompute=recompute_modes(args.recompute or "none"),
+        measured_m=errors.measured_m or None,
     )  # fmt: skip
+    with_errors(result, errors, tie_source)
     if args.plot:
         from vpipe.predict.plan import pareto_frame
         from vpipe.report.plots import plot_pareto, to_png
@@ -131,47 +136,76 @@ def plan_command(args: argparse.Namespace) -> int:
     return 0
 
 
+def _errors(args: argparse.Namespace) -> object:
+    """The errors of the plan's predictions: measured on the sweep of --run, or unknown for
+    costs given with --cost (:mod:`vpipe.predict.fidelity_runs`)."""
+    from vpipe.predict.fidelity import unknown
+    from vpipe.predict.fidelity_runs import PlanErrors, store_errors
+
+    if args.store:
+        return store_errors(args.store, args.run)
+    given = unknown("costs given with --cost, never measured")
+    return PlanErrors(given, given)
+
+
 def render(result: dict, budget: object, top: int, dp: bool = False) -> str:
     """The ranked table and the recommendation as text (with ``dp``: the reductions' exposed
     and hidden ms and the exposed share of the step)."""
     from vpipe.predict.plan import candidate_label, plural, tie_note
+    from vpipe.predict.plan_error import alternative_note, error_lines
 
     rec = result["recommended"]
     dp_head = f"{'dp exp ms':>10}{'hidden ms':>10}{'dp share':>9}" if dp else ""
+    swept = result.get("measured_m") is not None  # a sweep's run: which M it measured
+    m_run = f"{'M run':>7}" if swept else ""
     tied = {candidate_label(c) for c in result.get("tied", [])}
     lines = [
-        f"{'schedule':<18}{'v':>3}{'M':>5}{_step_header(result):>10}{'samples/s':>11}{'bubble':>8}"
-        f"{'peak/rank':>12}{'fits':>6}{'tie':>5}{dp_head}"
+        f"{'schedule':<18}{'v':>3}{'M':>5}{_step_header(result):>10}{'± ms':>8}{'samples/s':>11}"
+        f"{'bubble':>8}{'peak/rank':>12}{'fits':>6}{'tie':>5}{m_run}"
+        f"{dp_head}"
     ]
-    for c in result["candidates"][:top]:
+    shown = result["candidates"][:top]
+    for c in shown:
         lines.append(
             f"{c['schedule'] + _mode(c):<18}{c['stages_per_rank']:>3}{c['microbatches']:>5}"
-            f"{c['predicted_step_s'] * 1e3:>10.2f}{c['samples_per_s']:>11.1f}"
+            f"{c['predicted_step_s'] * 1e3:>10.2f}{_plus_minus(c):>8}{c['samples_per_s']:>11.1f}"
             f"{c['bubble_ratio']:>8.3f}{budget.describe(_peak(budget, c)):>12}"
             f"{'yes' if c['fits'] else 'no':>6}{'yes' if candidate_label(c) in tied else '':>5}"
+            + (f"{'yes' if c['m_measured'] else 'no':>7}" if swept else "")
             + (_dp_cells(c) if dp else "")
         )
-    shown = min(top, len(result["candidates"]))
-    lines.append(f"({shown} of {plural(len(result['candidates']), 'candidate')} shown)")
+    lines.append(f"({len(shown)} of {plural(len(result['candidates']), 'candidate')} shown)")
+    lines.extend(error_lines(result, shown))
     for family, why in result.get("left_out", {}).items():
         lines.append(f"left out {family}: {why}")
     lines.append(
         f"recommended: {rec['schedule']} with {plural(rec['stages_per_rank'], 'stage')} per rank "
         f"and {plural(rec['microbatches'], 'microbatch')}"
         f"{'' if _mode(rec) == '' else ', recompute ' + rec['recompute']}: "
-        f"{rec['predicted_step_s'] * 1e3:.2f} ms per step (predicted, "
+        f"{rec['predicted_step_s'] * 1e3:.2f}{_plus_minus(rec, ' ± ')} ms per step (predicted, "
         f"{result.get('objective', 'makespan')}), "
         f"peak {budget.describe(_peak(budget, rec))} per rank (budget "
         f"{budget.describe(budget.value)})"
     )
     if len(tied) > 1:
         lines.append(tie_note(result))
+    if alternative_note(result):
+        lines.append(alternative_note(result))
     la = result["recv_lookahead"]
     steps = ", ".join(f"{k}: {s * 1e3:.2f}" for k, s in la["predicted_step_s"].items())
     lines.append(
         f"run it with --recv-lookahead {la['best']} (simulated ms per step by lookahead: {steps})"
     )
     return "\n".join(lines)
+
+
+def _plus_minus(c: dict, before: str = "") -> str:
+    """A prediction's half-interval in ms (its measured error), or ``?`` (with ``before``:
+    nothing) when unknown."""
+    error = c.get("error")
+    if error is None:
+        return "" if before else "?"
+    return f"{before}{c['predicted_step_s'] * error * 1e3:.2f}"
 
 
 def _mode(c: dict) -> str:

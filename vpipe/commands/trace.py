@@ -311,7 +311,7 @@ def analysis_text(found: dict[str, Any]) -> str:
         )
         table = found["predictions"]
         shown = table.to_string(index=False, float_format=lambda x: f"{x:.3f}", na_rep="-")
-        lines += ["", head, shown]
+        lines += ["", head, shown, f"predicted step times: {found['error_source']}"]
     return "\n".join(lines)
 
 
@@ -425,11 +425,26 @@ def _fidelity(
         )
         cases.append((name, make_schedule(name, ranks, mbs), measured, timed))
     table = fidelity_table(cal, cases, units, events, w_share=w_share, stat=stat)
+    error = _sweep_error(source, meta)
     return {
         "calibration": {**cal.to_dict(), "stat": stat},
         "model_pieces": units,
         "predictions": table,
+        "error": error.value,
+        "error_source": error.words(),
     }
+
+
+def _sweep_error(source: str, meta: dict) -> Any:
+    """The error of predictions calibrated on this run, measured on its sweep's other
+    profiled configs (:func:`vpipe.predict.fidelity_runs.store_errors`) when it is a stored
+    sweep's run; else unknown."""
+    from vpipe.predict.fidelity import unknown
+    from vpipe.predict.fidelity_runs import store_errors
+
+    if not (Path(source) / "runs").is_dir() or not meta.get("run_id"):
+        return unknown("a single trace has no cross-config fidelity")
+    return store_errors(source, str(meta["run_id"])).measured
 
 
 def _gpt_seq_len(meta: dict) -> int | None:

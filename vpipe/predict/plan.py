@@ -12,8 +12,9 @@ spec. Both are turned into a cost model for any schedule and microbatch size:
 
 Every catalogue family x stages per rank x microbatch count that the family can build is
 simulated (:func:`vpipe.sim.simulate`). The candidates whose peak activation memory fits the
-budget on every rank and whose predicted step is within the prediction's error
-(:data:`PREDICTION_ERROR`, ``--tie``) of the fastest are a tie; the tie rule
+budget on every rank and whose predicted step is within the predictions' error (``tie``:
+measured on the calibration run's sweep, :mod:`vpipe.predict.plan_error`; else
+:data:`PREDICTION_ERROR`) of the fastest are a tie; the tie rule
 (:mod:`vpipe.schedules.ties`: less memory, then the simpler schedule) picks the one recommended,
 with the receive lookahead to run it with (:func:`best_lookahead`). Budgets are bytes (``12GiB``, ``500MB``) or
 activation units (``6units``: the most microbatch activations of a full stage, 1/P of the
@@ -340,11 +341,17 @@ def plural(n: int, word: str) -> str:
     return f"{n} {word}{'' if n == 1 else 'es' if word.endswith(('ch', 's', 'x')) else 's'}"
 
 
-def recommend(found: list[Candidate], budget: Budget, tie: float = PREDICTION_ERROR) -> Candidate:
+def recommend(
+    found: list[Candidate],
+    budget: Budget,
+    tie: float = PREDICTION_ERROR,
+    measured_m: Sequence[int] | None = None,
+) -> Candidate:
     """Mark which candidates fit and return the one to run: of the fitting candidates
-    predicted within ``tie`` of the fastest (:func:`tied`), the one the tie rule picks
-    (:func:`vpipe.schedules.ties.break_tie`: less memory, then the simpler schedule). A budget
-    nothing fits is a PlanError naming the smallest peak available."""
+    predicted within ``tie`` of the fastest (:func:`tied`; at the ``measured_m`` microbatch
+    counts first), the one the tie rule picks (:func:`vpipe.schedules.ties.break_tie`: less
+    memory, then the simpler schedule). A budget nothing fits is a PlanError naming the
+    smallest peak available."""
     from vpipe.schedules.ties import Tied, break_tie
 
     if not found:
@@ -358,7 +365,7 @@ def recommend(found: list[Candidate], budget: Budget, tie: float = PREDICTION_ER
             f"is {budget.describe(budget.peak(low))} ({low.schedule}, "
             f"{plural(low.stages_per_rank, 'stage')} per rank, M={low.microbatches})"
         )
-    tie_set = tied(found, tie)
+    tie_set = tied(found, tie, measured_m)
     pick = break_tie([Tied(c.schedule, budget.peak(c), c.stages_per_rank, c.microbatches)
                       for c in tie_set])  # fmt: skip
     return tie_set[pick]
@@ -400,6 +407,7 @@ def plan(
     objective: str = "makespan",
     tie: float = PREDICTION_ERROR,
     recompute: Sequence[str] = ("none",),
+    measured_m: Sequence[int] | None = None,
     **kw: Any,
 ) -> dict[str, Any]:
     """``{"recommended": ..., "candidates": [...], "tied": [...], "tie": ..., "tie_rule": ...,
@@ -407,7 +415,9 @@ def plan(
     fastest by ``objective`` first; the candidates within ``tie`` of the fastest that the
     recommended one was chosen from by the tie rule; the lookahead for the recommended one;
     why each family without a candidate has none), as ``vpipe plan --json`` prints it. Each
-    ``recompute`` mode's candidates are weighed together (:mod:`vpipe.predict.plan_recompute`)."""
+    ``recompute`` mode's candidates are weighed together (:mod:`vpipe.predict.plan_recompute`).
+    With ``measured_m`` (the microbatch counts a sweep measured) the recommendation is chosen
+    among candidates at those counts when any fits; the others are extrapolated."""
     from vpipe.predict.plan_recompute import with_recompute
     from vpipe.schedules import catalogue
     from vpipe.schedules.ties import TIE_RULE
@@ -423,7 +433,7 @@ def plan(
         ):  # fmt: skip
             c.recompute = mode
             found.append(c)
-    best = recommend(found, budget, tie)
+    best = recommend(found, budget, tie, measured_m)
     costs = with_recompute(costs, best.recompute)
     ranked = sorted(found, key=lambda c: (not c.fits, c.predicted_step_s, budget.peak(c)))
     rows = batch / (kw["dp"].replicas if kw.get("dp") else 1) / best.microbatches
@@ -439,12 +449,13 @@ def plan(
     return {
         "recommended": best.to_dict(),
         "candidates": [c.to_dict() for c in ranked],
-        "tied": [c.to_dict() for c in tied(found, tie)],
+        "tied": [c.to_dict() for c in tied(found, tie, measured_m)],
         "tie": tie,
         "tie_rule": TIE_RULE,
         "recv_lookahead": lookahead,
         "objective": objective,
         "left_out": left_out,
+        "measured_m": None if measured_m is None else [int(m) for m in measured_m],
     }
 
 

@@ -34,6 +34,7 @@ from vpipe.report.document import (
     CONFIG,
     OUTLIERS,
     ReportError,
+    Section,
     ratio_cells,
     regime_warning,
     render_html,
@@ -381,9 +382,12 @@ def load_sweeps(paths: Sequence[str | Path]) -> list[Sweep]:
     return sweeps
 
 
-def comparison_report(paths: Sequence[str | Path]) -> tuple[str, str]:
+def comparison_report(
+    paths: Sequence[str | Path], extra: Sequence[Section] = ()
+) -> tuple[str, str]:
     """HTML and Markdown comparing several runs (first = baseline); with several, the first
-    section is the one-line verdict (:func:`vpipe.report.crossrun_table.headline`)."""
+    section is the one-line verdict (:func:`vpipe.report.crossrun_table.headline`). ``extra``
+    sections go last (one sweep's fidelity and plan, made by the caller)."""
     sweeps = load_sweeps(paths)
     runs_table = pd.DataFrame(
         [
@@ -422,6 +426,7 @@ def comparison_report(paths: Sequence[str | Path]) -> tuple[str, str]:
                 _comparison_note(sweeps, differs, model),
             )
         )
+    sections.extend(extra)
     title = "vpipe benchmark comparison"
     return render_html(title, sections), render_markdown(title, sections)
 

@@ -34,7 +34,7 @@ from vpipe.report.document import config_times, paired_configs
 from vpipe.schedules.ties import Tied, break_tie
 from vpipe.stats import Ratio
 
-__all__ = ["TIE_BAND", "Standing", "open_configs", "standings", "verdict_lines"]
+__all__ = ["TIE_BAND", "Standing", "open_configs", "standing_pick", "standings", "verdict_lines"]
 
 TIE_BAND = MIN_EFFECT  # log half-width: ratios within exp(+-0.02) are the same step
 
@@ -123,7 +123,7 @@ def verdict_lines(
             )
             continue
         tied = [Tied(s, memory.get((s, st.microbatches, st.impl))) for s in contenders]
-        pick = contenders[break_tie(tied)]
+        pick = standing_pick(st, memory)
         parts = [f"{s} {st.ratios[s].value:.2f}x ({_interval(st.ratios[s])})"
                  for s in contenders[1:]]  # fmt: skip
         lines.append(
@@ -132,6 +132,16 @@ def verdict_lines(
             f"picked by the tie rule: less memory{_memories(tied)}, then the simpler schedule"
         )
     return lines or ["one schedule per group: nothing to rank"]
+
+
+def standing_pick(st: Standing, memory: Mapping[tuple[str, int, str], float] | None = None) -> str:
+    """The schedule a group's verdict says to run: its leader when every other is slower,
+    else the one the tie rule picks from its contenders (``memory``: as for
+    :func:`verdict_lines`)."""
+    memory = memory or {}
+    contenders = st.contenders
+    return contenders[break_tie([Tied(s, memory.get((s, st.microbatches, st.impl)))
+                                 for s in contenders])]  # fmt: skip
 
 
 def _interval(r: Ratio) -> str:

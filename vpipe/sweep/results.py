@@ -75,13 +75,16 @@ class BenchResults:
         schedule to run, or the tie it was picked from by the tie rule and why."""
         from vpipe.report.winner import verdict_lines
 
-        m = self.measured
-        memory = {
+        return verdict_lines(self.steps, self.config_memory(), rounds_note(self.meta))
+
+    def config_memory(self) -> dict[tuple[str, int, str], float | None]:
+        """Each measured config's peak bytes per rank by (schedule, M, impl): what the
+        verdict's tie rule weighs."""
+        return {
             (r["schedule"], r["microbatches"], r["impl"]):
                 None if pd.isna(r["peak_memory_bytes"]) else float(r["peak_memory_bytes"])
-            for r in m.to_dict("records")
+            for r in self.measured.to_dict("records")
         }  # fmt: skip
-        return verdict_lines(self.steps, memory, rounds_note(self.meta))
 
 
 def rounds_note(meta: dict[str, Any]) -> str:

@@ -13,6 +13,7 @@ from pathlib import Path
 
 import pandas as pd
 
+from vpipe.predict.fidelity import fidelity_worst
 from vpipe.report.document import (
     STATS_NOTE,
     Section,
@@ -28,6 +29,7 @@ from vpipe.report.document import (
     v_vs_baseline,
 )
 from vpipe.sweep.driver import Config
+from vpipe.sweep.plan_section import plan_sections
 from vpipe.sweep.results import BenchResults, has_actions
 
 
@@ -162,117 +164,12 @@ def fidelity_tables(res: BenchResults) -> list[tuple[str, int, pd.DataFrame]]:
     return list(leave_one_out_tables(res.measured, res.events.get, res.spec.ranks, meta))
 
 
-def fidelity_worst(table: pd.DataFrame) -> float:
-    """The largest |error| of a leave-one-out table."""
-    return float(table.drop(columns="calibrated on").abs().max().max())
-
-
 def fidelity_shown(table: pd.DataFrame) -> pd.DataFrame:
     """A leave-one-out table with its errors as signed percentages."""
     return table.assign(
         **{c: table[c].map(lambda e: "" if pd.isna(e) else f"{e * 100:+.1f}%")
            for c in table.columns[1:]}
     )  # fmt: skip
-
-
-def plan_sections(
-    res: BenchResults, fidelity: list[tuple[str, int, pd.DataFrame]], top: int = 10
-) -> list[Section]:
-    """The plan for the measured host: costs calibrated on the sweep's vpipe zbv config (else
-    its first profiled vpipe config), every family x stages x M simulated for this sweep's
-    ranks and batch, within the most memory any config of the sweep used."""
-    from vpipe.predict.plan import (
-        Budget,
-        PlanError,
-        calibrated_costs,
-        candidate_label,
-        plan,
-        plural,
-        tie_note,
-    )
-    from vpipe.report.dp_section import plan_dp
-    from vpipe.schedules import make_schedule
-
-    runs = res.measured
-    traced = [
-        r for r in runs[runs["impl"] == "vpipe"].itertuples()
-        if (ev := res.events.get(r.run_id)) is not None and has_actions(ev)
-    ]  # fmt: skip
-    if not traced or res.ranks.empty:
-        return []
-    base = next((r for r in traced if r.schedule == "zbv"), traced[0])
-    rank_rows = res.ranks[
-        (res.ranks["schedule"] == base.schedule)
-        & (res.ranks["microbatches"] == base.microbatches)
-        & (res.ranks["impl"] == "vpipe")
-    ]
-    peaks = dict(zip(rank_rows["rank"], rank_rows["peak_bytes"], strict=True))
-    schedule = make_schedule(base.schedule, res.spec.ranks, int(base.microbatches))
-    meta = {"model": res.spec.model, "sizes": res.meta.get("model_sizes"), "batch": res.spec.batch,
-            "dp": res.spec.dp}  # fmt: skip
-    budget = Budget(float(res.ranks["peak_bytes"].max()))
-    dp, dp_note = plan_dp(res.dp_sweep(), base.run_id)  # --dp: each step ends with its reductions
-    try:
-        costs = calibrated_costs(
-            res.events[base.run_id], peaks, schedule, meta, float(base.step_time_s)
-        )
-        result = plan(costs, res.spec.ranks, res.spec.batch, budget, dp=dp)
-    except PlanError as e:
-        return [Section("Plan for this host", f'<p class="note">{e}</p>', str(e))]
-    rec = result["recommended"]
-    tied = {candidate_label(c) for c in result["tied"]}
-    table = pd.DataFrame(
-        {
-            "schedule": c["schedule"],
-            "stages/rank": c["stages_per_rank"],
-            "M": c["microbatches"],
-            "predicted step ms": f"{c['predicted_step_s'] * 1e3:.2f}",
-            "bubble": f"{c['bubble_ratio']:.3f}",
-            "M measured": "yes" if c["microbatches"] in res.spec.microbatches else "extrapolated",
-            "saved activations MiB/rank": f"{max(c['peak_activation_bytes']) / 2**20:.2f}",
-            "fits": "yes" if c["fits"] else "no",
-            "tie": "yes" if candidate_label(c) in tied else "",
-        }
-        for c in result["candidates"][:top]
-    )
-    note = (
-        f"vpipe plan for {res.spec.ranks} ranks and batch {res.spec.batch}, costs calibrated on "
-        f"{base.schedule} M={int(base.microbatches)} (vpipe; compute anchored to its timed "
-        "median), budget: the most memory a config "
-        f"of this sweep used ({budget.describe(budget.value)} per rank). Recommended: "
-        f"{rec['schedule']} with {plural(rec['stages_per_rank'], 'stage')} per rank and "
-        f"{plural(rec['microbatches'], 'microbatch')}, "
-        f"{rec['predicted_step_s'] * 1e3:.2f} ms per step predicted"
-        + (f" ({tie_note(result)})" if len(tied) > 1 else "")
-        + f". Fastest {min(top, len(result['candidates']))} of "
-        f"{len(result['candidates'])} candidates; `vpipe plan --from STORE --run "
-        f"{base.run_id} --memory ...` plans for another budget." + dp_note
-        + "".join(f" Left out {fam}: {why}." for fam, why in result["left_out"].items())
-        + _plan_words(res, result, table, fidelity)
-    )
-    return [table_section("Plan for this host", table, note)]
-
-
-def _plan_words(
-    res: BenchResults, result: dict, table: pd.DataFrame, fidelity: list[tuple[str, int, pd.DataFrame]]
-) -> str:
-    """What the plan's table needs beside it: its rows at microbatch counts the sweep did not
-    run, its auto rows, and the simulator's error this sweep measured against the tie band."""
-    swept = ", ".join(map(str, res.spec.microbatches))
-    words = ""
-    if (table["M measured"] == "extrapolated").any():
-        words += (f" M measured: the sweep ran M={swept}; other counts are extrapolated (costs "
-                  "calibrated at the swept M, compute and activations scaled per row).")  # fmt: skip
-    if (table["schedule"] == "auto").any():
-        words += (" auto: the schedule vpipe searches for these costs and this budget "
-                  "(vpipe.schedules.auto); where it ties a named family, it found that "
-                  "family's order or one as fast.")  # fmt: skip
-    worst = [fidelity_worst(t) for _, _, t in fidelity]
-    if worst and max(worst) > result["tie"]:
-        words += (f" The tie band ({result['tie']:.0%}, --tie) is narrower than the error this "
-                  f"sweep measured (up to {max(worst):.0%}, Simulator fidelity): candidates "
-                  "further apart than the band are ordered by prediction only.")  # fmt: skip
-    return words
 
 
 def _timeline_sections(res: BenchResults) -> list[Section]:
