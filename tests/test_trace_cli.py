@@ -76,4 +76,11 @@ def test_analyze_prints_metrics_and_predictions(tmp_path, capsys):
     assert main(["analyze", str(tmp_path / "tr"), "--predict", "zbv"]) == 0
     out = capsys.readouterr().out
     assert "predicted step times: error unknown: a single trace has no cross-config fidelity" in out
+    # a trace has no timed steps: its profiled steps give the level the compute is anchored to
+    assert "anchored to the run's profiled median" in out
+    # the flag repeated adds to the list (it kept only the last)
+    trace = str(tmp_path / "tr")
+    assert main(["analyze", trace, "--predict", "zbv", "--predict", "gpipe=" + trace]) == 0
+    lines = {ln.split()[0] for ln in capsys.readouterr().out.splitlines() if ln.strip()}
+    assert {"zbv", "gpipe"} <= lines
     assert main(["analyze", str(tmp_path / "st"), "--run", "nope"]) == 2

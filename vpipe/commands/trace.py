@@ -52,6 +52,7 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     a.add_argument(
         "--predict",
         nargs="+",
+        action="extend",
         default=[],
         metavar="SCHEDULE[=TRACE]",
         help="schedules to predict; measured counterpart from the store or the given trace",
@@ -304,9 +305,9 @@ def analysis_text(found: dict[str, Any]) -> str:
             + (f"; I/W split assumed (W = {d['w_share']} of B)" if d["w_share"] is not None else "")
             + (f"; model in {units} pieces" if units else "")
             + (
-                f"; compute x{d['compute_scale']:.3f}, anchored to the run's timed median"
-                if d.get("compute_scale", 1.0) != 1.0
-                else "; no timed steps to anchor to: compute as profiled"
+                f"; compute x{d['compute_scale']:.3f}, anchored to the run's {d['anchored_to']}"
+                if d.get("anchored_to", "none") != "none"
+                else "; the run's schedule is unknown: compute as profiled, not anchored"
             )
         )
         table = found["predictions"]
@@ -384,6 +385,7 @@ def metric_lines(values: dict[str, Any]) -> list[str]:
 def _fidelity(
     source: str, events: Any, meta: dict, predict: list[str], w_share: float, stat: str
 ) -> dict[str, Any]:
+    from vpipe.metrics.per_run import step_metrics
     from vpipe.predict.calibrate import (
         anchor,
         calibrate,
@@ -411,28 +413,41 @@ def _fidelity(
     units = model_units(meta)
     cases = []
     own = str(meta.get("schedule", "unknown"))
+    anchored_to = "none"
     if own not in ("unknown", "custom"):
         timed = timed_median_s(meta)
-        schedule = make_schedule(own, ranks, mbs)
-        cal = anchor(cal, schedule, timed, units)  # its level: the timed median's
+        schedule = make_schedule(own, ranks, mbs, _per_rank(meta, ranks))
+        # its level: the timed median's, else its profiled steps' (a trace has no timed steps)
+        level = timed or float(step_metrics(events[events["step"] >= 0])["step_time_s"].median())
+        cal = anchor(cal, schedule, level, units)
+        anchored_to = "timed median" if timed else "profiled median"
         cases.append((f"{own} (calibration run)", schedule, events, timed))
     for item in predict:
         name, _, trace = item.partition("=")
         if name == own and not trace:
             continue  # the calibration run's own row above
-        measured, timed = (
-            (_load(trace, None)[0], None) if trace else _counterpart(source, meta, name)
-        )
-        cases.append((name, make_schedule(name, ranks, mbs), measured, timed))
+        if trace:
+            measured, _, other = _load(trace, None)
+            timed, per_rank = None, _per_rank(other, ranks)
+        else:
+            (measured, timed), per_rank = _counterpart(source, meta, name), None
+        cases.append((name, make_schedule(name, ranks, mbs, per_rank), measured, timed))
     table = fidelity_table(cal, cases, units, events, w_share=w_share, stat=stat)
     error = _sweep_error(source, meta)
     return {
-        "calibration": {**cal.to_dict(), "stat": stat},
+        "calibration": {**cal.to_dict(), "stat": stat, "anchored_to": anchored_to},
         "model_pieces": units,
         "predictions": table,
         "error": error.value,
         "error_source": error.words(),
     }
+
+
+def _per_rank(meta: dict, ranks: int) -> int | None:
+    """Stages per rank of a run whose metadata (or trace) names its stages; None: the
+    family's default."""
+    stages = _int(meta.get("stages"))
+    return stages // ranks if stages and stages % ranks == 0 and stages > ranks else None
 
 
 def _sweep_error(source: str, meta: dict) -> Any:
