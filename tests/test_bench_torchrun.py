@@ -68,6 +68,8 @@ def test_two_node_torchrun_on_loopback(tmp_path):
             "1",
             "--rounds",
             "1",
+            "--profile-steps",
+            "1",
             "--out",
             str(out),
         ]

@@ -12,6 +12,7 @@ import textwrap
 import pytest
 import torch
 
+from vpipe.cli import main
 from vpipe.models import ModelError, build_model
 
 USER_MODULE = textwrap.dedent(
@@ -114,11 +115,11 @@ def _vpipe(args: list[str], path) -> subprocess.CompletedProcess:
     )  # fmt: skip
 
 
-def test_run_and_bench_with_a_user_model(user_module):
-    r = _vpipe(["run", "zbv", "-p", "2", "-m", "4", "--batch", "8", "--steps", "2",
-                "--model", "vpipe_user_model:named", "--sizes", "stages=4", "--check"],
-               user_module)  # fmt: skip
-    assert r.returncode != 0 and "stage_fqns names 1 stages" in r.stderr  # checked before launch
+def test_run_and_bench_with_a_user_model(user_module, capsys):
+    code = main(["run", "zbv", "-p", "2", "-m", "4", "--batch", "8", "--steps", "2",
+                 "--model", "vpipe_user_model:named", "--sizes", "stages=4", "--check"])  # fmt: skip
+    err = capsys.readouterr().err
+    assert code == 2 and "stage_fqns names 1 stages" in err  # checked before launch, in process
     r = _vpipe(["run", "zbv", "-p", "2", "-m", "4", "--batch", "8", "--steps", "2",
                 "--model", "vpipe_user_model:stack", "--check"], user_module)  # fmt: skip
     assert r.returncode == 0, r.stderr[-2000:]
