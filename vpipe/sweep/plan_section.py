@@ -119,7 +119,7 @@ def _worst_words(errors: Any, fidelity: list[tuple[str, int, pd.DataFrame]]) -> 
     if not worst or errors.measured.value is None or max(worst) <= errors.measured.value:
         return ""
     return (f" Other calibration configs (Simulator fidelity) err up to {max(worst):.1%}, "
-            "in-sample cells included; the plan's costs come from its own row.")  # fmt: skip
+            "the plan's costs come from its own row.")  # fmt: skip
 
 
 def _plan_words(res: BenchResults, errors: Any, table: pd.DataFrame) -> str:
