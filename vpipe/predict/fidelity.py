@@ -11,8 +11,10 @@ too little: the error is then unknown, and said so in words. Pure functions of t
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
-import pandas as pd
+if TYPE_CHECKING:  # pandas is imported where a table is read: plan --cost needs none
+    import pandas as pd
 
 __all__ = [
     "MIN_HELD_OUT",
@@ -72,6 +74,8 @@ def held_out_error(
     rows = table[table["calibrated on"] == calibrated_on]
     if rows.empty:
         return unknown(f"{calibrated_on} is not a calibration config of the fidelity table")
+    import pandas as pd
+
     row = rows.iloc[0].drop(labels=["calibrated on", calibrated_on], errors="ignore")
     cells = pd.to_numeric(row, errors="coerce").dropna()
     if len(cells) < MIN_HELD_OUT:

@@ -11,9 +11,10 @@ of a stored run and measures both, for ``vpipe plan --from`` and ``vpipe analyze
 from __future__ import annotations
 
 from dataclasses import dataclass, field, replace
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
-import pandas as pd
+if TYPE_CHECKING:  # pandas is imported where a table is built: plan --cost needs none
+    import pandas as pd
 
 from vpipe.predict.fidelity import MeasuredError, held_out_error, unknown
 
@@ -43,6 +44,8 @@ def across_m_table(
     to that M's rows, as the plan scales them): one row per source (``calibrated on``), one
     column per predicted config (``zbv M=12``), holding predicted / timed median - 1. None
     when ``runs`` has one M only."""
+    import pandas as pd
+
     from vpipe.errors import ScheduleError
     from vpipe.predict.calibrate import _judged_against
     from vpipe.predict.plan import calibrated_costs
@@ -114,6 +117,8 @@ def store_errors(store_root: str, run_id: str) -> PlanErrors:
     """The errors of predictions calibrated on a stored run: measured on the profiled configs
     of its sweep (same bench id, implementation, ranks, batch and model); unknown with no
     other config."""
+    import pandas as pd
+
     from vpipe.trace.store import Store
 
     store = Store(store_root)
