@@ -61,7 +61,8 @@ def plan_sections(
             res.events[base.run_id], peaks, schedule, meta, float(base.step_time_s)
         )
         result = plan(costs, res.spec.ranks, res.spec.batch, budget, dp=dp, tie=tie,
-                      measured_m=errors.measured_m)  # fmt: skip
+                      measured_m=errors.measured_m,
+                      microbatches=_planned_m(res, errors.measured_m))  # fmt: skip
     except PlanError as e:
         return [Section("Plan for this host", f'<p class="note">{e}</p>', str(e))]
     with_errors(result, errors, tie_source)
@@ -122,13 +123,25 @@ def _worst_words(errors: Any, fidelity: list[tuple[str, int, pd.DataFrame]]) -> 
             "the plan's costs come from its own row.")  # fmt: skip
 
 
+def _planned_m(res: BenchResults, measured: Any) -> list[int]:
+    """The microbatch counts the plan weighs: `vpipe plan`'s choices up to twice the largest
+    the sweep measured. Farther out, an extrapolation's error is not measured, and auto's
+    searches there were most of the report's time."""
+    from vpipe.predict.plan import microbatch_choices
+
+    reach = 2 * max(measured or res.spec.microbatches)
+    per_replica = res.spec.batch // max(1, int(res.spec.dp or 1))
+    return [m for m in microbatch_choices(per_replica, res.spec.ranks) if m <= reach]
+
+
 def _plan_words(res: BenchResults, errors: Any, table: pd.DataFrame) -> str:
     """What the plan's table needs beside it: its rows at microbatch counts the sweep did not
     run, with their error, and its auto rows."""
     swept = ", ".join(map(str, errors.measured_m or res.spec.microbatches))
     words = ""
     if (table["M measured"] == "extrapolated").any():
-        words += (f" M measured: the sweep ran M={swept}; other counts are extrapolated (costs "
+        words += (f" M measured: the sweep ran M={swept}; other counts, up to twice the "
+                  "largest, are extrapolated (costs "
                   "calibrated at the swept M, compute and activations scaled per row): the "
                   f"recommendation is made among the measured M; extrapolated rows: "
                   f"{errors.extrapolated.words()}.")  # fmt: skip
