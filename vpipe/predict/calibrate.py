@@ -83,9 +83,7 @@ class Calibration:
         else:
             n_units = n_units or _lcm(self.n_stages, n_stages)
             f, total = (_rescale(x * k, n_units, n_stages) for x in (self.f, self.b + self.w))
-            w = total * self.share_of_w()
-            w[0] = total[0]  # the first stage computes no input gradient: all of it is W
-            b = total - w
+            b, w = split_backward(total, self.share_of_w())
         per_stage = {s: {"f": f[s], "b": b[s], "w": w[s]} for s in range(n_stages)}
         if n_stages == self.n_stages and self.full_b is not None:  # same split: B as measured
             for s in np.flatnonzero(np.isfinite(self.full_b)):
@@ -121,6 +119,14 @@ class Calibration:
             "w_share": self.w_share,
             "compute_scale": round(self.compute_scale, 4),
         }
+
+
+def split_backward(total: np.ndarray, share: float) -> tuple[np.ndarray, np.ndarray]:
+    """Per-stage backward totals as (I, W) with W's ``share``; the first stage computes no
+    input gradient, so all of its backward is W."""
+    w = total * share
+    w[0] = total[0]
+    return total - w, w
 
 
 def _lcm(a: int, b: int) -> int:

@@ -25,7 +25,7 @@ from typing import Any
 
 import pandas as pd
 
-from vpipe.predict.calibrate import US, Calibration, predict
+from vpipe.predict.calibrate import US, Calibration, predict, split_backward
 
 __all__ = ["breakdown"]
 
@@ -35,11 +35,9 @@ def _step_ms(cal: Calibration, schedule: Any, n_units: int | None) -> float:
 
 
 def _with_share(cal: Calibration, share: float) -> Calibration:
-    """``cal`` with its backwards (all but the first stage's) split with W's share ``share``."""
-    total = cal.b + cal.w
-    w = total * share
-    w[0] = total[0]  # the first stage computes no input gradient
-    return replace(cal, b=total - w, w=w, w_share=share)
+    """``cal`` with its backwards split with W's share ``share``."""
+    b, w = split_backward(cal.b + cal.w, share)
+    return replace(cal, b=b, w=w, w_share=share)
 
 
 def breakdown(
