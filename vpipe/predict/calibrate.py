@@ -331,8 +331,8 @@ def anchor(
     Why: the few profiled steps a calibration reads are a small sample of a shared host's state
     and run under the profiler, so their level is off by several percent either way, while
     their structure (how F, I, W and B of each stage compare; posting and link costs) is
-    measured inside the same steps and holds. The timed median is taken over many interleaved
-    steps. Only compute is scaled, never the overheads or the link."""
+    measured inside the same steps, which share the host's state. The timed median is taken
+    over many interleaved steps. Only compute is scaled, never the overheads or the link."""
     if timed_s is None or not timed_s > 0:
         return cal
     target = timed_s * 1e9 / US
