@@ -447,7 +447,7 @@ def _per_rank(meta: dict, ranks: int) -> int | None:
     """Stages per rank of a run whose metadata (or trace) names its stages; None: the
     family's default."""
     stages = _int(meta.get("stages"))
-    return stages // ranks if stages and stages % ranks == 0 and stages > ranks else None
+    return stages // ranks if stages and stages % ranks == 0 else None
 
 
 def _sweep_error(source: str, meta: dict) -> Any:
