@@ -9,7 +9,8 @@ none in W; torch's split backward recomputes in W too, per weight-gradient call)
 Then one launch (P=2 gloo ranks, GPT model, M=8) builds every config's rank harness: zbv and
 interleaved-1f1b x vpipe and torch x recompute none, full and selective (torch refuses
 selective checkpointing under zbv's split backward: shown as refused). Each config is warmed
-up, profiled once (per-action medians: :func:`vpipe.predict.calibrate.calibrate`), metered once
+up, profiled ``--profiles`` times (default 2; per-action medians:
+:func:`vpipe.predict.calibrate.calibrate`), metered once
 (bytes saved for backward), then timed in rounds that alternate the configs' order; each step's
 time is the slowest rank's. Printed per schedule, implementation and mode:
 
