@@ -63,7 +63,6 @@ def matrices(store_dir: Path) -> list[dict[str, Any]]:
         calibrate,
         leave_one_out,
         model_units,
-        predict,
     )
     from vpipe.predict.error_terms import breakdown
     from vpipe.schedules import make_schedule
@@ -86,20 +85,15 @@ def matrices(store_dir: Path) -> list[dict[str, Any]]:
             continue
         units = model_units({**meta, "stages": max(c.schedule.n_stages for c in cases)})
         absolute = leave_one_out(cases, units).set_index("calibrated on")
-        relative = {}
-        for src in cases:
-            cal = calibrate(src.events)
-            own = predict(cal, src.schedule, units).makespan / 1e6 / src.timed_s
-            relative[src.label] = {
-                c.label: predict(cal, c.schedule, units).makespan / 1e6 / c.timed_s / own - 1
-                for c in cases
-            }
+        plain = leave_one_out(cases, units, anchored=False).set_index("calibrated on")
+        own = pd.Series(np.diag(plain.loc[:, plain.index].to_numpy()), index=plain.index)
+        relative = (1 + plain).div(1 + own, axis=0) - 1
         base = next((c for c in cases if c.label == "zbv"), cases[0])
         cal = anchor(calibrate(base.events), base.schedule, base.timed_s, units)
         terms = breakdown(cal, [(c.label, c.schedule, c.timed_s) for c in cases], units)
         out.append({
             "impl": str(impl), "absolute": absolute, "replay": replay_errors(cases),
-            "relative": pd.DataFrame(relative).T.loc[absolute.index, absolute.columns],
+            "relative": relative.loc[absolute.index, absolute.columns],
             "base": base.label, "scale": cal.compute_scale, "breakdown": terms,
         })  # fmt: skip
     return out

@@ -152,6 +152,10 @@ def test_leave_one_out_is_exact_on_traces_with_known_costs():
     bad = leave_one_out(cases, n_units=4).set_index("calibrated on")
     assert bad["zbv"].drop("zbv").round(4).eq(round(1 / 1.1 - 1, 4)).all()
     assert bad.loc["zbv"].drop("zbv").round(3).eq(0.1).all() and abs(bad.loc["zbv", "zbv"]) < 1e-3
+    # unanchored, the row keeps its profiled level: only the wrong column errs
+    plain = leave_one_out(cases, n_units=4, anchored=False).set_index("calibrated on")
+    assert plain["zbv"].round(4).eq(round(1 / 1.1 - 1, 4)).all()
+    assert (plain.drop(columns="zbv").abs() < 1e-9).all().all()
 
 
 def test_overlap_factor_from_measured_compound_spans():

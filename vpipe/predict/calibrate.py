@@ -415,16 +415,21 @@ class Case:
     timed_s: float
 
 
-def leave_one_out(cases: list[Case], n_units: int | None = None) -> pd.DataFrame:
+def leave_one_out(
+    cases: list[Case], n_units: int | None = None, *, anchored: bool = True
+) -> pd.DataFrame:
     """Calibrate on each case in turn and predict every case (itself included: the in-sample
     error); one row per calibration case, one column per predicted case, holding the relative
     error predicted / timed median - 1 (:func:`fidelity_table`'s ``error``). Each calibration
     uses the per-action medians over all of that case's profiled steps, anchored to that
-    case's timed median (:func:`anchor`: the diagonal is then 0 by construction)."""
+    case's timed median (:func:`anchor`: the diagonal is then 0 by construction), unless
+    ``anchored`` is False (the profiled steps' own level)."""
     targets = [(c.label, c.schedule, None, c.timed_s) for c in cases]
     rows = []
     for source in cases:
-        cal = anchor(calibrate(source.events), source.schedule, source.timed_s, n_units)
+        cal = calibrate(source.events)
+        if anchored:
+            cal = anchor(cal, source.schedule, source.timed_s, n_units)
         t = fidelity_table(cal, targets, n_units)
         rows.append(
             {"calibrated on": source.label, **dict(zip(t["schedule"], t["error"], strict=True))}
@@ -443,7 +448,7 @@ def timed_median_s(row: Any) -> float | None:
     return float(value) if steps and value is not None and value == value else None
 
 
-def _judged_against(run: Any) -> float:
+def judged_against(run: Any) -> float:
     """A measured run's step time to judge predictions against: its timed median, or the
     median of its profiled steps when it has no timed steps (a run converted from traces)."""
     timed = getattr(run, "step_time_s", None)
@@ -469,7 +474,7 @@ def leave_one_out_tables(
             ev = events_of(r.run_id)
             if ev is not None and ev["kind"].astype(str).isin(COMPUTE_KINDS).any():
                 schedule = make_schedule(r.schedule, ranks, int(m))
-                cases.append(Case(r.schedule, schedule, ev, _judged_against(r)))
+                cases.append(Case(r.schedule, schedule, ev, judged_against(r)))
         if len(cases) >= 2:
             stages = max(c.schedule.n_stages for c in cases)
             units = model_units({**meta, "stages": stages})

@@ -47,7 +47,7 @@ def across_m_table(
     import pandas as pd
 
     from vpipe.errors import ScheduleError
-    from vpipe.predict.calibrate import _judged_against
+    from vpipe.predict.calibrate import judged_against
     from vpipe.predict.plan import calibrated_costs
     from vpipe.schedules import make_schedule
     from vpipe.sim import simulate
@@ -60,7 +60,7 @@ def across_m_table(
         events = events_of(src.run_id)
         own = make_schedule(src.schedule, ranks, int(src.microbatches))
         costs = calibrated_costs(
-            events, {}, own, {**meta, "stages": own.n_stages}, _judged_against(src)
+            events, {}, own, {**meta, "stages": own.n_stages}, judged_against(src)
         )
         row: dict[str, Any] = {"calibrated on": label(src.schedule, int(src.microbatches))}
         for t in runs[runs["microbatches"] != src.microbatches].itertuples():
@@ -71,7 +71,7 @@ def across_m_table(
             except ScheduleError:
                 continue  # the calibration's model cannot split for this config
             predicted_s = simulate(schedule, cm).makespan * 1e-6
-            row[label(t.schedule, m)] = predicted_s / _judged_against(t) - 1
+            row[label(t.schedule, m)] = predicted_s / judged_against(t) - 1
         rows.append(row)
     return pd.DataFrame(rows)
 
