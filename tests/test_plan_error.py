@@ -291,3 +291,8 @@ def test_a_stored_output_reads_back_as_its_last_sweep(tmp_path):
     meta = json.loads((copy / "meta.json").read_text())
     (copy / "meta.json").write_text(json.dumps({**meta, "bench_id": "a-later-sweep"}))
     assert load_bench(copy).runs.empty
+    (copy / "meta.json").write_text("{broken")  # refused in one line naming the file
+    from vpipe.errors import VpipeError
+
+    with pytest.raises(VpipeError, match=r"meta\.json: unreadable"):
+        load_bench(copy)

@@ -9,7 +9,6 @@ made again from stored results, without running the sweep.
 from __future__ import annotations
 
 import dataclasses
-import json
 from pathlib import Path
 
 import pandas as pd
@@ -24,12 +23,15 @@ def load_bench(path: str | Path) -> BenchResults | None:
     """The sweep stored in ``path`` (a ``vpipe bench`` output; with ``--append``, the last
     sweep, whose ``meta.json`` and steps it holds), events and memory of its measured runs
     included; None when ``path`` is not one (no ``meta.json`` or steps table)."""
+    from vpipe.report.comparison import load_host
     from vpipe.trace.store import Store
 
     path = Path(path)
-    if not (path / "meta.json").is_file() or not (path / "steps.parquet").is_file():
+    if not (path / "steps.parquet").is_file():
         return None
-    meta = json.loads((path / "meta.json").read_text())
+    meta = load_host(path)[1]  # an unreadable meta.json: one line naming it
+    if meta is None:
+        return None
     fields = {f.name for f in dataclasses.fields(SweepSpec)}
     spec = SweepSpec(**{k: tuple(v) if isinstance(v, list) else v
                         for k, v in meta.items() if k in fields})  # fmt: skip
