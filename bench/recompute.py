@@ -18,7 +18,8 @@ time is the slowest rank's. Printed per schedule, implementation and mode:
   implementation's ``none`` with its bootstrap 95% interval (``ratio``), beside the ratio the
   simulator predicts (``sim``);
 - what the mode adds in forwards of the ``none`` run: to the step (``step +F``: the step's
-  extra time over M forwards of the stages of the rank with the most forward time), and to a
+  extra time over M forwards of the stages of the rank with the most forward time, from the
+  paired ratio and its interval), and to a
   backward (``B|I +F``: B, or I, over the ``none`` run's, per stage, the median over stages but
   stage 0; ``W +F``: W's): full recomputation should cost one forward in B or I and none in W;
 - peak bytes per rank: vpipe's own count (what the mode keeps, and what the recomputing
@@ -26,12 +27,14 @@ time is the slowest rank's. Printed per schedule, implementation and mode:
   stages' input shapes, and the saved-tensor meter's (the only figure torch's runs have; it
   does not see what torch's checkpoint keeps inside its own hooks);
 - the simulator's step time predicted from the ``none`` run's calibration with the mode's
-  recomputation (full: one forward in each B and I; selective: attention's core, by its share
-  of the block's multiply-adds), its compute anchored to the ``none`` run's timed median
-  (:func:`vpipe.predict.calibrate.anchor`: ``none``'s error is 0 by construction), and its
+  recomputation (full: one forward in each B and I; selective: per stage, the share of the
+  ``none`` run's forwards spent in the calls selective recomputation reruns, read from its
+  ``PP:RECOMPUTABLE`` spans: :mod:`vpipe.predict.recompute_share`), its compute anchored to
+  the ``none`` run's timed median (:func:`vpipe.predict.calibrate.anchor`: ``none``'s error
+  is 0 by construction), and its
   error against the timed median (``sim ms``, ``err``).
 
-Run: ``python -m bench.recompute [--rounds 6] [--steps 3] [--batch 64] [--stage-repeats 30]``.
+Run: ``python -m bench.recompute [--rounds 10] [--steps 3] [--batch 64] [--stage-repeats 30]``.
 """
 
 from __future__ import annotations
@@ -108,14 +111,6 @@ def _specs(batch: int) -> list:
     return specs
 
 
-def _selective_share() -> float:
-    """Attention's core (q k^T and its product with v, causal: half) against a block's
-    multiply-adds (qkv, proj, fc1, fc2: 12 d^2 per token): the forward share selective
-    recomputation reruns (its activation functions are negligible)."""
-    d, t = SIZES["d_model"], SIZES["seq_len"]
-    return t * d / (12 * d * d + t * d)
-
-
 def _kept_bytes(spec: Any, stage: int, act: float, mode: str) -> tuple[float, float]:
     """Predicted (kept by F, held by the recomputing backward) of a stage, from the ``none``
     run's bytes ``act`` and the model's shapes (float32)."""
@@ -173,6 +168,7 @@ def report(specs: list, per_rank: list[dict], rounds: int, steps: int, batch: in
     import pandas as pd
 
     from vpipe.predict.calibrate import anchor, calibrate
+    from vpipe.predict.recompute_share import selective_shares
     from vpipe.sim import simulate
     from vpipe.stats import paired_ratio
 
@@ -183,10 +179,11 @@ def report(specs: list, per_rank: list[dict], rounds: int, steps: int, batch: in
         f"GPT {SIZES}, batch {batch}, P={P}, M={M}, {rounds} rounds x {steps} steps per config; "
         "ratio: median of pairwise ratios to the same implementation's none (95% CI)",
         f"{'schedule':17s} {'impl':5s} {'mode':9s} {'step ms':>8s} {'ratio':>22s} "
-        f"{'sim':>5s} {'step +F':>7s} {'B|I +F':>6s} {'W +F':>5s} {'peak/rank (count)':>19s} "
+        f"{'sim':>5s} {'step +F (95% CI)':>18s} {'B|I +F':>6s} {'W +F':>5s} {'peak/rank (count)':>19s} "
         f"{'predicted':>19s} {'meter':>19s} {'sim ms':>7s} {'err':>6s}",
     ]
     kib = lambda xs: "/".join(f"{x / 1024:.0f}" for x in xs) + " KiB"  # noqa: E731
+    shares: list[str] = []
     for i, spec in enumerate(specs):
         name, impl, mode = spec.schedule.name, spec.impl, spec.recompute
         head = f"{name:17s} {impl:5s} {mode:9s}"
@@ -200,14 +197,20 @@ def report(specs: list, per_rank: list[dict], rounds: int, steps: int, batch: in
         cal_base = anchor(calibrate(events(base)), spec.schedule, none_s)  # none's timed level
         ratio = paired_ratio(slowest, base_slowest)
         extra_bi, extra_w = _backward_extra(cal, cal_base)
-        share = {"none": 0.0, "full": 1.0, "selective": _selective_share()}[mode]
         cm = cal_base.cost_model(spec.schedule)
-        sim_ms = simulate(spec.schedule, replace(cm, recompute=share)).makespan / 1e3
-        sim_ratio = sim_ms / (simulate(spec.schedule, cm).makespan / 1e3)
+        n = spec.schedule.n_stages
+        share = {"none": 0.0, "full": 1.0, "selective": selective_shares(cal_base, n, n)}[mode]
+        cm = replace(cm, recompute=list(share) if mode == "selective" else share)
+        sim_ms = simulate(spec.schedule, cm).makespan / 1e3
+        sim_ratio = sim_ms / (simulate(spec.schedule, replace(cm, recompute=0.0)).makespan / 1e3)
         step_ms = statistics.median(slowest) * 1e3
-        # the step's extra time in forwards: M of each stage's on the rank with the most
+        # the step's extra time in forwards (M of each stage's on the rank with the most),
+        # from the paired ratio to none and its interval: steps timed side by side
         by_rank = [sum(cal_base.f[s] for s in spec.schedule.stages_of(r)) for r in range(P)]
-        step_f = (step_ms - statistics.median(base_slowest) * 1e3) / (M * max(by_rank) / 1e3)
+        per = none_s * 1e3 / (M * max(by_rank) / 1e3)
+        step_f = f"{(ratio.value - 1) * per:5.2f} ({(ratio.low - 1) * per:5.2f}-{(ratio.high - 1) * per:4.2f})"
+        if mode == "selective":
+            shares.append(f"{name} {impl}: " + "/".join(f"{x:.2f}" for x in share))
         meter = [r["memory"][i]["peak_bytes"] for r in per_rank]
         count = predicted = "-"
         if impl == "vpipe":
@@ -216,10 +219,12 @@ def report(specs: list, per_rank: list[dict], rounds: int, steps: int, batch: in
             count, predicted = kib(peaks), kib(_predicted_peaks(spec, act, mode))
         lines.append(
             f"{head} {step_ms:8.1f} {ratio.value:7.3f} ({ratio.interval_text(3):>12s}) "
-            f"{sim_ratio:5.3f} {step_f:7.2f} {extra_bi:6.2f} {extra_w:5.2f} {count:>19s} "
+            f"{sim_ratio:5.3f} {step_f:>18s} {extra_bi:6.2f} {extra_w:5.2f} {count:>19s} "
             f"{predicted:>19s} {kib(meter):>19s} "
             f"{sim_ms:7.1f} {100 * (sim_ms / step_ms - 1):+5.1f}%"
         )
+    lines.append("selective's share of each stage's forward, per stage (none run's spans): "
+                 + "; ".join(shares))  # fmt: skip
     return lines
 
 
@@ -316,7 +321,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     p = argparse.ArgumentParser(
         prog="python -m bench.recompute", description=__doc__.split("\n\n")[0]
     )
-    p.add_argument("--rounds", type=int, default=6, help="timed rounds (configs alternate)")
+    p.add_argument("--rounds", type=int, default=10, help="timed rounds (configs alternate)")
     p.add_argument("--steps", type=int, default=3, help="timed steps per config and round")
     p.add_argument("--batch", type=int, default=64, help="global batch (M=8 microbatches)")
     p.add_argument("--profiles", type=int, default=2, help="profiled steps per config")

@@ -3,8 +3,9 @@
 import pytest
 
 from vpipe.events import events_frame
-from vpipe.predict.calibrate import anchor, calibrate, fidelity_table, predict, split_sizes
+from vpipe.predict.calibrate import anchor, calibrate, fidelity_table, predict
 from vpipe.predict.links import comm_link_us
+from vpipe.predict.pieces import split_sizes
 from vpipe.schedules import make_schedule
 from vpipe.sim import CostModel, simulate
 

@@ -54,6 +54,9 @@ COMM_KINDS = ("SEND_F", "RECV_F", "SEND_B", "RECV_B")
 # action's side-stream work): the device was busy, but with no action's computing
 EVENT_KINDS = (*COMPUTE_KINDS, *COMM_KINDS, "WAIT", "REDUCE", "GPU", "other")
 DEVICE_BUSY_KINDS = (*COMPUTE_KINDS, "GPU")  # what counts as the rank's device being busy
+# An "other" row's name: a call inside a forward that selective recomputation would rerun
+# (vpipe.runtime.recompute marks it while profiling; vpipe.predict.recompute_share reads it)
+RECOMPUTABLE = "RECOMPUTABLE"
 
 MEMORY_COLUMNS: dict[str, str] = {
     "run_id": "category",

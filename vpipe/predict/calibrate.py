@@ -47,6 +47,8 @@ from vpipe.errors import TraceError
 from vpipe.events import COMPUTE_KINDS
 from vpipe.metrics.per_run import KEYS, _union_ns, rank_metrics, step_metrics
 from vpipe.predict.links import comm_link_us
+from vpipe.predict.pieces import lcm, rescale_stages
+from vpipe.predict.recompute_share import recomputable_us
 from vpipe.trace.operators import RUN_NAME
 
 US = 1e3  # ns per cost-model time unit
@@ -68,6 +70,7 @@ class Calibration:
     comm_handshake: float = 0.0  # added to a message whose receive is posted after its send
     full_b: np.ndarray | None = None  # B's own time where a stage also ran I and W, else NaN
     compute_scale: float = 1.0  # F, I, W and B times are multiplied by it (vpipe.predict.anchor)
+    recomputable: np.ndarray | None = None  # per stage, an F's time in RECOMPUTABLE spans
 
     @property
     def n_stages(self) -> int:
@@ -81,8 +84,8 @@ class Calibration:
         if n_stages == self.n_stages:
             f, b, w = self.f * k, self.b * k, self.w * k
         else:
-            n_units = n_units or _lcm(self.n_stages, n_stages)
-            f, total = (_rescale(x * k, n_units, n_stages) for x in (self.f, self.b + self.w))
+            n_units = n_units or lcm(self.n_stages, n_stages)
+            f, total = (rescale_stages(x * k, n_units, n_stages) for x in (self.f, self.b + self.w))
             b, w = split_backward(total, self.share_of_w())
         per_stage = {s: {"f": f[s], "b": b[s], "w": w[s]} for s in range(n_stages)}
         if n_stages == self.n_stages and self.full_b is not None:  # same split: B as measured
@@ -127,28 +130,6 @@ def split_backward(total: np.ndarray, share: float) -> tuple[np.ndarray, np.ndar
     w = total * share
     w[0] = total[0]
     return total - w, w
-
-
-def _lcm(a: int, b: int) -> int:
-    return a * b // np.gcd(a, b)
-
-
-def split_sizes(n_units: int, n_stages: int) -> list[int]:
-    """Pieces per stage as the benchmark models split them (earlier stages take the extra)."""
-    base, extra = divmod(n_units, n_stages)
-    return [base + (1 if i < extra else 0) for i in range(n_stages)]
-
-
-def _rescale(per_stage: np.ndarray, n_units: int, n_stages: int) -> np.ndarray:
-    """Per-stage costs of a split into ``n_stages`` from those of the calibrated split."""
-    src = split_sizes(n_units, len(per_stage))
-    if min(src) == 0 or min(split_sizes(n_units, n_stages)) == 0:
-        raise TraceError(
-            f"cannot split {n_units} model pieces into {max(len(per_stage), n_stages)} stages"
-        )
-    unit = np.repeat(per_stage / np.array(src), src)
-    bounds = np.cumsum([0, *split_sizes(n_units, n_stages)])
-    return np.array([unit[bounds[i] : bounds[i + 1]].sum() for i in range(n_stages)])
 
 
 def calibrate(events: pd.DataFrame, *, w_share: float = 0.5, stat: str = "median") -> Calibration:
@@ -199,6 +180,7 @@ def calibrate(events: pd.DataFrame, *, w_share: float = 0.5, stat: str = "median
         _overlap_factor(ev, dur_us, kind, f, b, w),
         handshake,
         full_b if np.isfinite(full_b).any() else None,
+        recomputable=recomputable_us(ev, n_stages),
     )
 
 

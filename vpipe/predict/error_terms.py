@@ -12,7 +12,7 @@ step loses, in milliseconds:
 - ``w_share``: when the calibration had only B, how far the step moves if W's assumed share of
   a backward is 0.4 or 0.6 instead of the assumed one (the larger change);
 - ``restaged``: whether the target splits the model into other stages than the calibration
-  (per-stage costs then come from equal model pieces, :func:`vpipe.predict.calibrate._rescale`).
+  (per-stage costs then come from equal model pieces, :func:`vpipe.predict.pieces.rescale_stages`).
 
 The terms overlap (removing two at once is not the sum of removing each), so they explain,
 rather than add up to, the predicted step.

@@ -118,7 +118,7 @@ class CalibratedCosts:
     meta: dict[str, Any] | None = None  # the run's (its model's shapes: plan_recompute)
 
     def cost_model(self, schedule: Schedule, rows: float) -> CostModel:
-        from vpipe.predict.calibrate import split_sizes
+        from vpipe.predict.pieces import split_sizes
 
         if schedule.n_stages > self.pieces:
             raise ScheduleError(
@@ -176,7 +176,8 @@ def calibrated_costs(
     for backward per model piece and row, from the run's measured peak per rank
     (``peak_bytes``) against the simulated peak of the same schedule. ``meta`` names the
     model, its sizes, stages and batch (the global batch of ``meta["dp"]`` replicas, if any)."""
-    from vpipe.predict.calibrate import anchor, calibrate, model_units, split_sizes
+    from vpipe.predict.calibrate import anchor, calibrate, model_units
+    from vpipe.predict.pieces import split_sizes
     from vpipe.sim import simulate
 
     pieces = model_units({**meta, "stages": schedule.n_stages})

@@ -4,8 +4,9 @@ From a run without recomputation (:class:`vpipe.predict.plan.CalibratedCosts`), 
 costs under a mode (:mod:`vpipe.runtime.recompute`):
 
 - time: each B and I reruns a share of the stage's measured forward: all of it under ``full``;
-  under ``selective`` the share of attention's core in a GPT block's multiply-adds (its
-  activation functions' cost is left out: a few element-wise operations);
+  under ``selective`` the share of it the run spent in the calls selective recomputation
+  reruns (:mod:`vpipe.predict.recompute_share`); for a run recorded without those spans, the
+  share of attention's core in a GPT block's multiply-adds (activation functions left out);
 - memory: the stage's measured bytes per microbatch split into what F keeps and what the
   backward recomputes (held during B, and from I to W): ``full`` keeps the stage's input
   (one hidden state per row; stage 0: its token ids or input rows), ``selective`` recomputes
@@ -19,6 +20,7 @@ from dataclasses import dataclass, replace
 from typing import Any
 
 from vpipe.errors import VpipeError
+from vpipe.predict.recompute_share import selective_shares
 
 __all__ = ["with_recompute"]
 
@@ -53,7 +55,7 @@ class _Recomputing:
 
     def cost_model(self, schedule: Any, rows: float) -> Any:
         from vpipe.models import resolve_sizes
-        from vpipe.predict.calibrate import split_sizes
+        from vpipe.predict.pieces import split_sizes
 
         cm = self.base.cost_model(schedule, rows)
         meta = self.base.meta
@@ -79,6 +81,8 @@ class _Recomputing:
                 share = t * d / (12 * d * d + t * d)
             else:
                 lazy, share = sizes["d_hidden"] * item, 0.0
+            measured = selective_shares(self.base.calibration, n, self.base.pieces)
+            share = share if measured is None else measured.tolist()
             kept = [act[s] - blocks[s] * lazy * rows for s in range(n)]
         kept = [min(k, a) for k, a in zip(kept, act, strict=True)]
         rec = [a - k for a, k in zip(act, kept, strict=True)]

@@ -49,7 +49,7 @@ def calibrated_rates(costs: Any, meta: dict[str, Any], run_id: str = "") -> Rate
     """Rates from a run's calibrated costs (:class:`vpipe.predict.plan.CalibratedCosts`): each
     kind's FLOPs over all stages (the model's pieces, embedding, blocks and head, split as
     the benchmark models split them) over its measured time over all stages."""
-    from vpipe.predict.calibrate import split_sizes
+    from vpipe.predict.pieces import split_sizes
 
     arch = run_arch(meta, costs.rows)
     cal = costs.calibration

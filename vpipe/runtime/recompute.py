@@ -17,20 +17,35 @@ Modes (:data:`RECOMPUTE_MODES`):
   et al. 2022). A model that marks nothing keeps everything, as with ``none``.
 
 The markers act only inside a stage's selective forward (:class:`Selective`); elsewhere they
-are plain calls, so a model uses them unconditionally.
+are plain calls, so a model uses them unconditionally. While the profiler records, each marked
+call sits in a ``PP:RECOMPUTABLE`` span (:data:`RECOMPUTABLE_SPAN`) in any mode: the share of
+a forward those spans take, read from a run without recomputation, is what selective
+recomputation would rerun (:func:`vpipe.predict.recompute_share.selective_shares`).
 """
 
 from __future__ import annotations
 
 import weakref
 from collections.abc import Callable
+from contextlib import nullcontext
 from typing import Any
 
 import torch
 
-__all__ = ["RECOMPUTE_MODES", "Selective", "check_mode", "lazy", "recomputed", "rng_state"]
+from vpipe.events import RECOMPUTABLE
+
+__all__ = [
+    "RECOMPUTABLE_SPAN",
+    "RECOMPUTE_MODES",
+    "Selective",
+    "check_mode",
+    "lazy",
+    "recomputed",
+    "rng_state",
+]
 
 RECOMPUTE_MODES = ("none", "full", "selective")
+RECOMPUTABLE_SPAN = f"PP:{RECOMPUTABLE}"  # a marked call, while profiling
 
 _active: list[Selective] = []  # the selective forward running now (innermost last)
 
@@ -55,19 +70,28 @@ def rng_state(device: torch.device) -> Callable[[], None]:
 def recomputed(fn: Callable[..., torch.Tensor], *inputs: torch.Tensor) -> torch.Tensor:
     """``fn(*inputs)``; in a selective forward, nothing ``fn`` saves is kept: backward runs it
     again from ``inputs``. ``fn`` must have no parameters (attention's core)."""
-    if not _active or not torch.is_grad_enabled():
-        return fn(*inputs)
-    return _Recomputed.apply(fn, *inputs)
+    with _span():
+        if not _active or not torch.is_grad_enabled():
+            return fn(*inputs)
+        return _Recomputed.apply(fn, *inputs)
 
 
 def lazy(fn: Callable[[torch.Tensor], torch.Tensor], x: torch.Tensor) -> torch.Tensor:
     """``fn(x)``; in a selective forward, where autograd saves the result (or a view of it)
     for backward it keeps ``x`` instead and recomputes ``fn(x)`` the first time backward
     needs it. ``fn`` must be cheap and deterministic (an activation function)."""
-    y = fn(x)
+    with _span():
+        y = fn(x)
     if _active and torch.is_grad_enabled():
         _active[-1].register(y, fn, x)
     return y
+
+
+def _span() -> Any:
+    """A ``PP:RECOMPUTABLE`` profiler span while the profiler records, else nothing."""
+    if torch._C._autograd._profiler_enabled():
+        return torch.profiler.record_function(RECOMPUTABLE_SPAN)
+    return nullcontext()
 
 
 class Selective:

@@ -69,7 +69,8 @@ class CostModel:
 
     ``recompute`` and ``recompute_bytes`` model activation recomputation
     (:mod:`vpipe.runtime.recompute`): each B and each I also reruns ``recompute`` times its
-    stage's forward (1 for full recomputation), and holds ``recompute_bytes`` (per stage) while
+    stage's forward (1 for full recomputation; a number, or per stage: selective recomputation
+    reruns a share that differs by stage), and holds ``recompute_bytes`` (per stage) while
     a B runs and from an I until its W; ``activation_bytes`` are then what F keeps.
 
     ``overlap`` scales the parts of an overlap action (``(0F3;3B1)OVERLAP_F_B``): what running
@@ -95,15 +96,16 @@ class CostModel:
     comm_handshake: float = 0.0
     unit: str = "stage"
     boundary_time: PerStage | None = None
-    recompute: float = 0.0
+    recompute: PerStage = 0.0
     recompute_bytes: PerStage | None = None
 
     def __post_init__(self) -> None:
         if self.unit not in UNITS:
             raise CostModelError(f"unit must be 'rank' or 'stage', got {self.unit!r}")
-        for name in ("f", "b", "w", "comm_latency", "comm_handshake", "post", "gap", "overlap",
-                     "recompute"):  # fmt: skip
+        for name in ("f", "b", "w", "comm_latency", "comm_handshake", "post", "gap", "overlap"):
             _non_negative(name, getattr(self, name))
+        if isinstance(self.recompute, (int, float)):
+            _non_negative("recompute", self.recompute)
         bw = self.comm_bandwidth
         if not isinstance(bw, (int, float)) or math.isnan(bw) or bw <= 0:
             raise CostModelError(f"comm_bandwidth must be a positive number, got {bw!r}")
@@ -180,16 +182,21 @@ class CostModel:
             for j, k in enumerate(("f", "b", "w")):
                 if k in over:
                     out[j][stage] = float(over[k])
-        return out[0], out[1] + self.recompute * out[0], out[2]
+        return out[0], out[1] + self.recompute_shares(n_stages) * out[0], out[2]
+
+    def recompute_shares(self, n_stages: int) -> np.ndarray:
+        """The share of its forward each stage's B and I rerun (0 without recomputation)."""
+        return _per_stage("recompute", self.recompute, n_stages)
 
     def backward_times(self, n_stages: int) -> np.ndarray:
         """A full backward's time per stage: ``b + w`` (b with its recomputation), or the
         stage's ``per_stage`` "B" plus its recomputation."""
         f, b, w = self.stage_times(n_stages)
         out = b + w
+        share = self.recompute_shares(n_stages)
         for stage, over in (self.per_stage or {}).items():
             if "B" in over:
-                out[stage] = float(over["B"]) + self.recompute * f[stage]
+                out[stage] = float(over["B"]) + share[stage] * f[stage]
         return out
 
     def links(self, n_stages: int) -> LinkModel:
