@@ -28,7 +28,7 @@ install: $(STAMP)
 # system has it, is kept off: vpipe's tests use none, and each worker would warn it is disabled.
 TEST_WORKERS ?= 2
 test: $(STAMP)
-	$(PY) -m pytest -ra -n $(TEST_WORKERS) --dist loadfile -p no:benchmark
+	$(PY) -m pytest -ra -n $(TEST_WORKERS) --dist loadfile --no-loadscope-reorder -p no:benchmark
 
 bench: $(STAMP)
 	$(VENV)/bin/vpipe bench --out results/latest --force
