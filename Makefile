@@ -23,9 +23,12 @@ $(STAMP): pyproject.toml
 .PHONY: install test bench lint gpu-check
 install: $(STAMP)
 
-# pytest's default output: one line per test file with its progress (the suite takes minutes).
+# Two pytest-xdist workers, each given whole test files (so a module's recorded fixture is made
+# once); TEST_WORKERS=0 runs the suite in this process, serially. pytest-benchmark, where the
+# system has it, is kept off: vpipe's tests use none, and each worker would warn it is disabled.
+TEST_WORKERS ?= 2
 test: $(STAMP)
-	$(PY) -m pytest -ra
+	$(PY) -m pytest -ra -n $(TEST_WORKERS) --dist loadfile --no-loadscope-reorder -p no:benchmark
 
 bench: $(STAMP)
 	$(VENV)/bin/vpipe bench --out results/latest --force

@@ -82,6 +82,27 @@ def test_staged_dir_swaps_in_whole_or_not_at_all(tmp_path):
     assert sorted(os.listdir(tmp_path)) == ["out"]  # no staging or old copy left
 
 
+def test_ctrl_c_just_after_the_staging_directory_is_made_leaves_none(tmp_path, monkeypatch):
+    """A Ctrl-C that lands once the staging directory exists but before staged_dir has its
+    name (a process descheduled there, on a loaded host) still removes it."""
+    out = tmp_path / "out"
+    out.mkdir()
+    (out / "old.txt").write_text("old")
+    mkdtemp = outputs.tempfile.mkdtemp
+
+    def made_then_interrupted(*args, **kwargs) -> str:
+        made = mkdtemp(*args, **kwargs)
+        os.kill(os.getpid(), signal.SIGINT)
+        return made
+
+    monkeypatch.setattr(outputs.tempfile, "mkdtemp", made_then_interrupted)
+    with pytest.raises(KeyboardInterrupt, match="kept as it was"):
+        with staged_dir(out) as d:
+            (d / "new.txt").write_text("new")
+    assert sorted(os.listdir(out)) == ["old.txt"]
+    assert sorted(os.listdir(tmp_path)) == ["out"]
+
+
 def test_ctrl_c_during_the_swap_is_held_until_it_is_done(tmp_path, monkeypatch):
     out = tmp_path / "out"
     out.mkdir()

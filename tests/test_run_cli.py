@@ -242,3 +242,30 @@ def test_the_precision_defaults_by_device_and_names_a_bad_one():
     assert CHECK_TOL["fp32"] < CHECK_TOL["fp16"] and CHECK_TOL["fp32"] < CHECK_TOL["bf16"]
     with pytest.raises(VpipeError, match="unknown dtype 'fp8'"):
         RankSpec(s, dtype="fp8").check(build=False)
+
+
+def _threads(rank: int, n_ranks: int) -> int:
+    import torch
+
+    return torch.get_num_threads()
+
+
+def test_ranks_divide_vpipe_cores_and_a_bad_value_is_one_line(monkeypatch, capsys):
+    """VPIPE_CORES (a parallel test worker's share of the host) is what the ranks divide for
+    their torch threads; a value that is not a positive whole number is refused in one line
+    naming it, before any rank starts."""
+    import os
+
+    from vpipe.runtime.launch import spawn, usable_cores
+
+    monkeypatch.delenv("VPIPE_CORES", raising=False)
+    assert usable_cores() == len(os.sched_getaffinity(0))
+    monkeypatch.setenv("VPIPE_CORES", "6")
+    assert usable_cores() == 6
+    assert spawn(_threads, 2, timeout_s=120) == [3, 3]
+    for bad in ("0", "two", "-1"):
+        monkeypatch.setenv("VPIPE_CORES", bad)
+        with pytest.raises(PipelineError, match=rf"^VPIPE_CORES='{bad}': expected a whole number"):
+            spawn(_threads, 1)
+        assert main(["run", "zbv", "-p", "2", "-m", "4", "--steps", "1"]) == 2
+        assert f"VPIPE_CORES='{bad}'" in capsys.readouterr().err

@@ -118,17 +118,25 @@ def staged_dir(path: str | os.PathLike[str], *, keep: bool = False) -> Iterator[
     note that ``path`` holds the new complete output."""
     p = Path(path)
     p.parent.mkdir(parents=True, exist_ok=True)
-    tmp = Path(tempfile.mkdtemp(prefix=f".{p.name}.vpipe-new-", dir=p.parent))
+    tmp: Path | None = None
     try:
+        # Held from the directory's making to its name being kept: a Ctrl-C that landed between
+        # the two (a descheduled process on a loaded host) would leave it behind.
+        with sigint_held() as held:
+            tmp = Path(tempfile.mkdtemp(prefix=f".{p.name}.vpipe-new-", dir=p.parent))
+        if held:
+            raise KeyboardInterrupt
         os.chmod(tmp, 0o777 & ~current_umask())  # mkdtemp makes 0700
         if keep and p.is_dir():
             shutil.copytree(p, tmp, symlinks=True, dirs_exist_ok=True)
         yield tmp
     except KeyboardInterrupt:
-        shutil.rmtree(tmp, ignore_errors=True)
+        if tmp is not None:
+            shutil.rmtree(tmp, ignore_errors=True)
         raise KeyboardInterrupt(kept_note(p)) from None
     except BaseException:
-        shutil.rmtree(tmp, ignore_errors=True)
+        if tmp is not None:
+            shutil.rmtree(tmp, ignore_errors=True)
         raise
     with sigint_held() as held:
         _swap_in(tmp, p)

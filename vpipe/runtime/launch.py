@@ -21,7 +21,7 @@ from typing import Any
 
 from vpipe.errors import PipelineError, one_line
 
-__all__ = ["in_torchrun", "init_from_env", "leave_job", "local_device", "spawn"]
+__all__ = ["in_torchrun", "init_from_env", "leave_job", "local_device", "spawn", "usable_cores"]
 
 _TORCHRUN_VARS = ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT")
 
@@ -29,6 +29,21 @@ _TORCHRUN_VARS = ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_POR
 def in_torchrun() -> bool:
     """True when torchrun's environment variables are present."""
     return all(v in os.environ for v in _TORCHRUN_VARS)
+
+
+def usable_cores() -> int:
+    """The cores this process's local ranks divide among themselves (torch threads per rank =
+    this // ranks): ``VPIPE_CORES`` when set (a share of the host, as each parallel test worker
+    sets it, so that two jobs at once do not each take every core), else the CPUs this process
+    may run on (its affinity, as taskset or a container limits it)."""
+    value = os.environ.get("VPIPE_CORES", "")
+    if value:
+        if not value.isdigit() or int(value) < 1:
+            raise PipelineError(f"VPIPE_CORES={value!r}: expected a whole number of cores, 1 or more")
+        return int(value)
+    if hasattr(os, "sched_getaffinity"):
+        return len(os.sched_getaffinity(0))
+    return os.cpu_count() or 1
 
 
 def local_device(kind: str, rank: int) -> Any:
@@ -64,8 +79,8 @@ def init_from_env(
 ) -> tuple[int, int, Any]:
     """Join a torchrun job: init the default process group from the environment (with device
     cuda: NCCL unless ``backend`` says gloo, on the rank's GPU as :func:`local_device` picks it;
-    NCCL needs one GPU per local rank) and set torch's threads to cores // local ranks. Returns
-    (rank, world size, torch.device)."""
+    NCCL needs one GPU per local rank) and set torch's threads to :func:`usable_cores` // local
+    ranks. Returns (rank, world size, torch.device)."""
     import torch
     import torch.distributed as dist
 
@@ -89,7 +104,7 @@ def init_from_env(
     else:
         dev = torch.device(device)
         backend = backend or "gloo"
-    torch.set_num_threads(max(1, (os.cpu_count() or 1) // local_world))
+    torch.set_num_threads(max(1, usable_cores() // local_world))
     kwargs = {"device_id": dev} if backend == "nccl" else {}
     dist.init_process_group(
         backend, rank=rank, world_size=world, timeout=timedelta(seconds=timeout_s), **kwargs
@@ -136,7 +151,8 @@ def spawn(
     pg_timeout_s: float = 60.0,
 ) -> list[Any]:
     """Run ``fn(rank, n_ranks, *args)`` in ``n_ranks`` local processes with a process group
-    initialised and torch threads set to cores // n_ranks; return the per-rank results.
+    initialised and torch threads set to :func:`usable_cores` // n_ranks; return the per-rank
+    results.
 
     ``fn`` and ``args`` must be picklable (a module-level function). If a rank raises or dies,
     the others are terminated and PipelineError names the failed rank and its error; the whole
@@ -146,13 +162,13 @@ def spawn(
 
     if n_ranks < 1:
         raise PipelineError(f"n_ranks must be >= 1, got {n_ranks}")
+    threads = max(1, usable_cores() // n_ranks)
     store = dist.TCPStore("127.0.0.1", 0, n_ranks + 1, True, timedelta(seconds=pg_timeout_s), False)
     ctx = fork_server()
     results_q = ctx.SimpleQueue()
     # Plain pickle, not torch's fd-sharing reductions: tensors in args and results travel as
     # bytes, so neither side has to outlive the transfer and no file descriptors pile up.
     payload = pickle.dumps((fn, args))
-    threads = max(1, (os.cpu_count() or 1) // n_ranks)
     procs = [
         ctx.Process(
             target=_worker,
