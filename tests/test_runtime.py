@@ -20,6 +20,7 @@ from vpipe.ir.lowering import lower
 from vpipe.models import build_model
 from vpipe.runtime import Pipeline
 from vpipe.runtime.launch import spawn
+from vpipe.runtime.recompute import RECOMPUTABLE_SPAN
 from vpipe.schedules import make_schedule, schedule_names
 from vpipe.sweep.harness import reference_step
 
@@ -158,6 +159,7 @@ def _check_results(results: list, n_ranks: int, n_jobs: int) -> None:
         # One span per action, the step span (second step: k=1), and waits on receives.
         want = {f"PP:{a}" for a in sched.actions[rank]} | {"PP:STEP:1"}
         want |= {f"PP:WAIT:{a}" for a in sched.actions[rank] if a.kind.name.startswith("RECV")}
+        want |= {RECOMPUTABLE_SPAN}  # the MLP's activation functions, marked for recomputation
         assert set(spans) == want, (rank, sorted(set(spans) ^ want))
 
 

@@ -20,7 +20,6 @@ from dataclasses import dataclass, replace
 from typing import Any
 
 from vpipe.errors import VpipeError
-from vpipe.predict.recompute_share import selective_shares
 
 __all__ = ["with_recompute"]
 
@@ -56,6 +55,7 @@ class _Recomputing:
     def cost_model(self, schedule: Any, rows: float) -> Any:
         from vpipe.models import resolve_sizes
         from vpipe.predict.pieces import split_sizes
+        from vpipe.predict.recompute_share import selective_shares
 
         cm = self.base.cost_model(schedule, rows)
         meta = self.base.meta
