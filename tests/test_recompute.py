@@ -105,8 +105,10 @@ def _configs(n_ranks: int) -> list[tuple[str, str]]:
         models = ("gpt", "mlp", "tied")
         out = [(n, models[i % 3]) for i, n in enumerate(schedule_names())]
         return out + [("dualpipev", "gpt-fused"), ("zbv", "tied"), ("1f1b", "tied")]
-    return [("1f1b", "gpt"), ("interleaved-1f1b", "tied"), ("zbv", "gpt"), ("zb-h1", "tied"),
-            ("dualpipev", "gpt-fused"), ("zbv", "tied")]  # fmt: skip
+    return [("gpipe", "mlp"), ("1f1b", "gpt"), ("interleaved-1f1b", "tied"),
+            ("looped-bfs", "gpt"), ("zb-h1", "tied"), ("zb-h2", "mlp"), ("zbv", "gpt"),
+            ("zbv", "tied"), ("v-half", "tied"), ("v-min", "gpt"), ("auto", "mlp"),
+            ("dualpipev", "gpt-fused")]  # fmt: skip
 
 
 def _jobs(n_ranks: int) -> list:
