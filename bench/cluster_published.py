@@ -42,7 +42,7 @@ from vpipe.sim.arch import PRESETS as ARCHS
 from vpipe.sim.arch import Arch
 from vpipe.sim.efficiency import FITS, Fit
 from vpipe.sim.machine import PRESETS as MACHINES
-from vpipe.sim.model_costs import Layout, Rates, block_comm_s, model_costs
+from vpipe.sim.model_costs import MEMORY_EFFICIENCY, Layout, Rates, block_comm_s, model_costs
 from vpipe.sim.parallel import Split, block_on_gpu
 
 DATA = Path("shared") / "data" / "3d-parallel" / "dev-tables.json"
@@ -64,6 +64,8 @@ ASSUMED = [
     "narayanan_2021: fp16, dropout, no flash attention, interleaved-1f1b with 2 stages per "
     "rank when PP > 1",
     "every throughput row: the distributed optimizer (shard optimizer), sync optimizer step",
+    "megatron_h100 and nemo_24_07: the data-parallel reduction overlapped with the backward "
+    "(--overlap-grad-reduce); narayanan_2021: after the pipeline's flush",
 ]
 
 
@@ -82,7 +84,8 @@ def setup(row: dict[str, Any]) -> dict[str, Any] | None:
         flops = 72 * b * s * l * h * h * (1 + s / (6 * h) + v / (12 * l * h))
         tokens = row["tflops_per_gpu"] * 1e12 * b * s / flops
         return dict(arch=arch, tp=row["tp"], pp=row["pp"], cp=1, dp=row["dp"], v=1,
-                    schedule="1f1b", recompute="none", batch=b, published=tokens)  # fmt: skip
+                    schedule="1f1b", recompute="none", batch=b, published=tokens,
+                    overlap=True)  # fmt: skip
     if src == "nemo_24_07":
         if row["model"] not in NEMO:
             return None
@@ -92,7 +95,7 @@ def setup(row: dict[str, Any]) -> dict[str, Any] | None:
         return dict(arch=arch.with_microbatch(row["microbatch"]), tp=row["tp"], pp=row["pp"],
                     cp=row["cp"], dp=row["gpus"] // group, v=row["virtual_stages"],
                     schedule="interleaved-1f1b", recompute="none", batch=row["global_batch"],
-                    published=row["tokens_per_s_per_gpu"])  # fmt: skip
+                    published=row["tokens_per_s_per_gpu"], overlap=True)  # fmt: skip
     if src == "narayanan_2021":
         arch = gpt(row, precision="fp16", dropout=True, flash_attention=False,
                    learned_positions=True)  # fmt: skip
@@ -102,7 +105,7 @@ def setup(row: dict[str, Any]) -> dict[str, Any] | None:
         pp = row["pp"]
         return dict(arch=arch, tp=row["tp"], pp=pp, cp=1, dp=row["dp"], v=2 if pp > 1 else 1,
                     schedule="interleaved-1f1b" if pp > 1 else "1f1b", recompute="full",
-                    batch=b, published=tokens)  # fmt: skip
+                    batch=b, published=tokens, overlap=False)  # fmt: skip
     return None
 
 
@@ -111,7 +114,7 @@ def predict(row_setup: dict[str, Any], machine_name: str, fit: Fit) -> float:
     st = row_setup
     arch, machine = st["arch"], MACHINES[machine_name]
     layout = Layout(st["pp"], st["dp"], st["v"], "loop", True, "optimizer", st["tp"], st["cp"],
-                    st["recompute"])  # fmt: skip
+                    st["recompute"], st["overlap"])  # fmt: skip
     rates = Rates.for_shapes(machine, arch, st["tp"], st["cp"], fit)
     costs = model_costs(arch, machine, layout, rates, fit)
     fam = catalogue.get(st["schedule"])
@@ -136,8 +139,11 @@ def layer_times(row: dict[str, Any], fit: Fit) -> tuple[float, float]:
     rates = Rates.for_shapes(machine, arch, row["tp"], 1, fit)
     lay = Layout(1, tp=row["tp"], recompute=recompute)
     comm = block_comm_s(machine, lay, blk, rates, fit.tp_hidden)
-    f = blk.flops["F"] / rates.f + comm["tp"]["F"]
+    bw = machine.memory_bandwidth * MEMORY_EFFICIENCY
+    moved = blk.elementwise_bytes
+    f = blk.flops["F"] / rates.f + moved["F"] / bw + comm["tp"]["F"]
     b = (blk.flops["I"] + blk.recompute_flops + blk.flops["W"]) / rates.i + comm["tp"]["I"]
+    b += (moved["I"] + moved["W"] + blk.recompute_elementwise_bytes) / bw
     return f * 1e3, b * 1e3
 
 
@@ -158,8 +164,8 @@ def errors(rows: list[dict[str, Any]], fits: dict[str, Fit]) -> list[dict[str, A
     return out
 
 
-D_HALF = (0, 128, 256, 512, 1024, 2048)
-TP_HIDDEN = (0.0, 0.5, 0.8, 1.0)
+D_HALF = (0, 64, 128, 192, 256, 384, 512, 768, 1024, 1536, 2048)
+TP_HIDDEN = (0.0, 0.25, 0.5, 0.65, 0.8, 0.9, 1.0)
 
 
 def fit_machine(rows: list[dict[str, Any]], machine: str) -> Fit:

@@ -60,6 +60,23 @@ def test_buckets_queue_on_the_collective_stream():
     assert step.step_end == 18 and step.exposed == 6 and step.hidden == 0
 
 
+def test_buckets_reduced_inside_the_last_backward_when_it_fills_them():
+    # the same timeline: rank 0's last B runs 9-12, rank 1's 6-9; two buckets each, ready a
+    # half and all of the way through that B (Megatron-LM's --overlap-grad-reduce, DDP)
+    cost = CollectiveCost(group=2, bandwidth=1.0, latency=0.5)  # 3 bytes: 4; 1 byte: 2
+    sched = vpipe.make_schedule("gpipe", 2, 2)
+    r = vpipe.simulate(sched, vpipe.CostModel.parse("f=1,b=2,w=1,unit=stage"))
+    step = simulate_reductions(sched, r.columns, r.makespan, cost, {0: [3, 1], 1: [3, 1]},
+                               within_backward=True)  # fmt: skip
+    assert _spans(step) == [
+        (0, 0, 0, 10.5, 10.5, 14.5),
+        (0, 0, 1, 12, 14.5, 16.5),
+        (1, 1, 0, 7.5, 7.5, 11.5),
+        (1, 1, 1, 9, 11.5, 13.5),
+    ]
+    assert step.exposed == 4.5  # 1.5 less than after the backward (the test above: 6)
+
+
 def test_reductions_hidden_when_they_fit_before_the_late_rank():
     # rank 1's reduction (9..11) ends before rank 0's gradients are even complete
     cost = CollectiveCost(group=2, bandwidth=1.0)

@@ -180,10 +180,19 @@ def test_layer_split_leaves_the_embedding_and_head_stages_short(layers, stages, 
 
 def test_stage_costs_by_hand():
     m = load_machine("a100")
-    rates = Rates(1e12, 2e12, 4e12)
+    rates = Rates(1e12, 2e12, 4e12, gemms_only=True)
     c = model_costs(TINY, m, Layout(pp=2, shard="none"), rates)
+    measured = model_costs(TINY, m, Layout(pp=2, shard="none"), Rates(1e12, 2e12, 4e12))
+    assert measured.f[0] == TINY.layer_flops("F") / 1e12  # whole passes: nothing apart
     assert c.layers == [1, 1]
-    assert c.f[0] == TINY.layer_flops("F") / 1e12
+    bw = m.memory_bandwidth * MEMORY_EFFICIENCY
+    # the non-matrix operators' bytes, 12 tokens of width 8 (fp16, no dropout, no flash):
+    # F norms 12*8*2*(2*2 + 2*3), activation 12*32*2*2, scores 12*4*2 heads*2*2 = 1920+1536+384
+    assert c.f[0] == pytest.approx(TINY.layer_flops("F") / 1e12 + 3840 / bw)
+    # I 12*8*2*(2*3 + 2*3) + 12*32*2*3 + 96*3*2 = 5184; the head's norm 96*3*2 and its loss
+    # over 12 x 10 logits (4 + 2 bytes each) = 576 + 720
+    head_i = (TINY.layer_flops("I") + TINY.head_flops("I")) / 2e12
+    assert c.i[1] == pytest.approx(head_i + (5184 + 1296) / bw)
     assert c.w[1] == (TINY.layer_flops("W") + TINY.head_flops("W")) / 4e12
     assert c.saved_bytes[1] == TINY.layer_saved_bytes() + TINY.head_saved_bytes()
     assert c.boundary_s == [5e-6 + TINY.boundary_bytes() / 300e9]  # one node, NVLink
@@ -191,7 +200,6 @@ def test_stage_costs_by_hand():
     p1 = TINY.layer_params() + TINY.head_params()  # tied, but on another rank: a copy
     assert c.params == [p0, p1]
     assert c.static_bytes == [p0 * (2 + 2 + 12), p1 * (2 + 2 + 12)]  # fp16, unsharded
-    bw = m.memory_bandwidth * MEMORY_EFFICIENCY
     assert c.optimizer_step_s == pytest.approx([p0 * ADAM_BYTES["fp16"] / bw,
                                                 p1 * ADAM_BYTES["fp16"] / bw])  # fmt: skip
 

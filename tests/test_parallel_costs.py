@@ -13,7 +13,7 @@ from vpipe.sim.arch import Arch
 from vpipe.sim.efficiency import FITS, MEASURED_ERROR, efficiency_of
 from vpipe.sim.machine import load_machine
 from vpipe.sim.model_costs import Layout, Rates, layer_split, model_costs
-from vpipe.sim.parallel import ParallelError, Split, block_on_gpu
+from vpipe.sim.parallel import ParallelError, Split, block_on_gpu, elementwise_bytes
 
 # GPT-3-like blocks as the paper counts them: no flash attention, dropout, a 4h MLP
 S, B, H, A = 2048, 2, 1024, 16
@@ -54,6 +54,32 @@ def test_tensor_parallel_collectives_per_pass(tp, sp, per_pass):
     with sequence parallelism; two all-reduces (twice that) without."""
     blk = block_on_gpu(GPT, Split(tp=tp, sp=sp))
     assert blk.tp_bytes == pytest.approx(per_pass * S * B * H * 2)
+
+
+@pytest.mark.parametrize(("tp", "sp"), [(1, True), (4, True), (4, False)])
+def test_memory_bound_operators_bytes(tp, sp):
+    """The norms, residual adds and dropout on the hidden width (split by TP only with SP),
+    the GELU on the MLP's width and the scores' softmax and dropout (split by TP), counted
+    by hand per operator (bf16, one-byte masks)."""
+    moved = elementwise_bytes(GPT, Split(tp=tp, sp=sp))
+    whole = S * B * H / (tp if sp else 1)
+    # F: 2 norms (2 h) + 2 residual adds (3 h) + 2 dropouts (2 h and a mask byte)
+    assert moved["norms"]["F"] == pytest.approx(whole * (2 * (4 + 6 + 4) + 2))
+    # I: 2 norms and 2 adds (3 h each) + 2 dropouts (2 h and the mask)
+    assert moved["norms"]["I"] == pytest.approx(whole * (2 * (6 + 6 + 4) + 2))
+    width = S * B * 4 * H / tp
+    assert (moved["mlp"]["F"], moved["mlp"]["I"]) == pytest.approx((width * 4, width * 6))
+    scores = S * B * S * A / tp  # softmax (2 values) and its dropout (2 values, a mask byte)
+    assert moved["scores"]["F"] == pytest.approx(scores * (4 + 5))
+    assert moved["scores"]["I"] == pytest.approx(scores * (6 + 5))
+    assert all(part["W"] == 0 for part in moved.values())
+    flash = elementwise_bytes(replace(GPT, flash_attention=True), Split(tp=tp, sp=sp))
+    assert flash["scores"]["F"] == 0  # inside the fused attention kernel
+    # full recomputation moves F's bytes again before I, selective the scores' only
+    full = block_on_gpu(GPT, Split(tp=tp, sp=sp, recompute="full"))
+    sel = block_on_gpu(GPT, Split(tp=tp, sp=sp, recompute="selective"))
+    assert full.recompute_elementwise_bytes == pytest.approx(full.elementwise_bytes["F"])
+    assert sel.recompute_elementwise_bytes == pytest.approx(moved["scores"]["F"])
 
 
 def test_recomputation_adds_forward_work_before_i():

@@ -41,8 +41,9 @@ def add_cluster_flags(p: argparse.ArgumentParser) -> None:
                    help="share of a stage's activations its input gradient frees (default: "
                    "the model's own, from what W still needs)")  # fmt: skip
     g.add_argument("--efficiency", metavar="F,I,W", help="fractions of peak FLOP/s reached "
-                   "by F, I and W (default: the machine's fitted efficiency for each layout's "
-                   "GEMM shapes; --from measures them on a run)")
+                   "by whole F, I and W passes, memory-bound operators included (default: "
+                   "the machine's fitted efficiency for each layout's GEMM shapes, with those "
+                   "operators charged apart; --from measures them on a run)")
 
 
 def cluster_command(args: argparse.Namespace) -> int:

@@ -28,7 +28,7 @@ PROBE = 2
 # its iteration time, bubble and peak extended linearly to M: past the warm-up every catalogue
 # family repeats the same pattern per microbatch (tests/test_cluster_plan.py checks it).
 EXTEND = 3
-SHARES = ("compute", "recompute", "tp", "cp", "fsdp", "bubble", "dp", "optimizer")
+SHARES = ("compute", "elementwise", "recompute", "tp", "cp", "fsdp", "bubble", "dp", "optimizer")
 
 
 @dataclass
@@ -201,7 +201,7 @@ def _timed(costs: ModelCosts, schedule: Any, post_validated: bool, rows: list | 
     if lay.dp > 1:
         collective, buckets = costs.dp_reduction()
         reductions = simulate_reductions(schedule, sim.compute_columns, sim.makespan, collective,
-                                         buckets, rows)  # fmt: skip
+                                         buckets, rows, lay.overlap_grad_reduce)  # fmt: skip
     it = iteration(sim.compute_columns, lay.pp, costs.iteration_costs(post_validated), reductions)
     return it, sim
 

@@ -9,6 +9,11 @@ starts when its stage is ready and the stream is free, and takes :meth:`Collecti
 (a ring: 2(N-1) steps of ``latency``, plus 2(N-1)/N of the bytes over ``bandwidth``). The
 step ends when the pipeline and the last reduction have ended. Exposed reduction time is what
 the step grew by; the rest of the reductions ran hidden under compute.
+
+``within_backward``: frameworks that reduce each bucket as soon as autograd has filled it
+(Megatron-LM's ``--overlap-grad-reduce``, DDP, FSDP) start a stage's reductions inside its
+last backward pass: its buckets, in the order the backward fills them, are taken to fill
+evenly over that action's span, bucket ``b`` of ``n`` ready ``(b + 1) / n`` of the way through.
 """
 
 from __future__ import annotations
@@ -24,7 +29,14 @@ from vpipe.errors import VpipeError
 from vpipe.ir import Schedule
 from vpipe.ir.flat import flatten
 
-__all__ = ["CollectiveCost", "DPStep", "Reduction", "bucket_sizes", "simulate_reductions"]
+__all__ = [
+    "CollectiveCost",
+    "DPStep",
+    "Reduction",
+    "bucket_sizes",
+    "gradient_spans",
+    "simulate_reductions",
+]
 
 COMPUTE_CODES = 4  # simulator kind codes 0-3 are F, B, I, W
 
@@ -124,19 +136,27 @@ def ready_times(
     """(rank, stage) -> when the stage's gradients are complete in a simulated timeline
     (:attr:`vpipe.sim.SimResult.columns` of ``schedule``); ``rows``: the schedule's
     :func:`gradient_rows`, when the caller keeps them."""
-    rank, kind, end = (np.asarray(columns[k]) for k in ("rank", "kind", "end"))
+    return {k: end for k, (_, end) in gradient_spans(schedule, columns, rows).items()}
+
+
+def gradient_spans(
+    schedule: Schedule, columns: Mapping[str, Sequence], rows: list | None = None
+) -> dict[tuple[int, int], tuple[float, float]]:
+    """(rank, stage) -> (start, end) of the action that completes the stage's gradients in a
+    simulated timeline (see :func:`ready_times`)."""
+    rank, kind = np.asarray(columns["rank"]), np.asarray(columns["kind"])
     compute = kind < COMPUTE_CODES
     # each rank's compute rows in order (an overlap action's parts are rows of their own)
     by_rank = np.argsort(rank[compute], kind="stable")
-    ends_all = end[compute][by_rank]
+    starts_all, ends_all = (np.asarray(columns[k])[compute][by_rank] for k in ("start", "end"))
     lo = np.searchsorted(rank[compute][by_rank], np.arange(schedule.n_ranks + 1))
     out = {}
     for r, points in enumerate(rows if rows is not None else gradient_rows(schedule)):
-        ends = ends_all[lo[r] : lo[r + 1]]
         for first, n, stages in points:
-            t = float(ends[first : first + n].max())
+            a, b = lo[r] + first, lo[r] + first + n
+            span = (float(starts_all[a:b].min()), float(ends_all[a:b].max()))
             for s in stages:
-                out[r, s] = t
+                out[r, s] = span
     return out
 
 
@@ -174,20 +194,24 @@ def simulate_reductions(
     cost: CollectiveCost,
     stage_buckets: Mapping[int, Sequence[float]],
     rows: list | None = None,
+    within_backward: bool = False,
 ) -> DPStep:
     """The reductions of one step whose pipeline timeline is ``columns`` (see the module
-    docstring); ``stage_buckets`` gives each stage's bucket sizes in bytes."""
+    docstring); ``stage_buckets`` gives each stage's bucket sizes in bytes, in the order its
+    backward fills them."""
     missing = sorted(set(range(schedule.n_stages)) - set(stage_buckets))
     if missing:
         raise CollectiveError(f"no gradient bytes for stage {missing[0]}")
-    ready = ready_times(schedule, columns, rows)
+    spans = gradient_spans(schedule, columns, rows)
     out = []
     for r in range(schedule.n_ranks):
         free = 0.0
-        mine = sorted((t, s) for (rr, s), t in ready.items() if rr == r)
-        for t, s in mine:
+        mine = sorted((end, start, s) for (rr, s), (start, end) in spans.items() if rr == r)
+        for end, start, s in mine:
+            n = len(stage_buckets[s])
             for b, nbytes in enumerate(stage_buckets[s]):
-                start = max(t, free)
-                free = start + cost.all_reduce(nbytes)
-                out.append(Reduction(r, s, b, nbytes, t, start, free))
+                t = start + (b + 1) / n * (end - start) if within_backward else end
+                begin = max(t, free)
+                free = begin + cost.all_reduce(nbytes)
+                out.append(Reduction(r, s, b, nbytes, t, begin, free))
     return DPStep(makespan, out)

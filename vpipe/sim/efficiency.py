@@ -10,8 +10,11 @@ with both and saturates:
 
 ``peak_share`` (per precision) is what the largest products reach, ``d_half`` the size at
 which half of it is lost. A third term, ``tp_hidden``, is the share of tensor parallelism's
-collectives that runs under the GEMMs (Megatron-LM's and NeMo's ``--tp-comm-overlap``, on in
-the published H100 runs; not in the 2021 A100 runs). All are fitted per preset by ``python -m bench.cluster_published
+collectives the step does not see: on the H100 rows the runs overlap them (Megatron-LM's and
+NeMo's ``--tp-comm-overlap``) and the fit finds all of it hidden; the 2021 A100 runs did not
+overlap, so their fitted half says the ring model overstates the collectives there. The
+memory-bound operators between the GEMMs are costed apart, by the bytes they move
+(:func:`vpipe.sim.parallel.elementwise_bytes`). All are fitted per preset by ``python -m bench.cluster_published
 --fit`` on the published development tables (``shared/data/3d-parallel``: Megatron-LM's H100
 weak scaling and NeMo's H100 rows for ``h100``, the Megatron-LM paper's A100 Table 1 for
 ``a100``), never one term per row. There are no published H200 rows: ``h200`` reuses the
@@ -45,16 +48,16 @@ class Fit:
 
 # Fitted by `python -m bench.cluster_published --fit` (see the module docstring).
 FITS: dict[str, Fit] = {
-    "h100": Fit({"bf16": 0.77, "fp16": 0.77, "fp8": 0.507}, 256.0,
-                "megatron_h100 (9 rows, bf16 assumed) and nemo_24_07 (fp8, 6 rows)", 0.8),
-    "a100": Fit({"bf16": 0.847, "fp16": 0.847}, 512.0, "narayanan_2021 (10 rows)", 0.0),
+    "h100": Fit({"bf16": 0.874, "fp16": 0.874, "fp8": 0.591}, 512.0,
+                "megatron_h100 (9 rows, bf16 assumed) and nemo_24_07 (fp8, 6 rows)", 1.0),
+    "a100": Fit({"bf16": 0.841, "fp16": 0.841}, 384.0, "narayanan_2021 (10 rows)", 0.5),
 }  # fmt: skip
 FITS["h200"] = FITS["h100"]
 
 # Median |error| of predicted against published tokens/s per GPU over each preset's rows, as
 # `python -m bench.cluster_published` prints it with the terms above (in-sample: the rows the
 # terms were fitted on); None: no published rows, the error is unknown.
-MEASURED_ERROR: dict[str, float | None] = {"h100": 0.076, "a100": 0.034, "h200": None}
+MEASURED_ERROR: dict[str, float | None] = {"h100": 0.049, "a100": 0.059, "h200": None}
 
 
 def fit_for(machine_name: str) -> Fit:

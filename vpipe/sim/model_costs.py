@@ -34,7 +34,7 @@ from vpipe.sim.cost_model import CostModel
 from vpipe.sim.efficiency import Fit, fit_for
 from vpipe.sim.iteration import IterationCosts
 from vpipe.sim.machine import Machine
-from vpipe.sim.parallel import Split, block_on_gpu
+from vpipe.sim.parallel import Split, block_on_gpu, head_elementwise_bytes
 
 __all__ = [
     "ADAM_BYTES",
@@ -71,12 +71,15 @@ class ModelCostError(VpipeError, ValueError):
 
 @dataclass(frozen=True)
 class Rates:
-    """Achieved FLOP/s of F, I and W, and where they come from."""
+    """Achieved FLOP/s of F, I and W, and where they come from. ``gemms_only``: the rates are
+    the matrices' alone (the fitted efficiency), so the memory-bound operators are charged
+    apart; rates read off measured passes hold them already."""
 
     f: float
     i: float
     w: float
     source: str = ""
+    gemms_only: bool = False
 
     @classmethod
     def for_shapes(cls, machine: Machine, arch: Arch, tp: int = 1, cp: int = 1,
@@ -91,7 +94,8 @@ class Rates:
         other = "" if machine.name in ("a100", "h100", "h200") else " (the H100's fit)"
         return cls(peak * e, peak * e, peak * e,
                    f"{e:.3f} of {machine.name}'s {arch.precision} peak for {tokens:g} tokens x "
-                   f"width {width:g} per GPU, fitted on {fit.fitted_on}{other}")  # fmt: skip
+                   f"width {width:g} per GPU, fitted on {fit.fitted_on}{other}",
+                   gemms_only=True)  # fmt: skip
 
     @classmethod
     def measured(
@@ -124,7 +128,10 @@ class Layout:
     ``shard``: what is split over the replicas (``none``, ``optimizer`` state, ``gradients``
     too, or ``full``: parameters too, gathered before each F and I of a stage and its
     gradients reduce-scattered after each W, ZeRO-3 / FSDP). ``recompute``: ``none``,
-    ``selective`` or ``full`` (:mod:`vpipe.sim.parallel`)."""
+    ``selective`` or ``full`` (:mod:`vpipe.sim.parallel`). ``overlap_grad_reduce``: the
+    data-parallel reduction runs one bucket per block as the stage's last backward fills it
+    (Megatron-LM's ``--overlap-grad-reduce``, DDP, FSDP), else the stage's gradients in one
+    bucket once that backward has ended."""
 
     pp: int
     dp: int = 1
@@ -135,6 +142,7 @@ class Layout:
     tp: int = 1
     cp: int = 1
     recompute: str = "none"
+    overlap_grad_reduce: bool = True
 
     def __post_init__(self) -> None:
         if min(self.pp, self.dp, self.stages_per_rank, self.tp, self.cp) < 1:
@@ -268,7 +276,9 @@ class ModelCosts:
     def dp_reduction(self) -> tuple[CollectiveCost, dict[int, list[float]]]:
         """The data-parallel gradient all-reduce (a ring over the replicas, on the slowest
         link among them; microseconds and bytes per microsecond) and each stage's gradient
-        bytes, reduced in one bucket once the stage's gradients are complete. With the
+        bytes: one bucket per block in the order the backward fills them (the head's with the
+        last block, the embedding's with the first) when the layout overlaps the reduction
+        with the backward, else one bucket for the stage. With the
         optimizer state sharded (Megatron-LM's distributed optimizer, ZeRO-1 to 3) it is a
         reduce-scatter, half an all-reduce's bytes, counted as such; the updated parameters'
         all-gather runs under the next iteration's forwards (not counted), except ZeRO-3's
@@ -283,10 +293,14 @@ class ModelCosts:
         arch = self.arch
         buckets = {}
         for s, k in enumerate(self.layers):
-            n = k * arch.layer_params() + (arch.embedding_params() if s == 0 else 0)
+            sizes = [float(arch.layer_params())] * k or [0.0]
             if s == lay.n_stages - 1:
-                n += arch.head_params()
-            buckets[s] = [float(n * per_param / lay.tp)]
+                sizes[0] += arch.head_params()
+            if s == 0:
+                sizes[-1] += arch.embedding_params()
+            if not lay.overlap_grad_reduce:
+                sizes = [sum(sizes)]
+            buckets[s] = [n * per_param / lay.tp for n in sizes]
         return cost, buckets
 
     @property
@@ -326,13 +340,21 @@ def model_costs(
     last = n - 1
     blk = block_on_gpu(arch, split)
     comm = block_comm_s(machine, layout, blk, rates, fit.tp_hidden)
+    bandwidth = machine.memory_bandwidth * MEMORY_EFFICIENCY
+    apart = 1.0 if rates.gemms_only else 0.0  # measured rates hold the memory-bound work
+    head_moved = head_elementwise_bytes(arch, split)
+    again = blk.recompute_flops / rates.i + apart * blk.recompute_elementwise_bytes / bandwidth
     parts: dict[str, list[dict[str, float]]] = {k: [] for k in "FIW"}
     for kind, rate in zip("FIW", (rates.f, rates.i, rates.w), strict=True):
         flops, tp_s, cp_s = blk.flops[kind], comm["tp"][kind], comm["cp"][kind]
         head, out = arch.head_flops(kind) / n_gpu, parts[kind]
+        moved = blk.elementwise_bytes[kind]
         for s, k in enumerate(layers):
-            out.append({"compute": (k * flops + (head if s == last else 0.0)) / rate,
-                        "recompute": k * blk.recompute_flops / rate if kind == "I" else 0.0,
+            at_head = s == last
+            out.append({"compute": (k * flops + (head if at_head else 0.0)) / rate,
+                        "elementwise": apart * (k * moved + (head_moved[kind] if at_head else 0.0))
+                        / bandwidth,
+                        "recompute": k * again if kind == "I" else 0.0,
                         "tp": k * tp_s, "cp": k * cp_s})  # fmt: skip
     ranks = [layout.rank_of(s) for s in range(n)]
     params = [0] * layout.pp
@@ -356,7 +378,6 @@ def model_costs(
                 for a, b, sm in zip(ranks[:-1], ranks[1:], same, strict=True)]  # fmt: skip
     memory = _memory_parts(arch, layout, layers, params, blk, message)
     shard_opt = layout.dp if layout.shard != "none" else 1
-    bandwidth = machine.memory_bandwidth * MEMORY_EFFICIENCY
     step = [n_p / shard_opt * ADAM_BYTES[arch.precision] / bandwidth for n_p in params]
     static = [m["weights"] + m["gradients"] + m["optimizer"] for m in memory]
     return ModelCosts(

@@ -23,6 +23,18 @@ generalises section 4.1):
   dropout: the ``5 a s^2 b`` term) and recomputes them in I (the score and value products'
   F FLOPs again); ``full`` keeps only each block's input (``2 s b h`` bytes, split by TP with
   SP) and recomputes the whole block's F before its I.
+- **Memory-bound work** (:func:`elementwise_bytes`): the operators between the matrices (the
+  norms, residual adds, dropout, the MLP's activation, and without flash attention the
+  scores' softmax and dropout) move bytes through HBM rather than use the tensor cores. Per
+  token, F reads and writes: each norm ``2 h`` values, each residual add ``3 h``, each dropout
+  ``2 h`` values and an ``h``-byte mask, the activation ``2 f`` (gated: ``3 f``), each score
+  ``2`` values for the softmax and ``2`` and a mask byte for its dropout. Their backward (in
+  I) reads the saved input and the gradient and writes a gradient: ``3 h`` per norm and
+  residual add, ``2 h`` values and the mask per dropout, ``3 f`` (gated ``5 f``) for the
+  activation, ``3`` per score. The ``h``-wide operators run on every TP GPU's whole sequence
+  without SP and on its share with it; the rest divide by TP. These are the least traffic
+  each operator needs (no fusion across them, none lost to caching): a floor, timed at the
+  bandwidth the optimizer step gets.
 """
 
 from __future__ import annotations
@@ -32,7 +44,8 @@ from dataclasses import dataclass
 from vpipe.errors import VpipeError
 from vpipe.sim.arch import Arch
 
-__all__ = ["RECOMPUTE", "ParallelError", "Split", "block_on_gpu"]
+__all__ = ["RECOMPUTE", "ParallelError", "Split", "block_on_gpu", "elementwise_bytes",
+           "head_elementwise_bytes"]
 
 RECOMPUTE = ("none", "selective", "full")
 
@@ -84,6 +97,8 @@ class BlockOnGPU:
     tp_bytes: float  # sent per GPU by TP's collectives, per pass (F, and again I)
     cp_bytes: dict[str, float]  # sent per GPU round CP's ring, per pass ("F", "I")
     attention_flops: dict[str, float]  # the score and value products' share of ``flops``
+    elementwise_bytes: dict[str, float]  # memory traffic of the non-matrix operators, per pass
+    recompute_elementwise_bytes: float  # what the recomputation before I moves again
 
 
 def block_on_gpu(arch: Arch, split: Split) -> BlockOnGPU:
@@ -117,8 +132,33 @@ def block_on_gpu(arch: Arch, split: Split) -> BlockOnGPU:
     tp_bytes = 0.0 if tp == 1 else 2 * values * (tp - 1) / tp * (1 if split.sp else 2)
     kv_bytes = 2 * t * arch.kv_width * v
     cp_f = (cp - 1) * kv_bytes
+    moved = elementwise_bytes(arch, split)
+    total = {k: sum(part[k] for part in moved.values()) for k in "FIW"}
+    again = {"none": 0.0, "selective": moved["scores"]["F"], "full": total["F"]}[split.recompute]
     return BlockOnGPU(flops, extra, saved, held, working, tp_bytes, {"F": cp_f, "I": 2 * cp_f},
-                      attention)  # fmt: skip
+                      attention, total, again)  # fmt: skip
+
+
+def elementwise_bytes(arch: Arch, split: Split) -> dict[str, dict[str, float]]:
+    """Bytes one block's non-matrix operators move through memory on one GPU per microbatch,
+    per pass (``"F"``, ``"I"``, ``"W"``: none) and part: ``"norms"`` (norms, residual adds,
+    dropout on the hidden width), ``"mlp"`` (the activation) and ``"scores"`` (the softmax
+    and dropout of attention's scores, 0 with flash attention); see the module docstring."""
+    tp, cp, v = split.tp, split.cp, arch.value_bytes
+    t, h, f = arch.tokens / cp, arch.hidden, arch.ffn_width
+    whole = t * h / (tp if split.sp else 1)  # values per h-wide tensor on this GPU
+    drop = arch.dropout
+    norms_f = whole * (v * (2 * 2 + 2 * 3 + (2 * 2 if drop else 0)) + (2 if drop else 0))
+    norms_i = whole * (v * (2 * 3 + 2 * 3 + (2 * 2 if drop else 0)) + (2 if drop else 0))
+    width = t * f / tp
+    mlp_f = width * v * (3 if arch.gated_mlp else 2)
+    mlp_i = width * v * (5 if arch.gated_mlp else 3)
+    scores = 0.0 if arch.flash_attention else t * arch.seq_len * arch.heads / tp
+    scores_f = scores * (2 * v + ((2 * v + 1) if drop else 0))
+    scores_i = scores * (3 * v + ((2 * v + 1) if drop else 0))
+    return {"norms": {"F": norms_f, "I": norms_i, "W": 0.0},
+            "mlp": {"F": mlp_f, "I": mlp_i, "W": 0.0},
+            "scores": {"F": scores_f, "I": scores_i, "W": 0.0}}  # fmt: skip
 
 
 def _score_bytes(arch: Arch) -> float:
@@ -128,3 +168,16 @@ def _score_bytes(arch: Arch) -> float:
     v = arch.value_bytes
     per_score = v + (v + 1 if arch.dropout else 0)
     return per_score * arch.microbatch * arch.heads * arch.seq_len**2
+
+
+def head_elementwise_bytes(arch: Arch, split: Split) -> dict[str, float]:
+    """Bytes the final norm and the loss move on one GPU per microbatch and pass: the norm as
+    a block's; the cross-entropy over the GPU's share of the logits in fp32 (F reads the
+    logits, writes their exponentials and reads them back for the sum and the loss; I reads
+    them and writes the logits' gradient)."""
+    tp, cp, v = split.tp, split.cp, arch.value_bytes
+    t = arch.tokens / cp
+    whole = t * arch.hidden / (tp if split.sp else 1)
+    logits = t * arch.vocab / tp
+    return {"F": whole * 2 * v + logits * (v + 8), "I": whole * 3 * v + logits * (4 + v),
+            "W": 0.0}
