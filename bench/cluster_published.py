@@ -1,6 +1,7 @@
 """Predicted against published: the cluster planner's tokens/s per GPU for every row of the
-3D-parallel development tables, the error per source (median and worst), and the tie band
-per machine preset that follows from it.
+3D-parallel development tables, the error per source (median and worst), and with
+``--held-out`` each row predicted by terms fitted without it, whose median error per machine is
+the planner's tie band (:data:`vpipe.sim.efficiency.MEASURED_ERROR`).
 
 Reads ``dev-tables.json`` of ``shared/data/3d-parallel`` (described in the README beside it):
 Megatron-LM's H100 weak-scaling table, NeMo 24.07's FP8 H100 rows with PP, the Megatron-LM
@@ -22,7 +23,11 @@ per precision, ``d_half`` and ``tp_hidden``) to these rows: a grid over ``d_half
 ``tp_hidden``, and for each the peak share (at most 1) that makes the median of the
 predicted-to-published ratio 1; a few terms per machine, never one per row. Without ``--fit`` it checks the terms in the code.
 
-Run: ``python -m bench.cluster_published [PATH] [--fit]``.
+``--held-out`` also predicts each row with terms fitted on its machine's other rows (leave one
+row out): the in-sample table says how well the model's shape follows the rows, this how a
+row the fit never saw fares.
+
+Run: ``python -m bench.cluster_published [PATH] [--fit] [--held-out]``.
 """
 
 from __future__ import annotations
@@ -173,24 +178,52 @@ def fit_machine(rows: list[dict[str, Any]], machine: str) -> Fit:
     median ratio's, at most 1), that give the smallest median |log error| over the machine's
     rows."""
     mine = [r for r in rows if r["machine"] == machine]
-    best = None
+    return _best_fit(_unit_ratios(mine, machine), range(len(mine)))
+
+
+def _unit_ratios(mine: list[dict[str, Any]], machine: str) -> dict[tuple, list[tuple]]:
+    """(d_half, tp_hidden) -> each row's (precision, published over predicted at a peak share
+    of 1)."""
+    out = {}
     for d_half in D_HALF:
         for hidden in TP_HIDDEN:
             unit = Fit({p: 1.0 for p in ("bf16", "fp16", "fp8")}, d_half, "", hidden)
-            ratios = [(r["setup"]["arch"].precision, r["setup"]["published"]
-                       / predict(r["setup"], machine, unit)) for r in mine]  # fmt: skip
-            share = {p: statistics.median(x for q, x in ratios if q == p)
-                     for p in {q for q, _ in ratios}}  # fmt: skip
-            if max(share.values()) > 1:
-                continue
-            miss = statistics.median(abs(math.log(x / share[p])) for p, x in ratios)
-            if best is None or miss < best[0]:
-                best = (miss, d_half, hidden, share)
+            out[d_half, hidden] = [(r["setup"]["arch"].precision, r["setup"]["published"]
+                                    / predict(r["setup"], machine, unit)) for r in mine]  # fmt: skip
+    return out
+
+
+def _best_fit(ratios_by_terms: dict[tuple, list[tuple]], keep: Sequence[int]) -> Fit:
+    """The grid point and peak shares that fit the rows ``keep`` best (see fit_machine)."""
+    best = None
+    for (d_half, hidden), all_ratios in ratios_by_terms.items():
+        ratios = [all_ratios[k] for k in keep]
+        share = {p: statistics.median(x for q, x in ratios if q == p)
+                 for p in {q for q, _ in ratios}}  # fmt: skip
+        if max(share.values()) > 1:
+            continue
+        miss = statistics.median(abs(math.log(x / share[p])) for p, x in ratios)
+        if best is None or miss < best[0]:
+            best = (miss, d_half, hidden, share)
     _, d_half, hidden, share = best
     if "bf16" in share or "fp16" in share:
         half = share.get("bf16", share.get("fp16"))
         share = {"bf16": half, "fp16": half, **{k: v for k, v in share.items() if k == "fp8"}}
     return Fit({k: round(v, 3) for k, v in share.items()}, d_half, "fitted here", hidden)
+
+
+def held_out(rows: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    """Each row predicted by terms fitted on its machine's other rows (leave one row out): the
+    error a row the fit never saw gets, as a kept-apart run would."""
+    out = []
+    for machine in sorted({r["machine"] for r in rows}):
+        mine = [r for r in rows if r["machine"] == machine]
+        table_ = _unit_ratios(mine, machine)
+        for k, r in enumerate(mine):
+            fit = _best_fit(table_, [j for j in range(len(mine)) if j != k])
+            pred = predict(r["setup"], machine, fit)
+            out.append({**r, "predicted": pred, "error": pred / r["setup"]["published"] - 1})
+    return out
 
 
 def table(out: list[dict[str, Any]]) -> str:
@@ -216,6 +249,8 @@ def main(argv: Sequence[str] | None = None) -> int:
                                 description=__doc__.split("\n")[0])  # fmt: skip
     p.add_argument("data", nargs="?", help=f"dev-tables.json (default: {DATA} above the repo)")
     p.add_argument("--fit", action="store_true", help="fit the efficiency terms to these rows")
+    p.add_argument("--held-out", action="store_true", help="also predict each row with terms "
+                   "fitted on the other rows of its machine (about 25 s)")
     args = p.parse_args(argv)
     import json
 
@@ -236,10 +271,18 @@ def main(argv: Sequence[str] | None = None) -> int:
     print("error per source (|predicted / published - 1|):")
     for src, (n, med, worst) in by_source(out, "source").items():
         print(f"  {src:<16} {n:>2} rows: median {med:.1%}, worst {worst:.1%}")
-    print("tie band per machine (median |error| of its rows):")
+    print("in-sample error per machine (median |error| of its rows):")
     for machine, (n, med, worst) in sorted(by_source(out, "machine").items()):
         print(f"  {machine}: {med:.1%} over {n} rows (worst {worst:.1%})")
     print("  h200: unknown (no published H200 rows)")
+    if args.held_out:
+        kept_apart = held_out(rows)
+        print("each row held out (terms fitted on its machine's other rows):")
+        for src, (n, med, worst) in by_source(kept_apart, "source").items():
+            print(f"  {src:<16} {n:>2} rows: median {med:.1%}, worst {worst:.1%}")
+        print("tie band per machine (median |error| of its rows, each held out: the planner's):")
+        for machine, (n, med, worst) in sorted(by_source(kept_apart, "machine").items()):
+            print(f"  {machine}: {med:.1%} over {n} rows (worst {worst:.1%})")
     print("one 22B layer (korthikanti_2022_t4, A100, TP 8), ms:")
     layer_rows = [r for r in data["rows"] if r["source"] == "korthikanti_2022_t4"]
     both = {}
