@@ -244,6 +244,16 @@ def by_source(out: list[dict[str, Any]], key: str) -> dict[str, tuple[int, float
     return {k: (len(v), statistics.median(v), max(v)) for k, v in groups.items()}
 
 
+def _print_errors(out: list[dict[str, Any]], per_source: str, per_machine: str) -> None:
+    """Median and worst |error| of ``out``, per source then per machine."""
+    print(per_source)
+    for src, (n, med, worst) in by_source(out, "source").items():
+        print(f"  {src:<16} {n:>2} rows: median {med:.1%}, worst {worst:.1%}")
+    print(per_machine)
+    for machine, (n, med, worst) in sorted(by_source(out, "machine").items()):
+        print(f"  {machine}: {med:.1%} over {n} rows (worst {worst:.1%})")
+
+
 def main(argv: Sequence[str] | None = None) -> int:
     p = argparse.ArgumentParser(prog="python -m bench.cluster_published",
                                 description=__doc__.split("\n")[0])  # fmt: skip
@@ -268,21 +278,13 @@ def main(argv: Sequence[str] | None = None) -> int:
                and r["model"] not in NEMO]  # fmt: skip
     print(f"left out (shape not published): {', '.join(skipped) or 'none'}")
     print("assumed: " + "; ".join(ASSUMED))
-    print("error per source (|predicted / published - 1|):")
-    for src, (n, med, worst) in by_source(out, "source").items():
-        print(f"  {src:<16} {n:>2} rows: median {med:.1%}, worst {worst:.1%}")
-    print("in-sample error per machine (median |error| of its rows):")
-    for machine, (n, med, worst) in sorted(by_source(out, "machine").items()):
-        print(f"  {machine}: {med:.1%} over {n} rows (worst {worst:.1%})")
+    _print_errors(out, "error per source (|predicted / published - 1|):",
+                  "in-sample error per machine (median |error| of its rows):")  # fmt: skip
     print("  h200: unknown (no published H200 rows)")
     if args.held_out:
-        kept_apart = held_out(rows)
-        print("each row held out (terms fitted on its machine's other rows):")
-        for src, (n, med, worst) in by_source(kept_apart, "source").items():
-            print(f"  {src:<16} {n:>2} rows: median {med:.1%}, worst {worst:.1%}")
-        print("tie band per machine (median |error| of its rows, each held out: the planner's):")
-        for machine, (n, med, worst) in sorted(by_source(kept_apart, "machine").items()):
-            print(f"  {machine}: {med:.1%} over {n} rows (worst {worst:.1%})")
+        _print_errors(held_out(rows), "each row held out (terms fitted on its machine's other "
+                      "rows):", "tie band per machine (median |error| of its rows, each held "
+                      "out: the planner's):")  # fmt: skip
     print("one 22B layer (korthikanti_2022_t4, A100, TP 8), ms:")
     layer_rows = [r for r in data["rows"] if r["source"] == "korthikanti_2022_t4"]
     both = {}
