@@ -47,7 +47,14 @@ from vpipe.sim.arch import PRESETS as ARCHS
 from vpipe.sim.arch import Arch
 from vpipe.sim.efficiency import FITS, Fit
 from vpipe.sim.machine import PRESETS as MACHINES
-from vpipe.sim.model_costs import MEMORY_EFFICIENCY, Layout, Rates, block_comm_s, model_costs
+from vpipe.sim.model_costs import (
+    MEMORY_EFFICIENCY,
+    Layout,
+    Rates,
+    block_comm_s,
+    model_costs,
+    stage_parts,
+)
 from vpipe.sim.parallel import Split, block_on_gpu
 
 DATA = Path("shared") / "data" / "3d-parallel" / "dev-tables.json"
@@ -145,11 +152,8 @@ def layer_times(row: dict[str, Any], fit: Fit) -> tuple[float, float]:
     lay = Layout(1, tp=row["tp"], recompute=recompute)
     comm = block_comm_s(machine, lay, blk, rates, fit.tp_hidden)
     bw = machine.memory_bandwidth * MEMORY_EFFICIENCY
-    moved = blk.elementwise_bytes
-    f = blk.flops["F"] / rates.f + moved["F"] / bw + comm["tp"]["F"]
-    b = (blk.flops["I"] + blk.recompute_flops + blk.flops["W"]) / rates.i + comm["tp"]["I"]
-    b += (moved["I"] + moved["W"] + blk.recompute_elementwise_bytes) / bw
-    return f * 1e3, b * 1e3
+    f, i, w = (sum(stage_parts(k, 1, blk, comm, rates, bw).values()) for k in "FIW")
+    return f * 1e3, (i + w) * 1e3
 
 
 def rows_of(data: dict[str, Any]) -> list[dict[str, Any]]:

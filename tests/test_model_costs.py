@@ -319,3 +319,23 @@ def test_node_checks_agree_with_each_gpu(pp, dp, tp, inner):
     assert [lay.same_node(a, b, gpn) for a, b in pairs] == want
     one = all(len({n for g in nodes(r) for n in g}) == 1 for r in range(pp))
     assert lay.all_replicas_in_one_node(gpn) == one
+
+
+@pytest.mark.parametrize("hidden", [0.0, 0.5, 1.0])
+def test_tp_collectives_are_charged_less_the_fitted_hidden_share(hidden):
+    """The share of TP's collectives a fit says runs under the GEMMs is all that is taken
+    off: with none hidden F pays them whole, with all hidden nothing."""
+    from dataclasses import replace
+
+    from vpipe.sim.efficiency import FITS
+
+    a = Arch("a", layers=4, hidden=256, heads=8, seq_len=128, vocab=100)
+    m = load_machine("h100")
+
+    def tp_s(share: float) -> float:
+        fit = replace(FITS["h100"], tp_hidden=share)
+        return model_costs(a, m, Layout(pp=1, tp=4), fit=fit).extra["parts"]["F"][0]["tp"]
+
+    whole = tp_s(0.0)
+    assert whole > 0
+    assert tp_s(hidden) == pytest.approx(whole * (1 - hidden))

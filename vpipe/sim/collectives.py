@@ -130,20 +130,13 @@ class DPStep:
         return self.exposed / self.step_end if self.step_end > 0 else 0.0
 
 
-def ready_times(
-    schedule: Schedule, columns: Mapping[str, Sequence], rows: list | None = None
-) -> dict[tuple[int, int], float]:
-    """(rank, stage) -> when the stage's gradients are complete in a simulated timeline
-    (:attr:`vpipe.sim.SimResult.columns` of ``schedule``); ``rows``: the schedule's
-    :func:`gradient_rows`, when the caller keeps them."""
-    return {k: end for k, (_, end) in gradient_spans(schedule, columns, rows).items()}
-
-
 def gradient_spans(
     schedule: Schedule, columns: Mapping[str, Sequence], rows: list | None = None
 ) -> dict[tuple[int, int], tuple[float, float]]:
-    """(rank, stage) -> (start, end) of the action that completes the stage's gradients in a
-    simulated timeline (see :func:`ready_times`)."""
+    """(rank, stage) -> (start, end) of the action that completes the stage's gradients (its
+    end: when they are complete) in a simulated timeline (:attr:`vpipe.sim.SimResult.columns`
+    of ``schedule``); ``rows``: the schedule's :func:`gradient_rows`, when the caller keeps
+    them."""
     rank, kind = np.asarray(columns["rank"]), np.asarray(columns["kind"])
     compute = kind < COMPUTE_CODES
     # each rank's compute rows in order (an overlap action's parts are rows of their own)
@@ -162,7 +155,7 @@ def gradient_spans(
 
 def gradient_rows(schedule: Schedule, flat: Any = None) -> list[list[tuple[int, int, list[int]]]]:
     """Per rank, each gradient point as (its action's first compute row, the action's rows,
-    the stages whose gradients it completes): what :func:`ready_times` reads off a timeline
+    the stages whose gradients it completes): what :func:`gradient_spans` reads off a timeline
     (a plan that times one schedule under many costs keeps them). The rule is
     :func:`vpipe.ir.reduction.gradient_points`', read off the schedule's flat columns
     (``flat``: its :func:`vpipe.ir.flat.flatten`, when the caller keeps it)."""

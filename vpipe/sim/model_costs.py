@@ -45,6 +45,7 @@ __all__ = [
     "activation_peaks",
     "layer_split",
     "model_costs",
+    "stage_parts",
 ]
 
 US = 1e6  # simulator time units (microseconds) per second
@@ -341,21 +342,13 @@ def model_costs(
     blk = block_on_gpu(arch, split)
     comm = block_comm_s(machine, layout, blk, rates, fit.tp_hidden)
     bandwidth = machine.memory_bandwidth * MEMORY_EFFICIENCY
-    apart = 1.0 if rates.gemms_only else 0.0  # measured rates hold the memory-bound work
     head_moved = head_elementwise_bytes(arch, split)
-    again = blk.recompute_flops / rates.i + apart * blk.recompute_elementwise_bytes / bandwidth
     parts: dict[str, list[dict[str, float]]] = {k: [] for k in "FIW"}
-    for kind, rate in zip("FIW", (rates.f, rates.i, rates.w), strict=True):
-        flops, tp_s, cp_s = blk.flops[kind], comm["tp"][kind], comm["cp"][kind]
-        head, out = arch.head_flops(kind) / n_gpu, parts[kind]
-        moved = blk.elementwise_bytes[kind]
-        for s, k in enumerate(layers):
-            at_head = s == last
-            out.append({"compute": (k * flops + (head if at_head else 0.0)) / rate,
-                        "elementwise": apart * (k * moved + (head_moved[kind] if at_head else 0.0))
-                        / bandwidth,
-                        "recompute": k * again if kind == "I" else 0.0,
-                        "tp": k * tp_s, "cp": k * cp_s})  # fmt: skip
+    for kind in "FIW":
+        head = arch.head_flops(kind) / n_gpu
+        parts[kind] = [stage_parts(kind, k, blk, comm, rates, bandwidth,
+                                   *((head, head_moved[kind]) if s == last else (0.0, 0.0)))
+                       for s, k in enumerate(layers)]  # fmt: skip
     ranks = [layout.rank_of(s) for s in range(n)]
     params = [0] * layout.pp
     per_layer = arch.layer_params()
@@ -386,6 +379,25 @@ def model_costs(
         extra={"parts": parts, "memory": memory, "block": blk,
                "fsdp_s": _fsdp_gather_s(arch, machine, layout, layers)},
     )  # fmt: skip
+
+
+def stage_parts(kind: str, blocks: int, blk, comm: dict, rates: Rates, bandwidth: float,
+                head_flops: float = 0.0, head_bytes: float = 0.0) -> dict[str, float]:  # fmt: skip
+    """Seconds of one pass ``kind`` of a stage of ``blocks`` blocks (``blk``, with their
+    collectives ``comm`` from :func:`block_comm_s`) and the head's FLOPs and memory traffic,
+    by part: the matrices (``compute``), the memory-bound operators at ``bandwidth`` bytes/s
+    (``elementwise``; none when ``rates`` are measured passes, which hold them), the forward
+    recomputed before I, TP's and CP's collectives."""
+    rate = {"F": rates.f, "I": rates.i, "W": rates.w}[kind]
+    apart = 1.0 if rates.gemms_only else 0.0
+    moved = blk.elementwise_bytes[kind]
+    again = 0.0
+    if kind == "I":
+        again = blk.recompute_flops / rates.i + apart * blk.recompute_elementwise_bytes / bandwidth
+    return {"compute": (blocks * blk.flops[kind] + head_flops) / rate,
+            "elementwise": apart * (blocks * moved + head_bytes) / bandwidth,
+            "recompute": blocks * again, "tp": blocks * comm["tp"][kind],
+            "cp": blocks * comm["cp"][kind]}  # fmt: skip
 
 
 def block_comm_s(machine: Machine, layout: Layout, blk, rates: Rates, tp_hidden: float) -> dict:
