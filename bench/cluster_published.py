@@ -78,6 +78,8 @@ ASSUMED = [
     "every throughput row: the distributed optimizer (shard optimizer), sync optimizer step",
     "megatron_h100 and nemo_24_07: the data-parallel reduction overlapped with the backward "
     "(--overlap-grad-reduce); narayanan_2021: after the pipeline's flush",
+    "megatron_h100, nemo_24_07 and korthikanti_2022_t4: the backward's TP collectives beside "
+    "its weight-gradient GEMMs (asynchronous TP communication); narayanan_2021: after them",
 ]
 
 
@@ -97,7 +99,7 @@ def setup(row: dict[str, Any]) -> dict[str, Any] | None:
         tokens = row["tflops_per_gpu"] * 1e12 * b * s / flops
         return dict(arch=arch, tp=row["tp"], pp=row["pp"], cp=1, dp=row["dp"], v=1,
                     schedule="1f1b", recompute="none", batch=b, published=tokens,
-                    overlap=True)  # fmt: skip
+                    overlap=True, async_tp=True)  # fmt: skip
     if src == "nemo_24_07":
         if row["model"] not in NEMO:
             return None
@@ -107,7 +109,7 @@ def setup(row: dict[str, Any]) -> dict[str, Any] | None:
         return dict(arch=arch.with_microbatch(row["microbatch"]), tp=row["tp"], pp=row["pp"],
                     cp=row["cp"], dp=row["gpus"] // group, v=row["virtual_stages"],
                     schedule="interleaved-1f1b", recompute="none", batch=row["global_batch"],
-                    published=row["tokens_per_s_per_gpu"], overlap=True)  # fmt: skip
+                    published=row["tokens_per_s_per_gpu"], overlap=True, async_tp=True)  # fmt: skip
     if src == "narayanan_2021":
         arch = gpt(row, precision="fp16", dropout=True, flash_attention=False,
                    learned_positions=True)  # fmt: skip
@@ -117,7 +119,7 @@ def setup(row: dict[str, Any]) -> dict[str, Any] | None:
         pp = row["pp"]
         return dict(arch=arch, tp=row["tp"], pp=pp, cp=1, dp=row["dp"], v=2 if pp > 1 else 1,
                     schedule="interleaved-1f1b" if pp > 1 else "1f1b", recompute="full",
-                    batch=b, published=tokens, overlap=False)  # fmt: skip
+                    batch=b, published=tokens, overlap=False, async_tp=False)  # fmt: skip
     return None
 
 
@@ -126,7 +128,7 @@ def predict(row_setup: dict[str, Any], machine_name: str, fit: Fit) -> float:
     st = row_setup
     arch, machine = st["arch"], MACHINES[machine_name]
     layout = Layout(st["pp"], st["dp"], st["v"], "loop", True, "optimizer", st["tp"], st["cp"],
-                    st["recompute"], st["overlap"])  # fmt: skip
+                    st["recompute"], st["overlap"], st["async_tp"])  # fmt: skip
     rates = Rates.for_shapes(machine, arch, st["tp"], st["cp"], fit)
     costs = model_costs(arch, machine, layout, rates, fit)
     fam = catalogue.get(st["schedule"])
@@ -142,7 +144,8 @@ LAYER_SETTINGS = {"no recompute": ("none", False), "sequence parallel": ("none",
 
 def layer_times(row: dict[str, Any], fit: Fit) -> tuple[float, float]:
     """Predicted (forward, backward) ms of one 22B layer on one GPU of its TP group: F; and
-    I, W and what recomputation adds, with TP's collectives."""
+    the fused backward (I and W as one pass, I's collectives beside W's GEMMs) with what
+    recomputation adds and TP's collectives."""
     arch = gpt({**row, "vocab": 51200}, precision="fp16", dropout=True, flash_attention=False)
     arch = arch.with_microbatch(row["microbatch"])
     recompute, sp = LAYER_SETTINGS[row["setting"]]
@@ -153,7 +156,7 @@ def layer_times(row: dict[str, Any], fit: Fit) -> tuple[float, float]:
     comm = block_comm_s(machine, lay, blk, rates, fit.tp_hidden)
     bw = machine.memory_bandwidth * MEMORY_EFFICIENCY
     f, i, w = (sum(stage_parts(k, 1, blk, comm, rates, bw).values()) for k in "FIW")
-    return f * 1e3, (i + w) * 1e3
+    return f * 1e3, (i + w - comm["hidden_in_b"]) * 1e3
 
 
 def rows_of(data: dict[str, Any]) -> list[dict[str, Any]]:

@@ -228,3 +228,23 @@ def test_many_microbatches_extend_linearly_from_two_smaller_counts(name):
     static = [sum(p.values()) for p in costs.extra["memory"]]
     assert cand.memory_bytes["total"] == pytest.approx(max(a + b for a, b in zip(static, peaks,
                                                                             strict=True)))  # fmt: skip
+
+
+def test_a_split_backward_pays_the_tp_collectives_a_fused_one_hides():
+    """With asynchronous TP communication 1f1b's fused backwards get faster and its TP share
+    smaller; zb-h1 runs I and W apart, so neither moves."""
+    from vpipe.predict.cluster_eval import evaluate
+
+    a100 = load_machine("a100")
+    fit = replace(FITS["a100"], tp_hidden=0.0)
+    got = {}
+    for overlap in (True, False):
+        layout = Layout(4, tp=8, overlap_tp_backward=overlap)
+        costs = model_costs(ARCH, a100, layout, fit=fit)
+        for name in ("1f1b", "zb-h1"):
+            got[name, overlap] = evaluate(costs, catalogue.get(name), 8, 8, 1e15, False)
+    fused, apart = got["1f1b", True], got["1f1b", False]
+    assert fused.iteration_s < apart.iteration_s
+    assert fused.step_shares["tp"] * fused.iteration_s < apart.step_shares["tp"] * apart.iteration_s
+    assert got["zb-h1", True].iteration_s == got["zb-h1", False].iteration_s
+    assert got["zb-h1", True].step_shares == got["zb-h1", False].step_shares

@@ -339,3 +339,36 @@ def test_tp_collectives_are_charged_less_the_fitted_hidden_share(hidden):
     whole = tp_s(0.0)
     assert whole > 0
     assert tp_s(hidden) == pytest.approx(whole * (1 - hidden))
+
+
+@pytest.mark.parametrize(("hidden", "seq", "capped_by"), [(256, 128, "gemm"), (8192, 4096, "comm")])
+def test_a_fused_backward_hides_i_collectives_under_the_column_matrices_w_gemms(
+    hidden, seq, capped_by
+):
+    """B = I + W less, for QKV and the MLP's input matrix each, the smaller of its half of
+    I's TP collectives and its weight-gradient GEMM: a small block's GEMMs are shorter than
+    the collectives (the GEMMs' time is hidden), a large block's longer (all of I's own
+    collectives are); without asynchronous TP communication B is I + W."""
+    from dataclasses import replace
+
+    from vpipe.sim.efficiency import FITS
+
+    a = Arch("a", layers=4, hidden=hidden, heads=8, seq_len=seq, vocab=100)
+    m = load_machine("a100")
+    fit = replace(FITS["a100"], tp_hidden=0.0)
+    c = model_costs(a, m, Layout(pp=2, tp=4), fit=fit)
+    comm_per_pass = c.extra["parts"]["F"][0]["tp"] / 2  # stage 0: 2 blocks
+    t, tp = a.tokens, 4
+    qkv_s = 2 * t * hidden * 3 * hidden / tp / c.rates.w
+    mlp_s = 2 * t * hidden * 4 * hidden / tp / c.rates.w
+    per_block = {"gemm": qkv_s + mlp_s, "comm": comm_per_pass}[capped_by]
+    assert min(comm_per_pass / 2, qkv_s) + min(comm_per_pass / 2, mlp_s) == pytest.approx(
+        per_block)
+    for s in range(2):
+        assert c.b[s] == pytest.approx(c.i[s] + c.w[s] - 2 * per_block)
+        assert c.cost_model().per_stage[s]["B"] == pytest.approx(c.b[s] * 1e6)
+    apart = model_costs(a, m, Layout(pp=2, tp=4, overlap_tp_backward=False), fit=fit)
+    assert apart.b == [i + w for i, w in zip(apart.i, apart.w, strict=True)]
+    assert "B" not in apart.cost_model().per_stage[0]
+    one = model_costs(a, m, Layout(pp=2, tp=1), fit=fit)  # no TP, nothing to hide
+    assert "B" not in one.cost_model().per_stage[0]

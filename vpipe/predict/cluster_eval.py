@@ -14,7 +14,10 @@ from functools import lru_cache
 from types import SimpleNamespace
 from typing import Any
 
+import numpy as np
+
 from vpipe.errors import ScheduleError
+from vpipe.ir import Kind
 from vpipe.predict.plan import plural
 from vpipe.sim.model_costs import ModelCosts, activation_peaks
 
@@ -102,14 +105,14 @@ def _memory(costs: ModelCosts, peaks: list[float]) -> dict[str, float]:
 
 
 def busy_bound(costs: ModelCosts, m: int, post_validated: bool = False) -> float:
-    """Seconds no schedule of ``m`` microbatches can beat: each rank's F, I and W of every
-    microbatch and its optimizer step, no bubble; with a synchronous optimizer (ranks start
+    """Seconds no schedule of ``m`` microbatches can beat: each rank's F and backward (the
+    cheaper of I + W and a fused B) of every microbatch and its optimizer step, no bubble; with a synchronous optimizer (ranks start
     together) also the first microbatch's forwards on the stages before the rank's first."""
     lay = costs.layout
     busy, first = [0.0] * lay.pp, [len(costs.f)] * lay.pp
     for s in range(len(costs.f)):
         r = lay.rank_of(s)
-        busy[r] += m * (costs.f[s] + costs.i[s] + costs.w[s])
+        busy[r] += m * (costs.f[s] + min(costs.i[s] + costs.w[s], costs.b[s]))
         first[r] = min(first[r], s)
     fill = [0.0 if post_validated else sum(costs.f[: first[r]]) for r in range(lay.pp)]
     return max(b + f + step for b, f, step in zip(busy, fill, costs.optimizer_step_s,
@@ -177,7 +180,8 @@ def evaluate(costs: ModelCosts, fam: Any, m: int, batch: int, budget: float,
     return ClusterCandidate(
         **base, memory_bytes=need, tokens_per_s_per_gpu=batch * arch.seq_len / seconds / lay.gpus,
         mfu=model / peak, hfu=(model + recomputed) / peak, iteration_s=seconds,
-        pipeline_s=it.pipeline / 1e6, bubble=bubble, step_shares=_shares(costs, m, it, seconds),
+        pipeline_s=it.pipeline / 1e6, bubble=bubble,
+        step_shares=_shares(costs, m, it, seconds, _fused_shares(built[-1][0], lay.n_stages)),
     )  # fmt: skip
 
 
@@ -212,8 +216,21 @@ def _recomputed_flops(costs: ModelCosts) -> float:
     return blk.recompute_flops * costs.arch.layers * costs.layout.group
 
 
-def _shares(costs: ModelCosts, m: int, it: Any, seconds: float) -> dict[str, float]:
-    """The share of the iteration each cost takes on the busiest rank: its passes' parts,
+def _fused_shares(schedule: Any, n_stages: int) -> np.ndarray:
+    """Per stage, the share of its backwards that ``schedule`` runs fused (B, not I then W)."""
+    counts = np.zeros((n_stages, 2))
+    for program in schedule.actions:
+        for action in program:
+            for part in action.compute_parts():
+                if part.kind in (Kind.B, Kind.I):
+                    counts[part.stage, int(part.kind is Kind.I)] += 1
+    return counts[:, 0] / np.maximum(counts.sum(axis=1), 1)
+
+
+def _shares(costs: ModelCosts, m: int, it: Any, seconds: float,
+            fused: np.ndarray) -> dict[str, float]:  # fmt: skip
+    """The share of the iteration each cost takes on the busiest rank: its passes' parts
+    (TP's less what its fused backwards, ``fused`` per stage, hide under W),
     the pipeline's idle time (bubble), what the data-parallel reductions added, ZeRO-3's
     first gather and the rest of the iteration's end (optimizer step, synchronisation,
     tied-embedding all-reduce)."""
@@ -223,6 +240,8 @@ def _shares(costs: ModelCosts, m: int, it: Any, seconds: float) -> dict[str, flo
         for s, p in enumerate(parts[kind]):
             for key, t in p.items():
                 per_rank[lay.rank_of(s)][key] += m * t
+    for s, hidden in enumerate(costs.extra["hidden_in_b"]):
+        per_rank[lay.rank_of(s)]["tp"] -= m * fused[s] * hidden
     r = max(range(lay.pp), key=lambda k: sum(per_rank[k].values()))
     out = per_rank[r]
     pipeline = it.pipeline / 1e6

@@ -7,7 +7,8 @@ on) :func:`model_costs` gives, per stage: its layers (the embedding's and the he
 one layer short when the layers do not split evenly, so padding lands where the extra work
 is), its F, I and W times on one GPU (FLOPs over the achieved rate of each pass kind,
 :class:`Rates`, plus TP's and CP's collectives and the recomputed forward, each booked apart
-in ``extra["parts"]``), the bytes its F saves and those still held after
+in ``extra["parts"]``), its fused backward B (I + W less the TP collectives of I that run
+beside W's GEMMs when the two are one pass), the bytes its F saves and those still held after
 its I (:mod:`vpipe.sim.parallel`); per boundary the message's bytes and time (same node or
 across nodes); per rank the bytes of weights, gradients and optimizer state (mixed-precision
 Adam, optionally sharded over the replicas; ``extra["memory"]`` per part, with the buffers)
@@ -132,7 +133,9 @@ class Layout:
     ``selective`` or ``full`` (:mod:`vpipe.sim.parallel`). ``overlap_grad_reduce``: the
     data-parallel reduction runs one bucket per block as the stage's last backward fills it
     (Megatron-LM's ``--overlap-grad-reduce``, DDP, FSDP), else the stage's gradients in one
-    bucket once that backward has ended."""
+    bucket once that backward has ended. ``overlap_tp_backward``: a fused backward runs I's
+    TP collectives beside the column-parallel matrices' weight gradients (Megatron-LM's
+    asynchronous TP communication, in its releases since late 2021), else after them."""
 
     pp: int
     dp: int = 1
@@ -144,6 +147,7 @@ class Layout:
     cp: int = 1
     recompute: str = "none"
     overlap_grad_reduce: bool = True
+    overlap_tp_backward: bool = True
 
     def __post_init__(self) -> None:
         if min(self.pp, self.dp, self.stages_per_rank, self.tp, self.cp) < 1:
@@ -233,6 +237,7 @@ class ModelCosts:
     f: list[float]
     i: list[float]
     w: list[float]
+    b: list[float]  # a fused backward: I + W less the collectives hidden under W's GEMMs
     boundary_s: list[float]  # one message over boundary s (0 when both stages share a rank)
     saved_bytes: list[float]  # what a stage's F saves, per microbatch
     held_after_i: list[float]  # what it still holds after its I, for its W
@@ -247,6 +252,9 @@ class ModelCosts:
         SEND or RECV posted)."""
         per_stage = {s: {"f": self.f[s] * US, "b": self.i[s] * US, "w": self.w[s] * US}
                      for s in range(len(self.f))}  # fmt: skip
+        for s, hidden in enumerate(self.extra.get("hidden_in_b", ())):
+            if hidden > 0:  # a fused backward is cheaper than I then W
+                per_stage[s]["B"] = self.b[s] * US
         return CostModel(
             f=0.0, b=0.0, w=0.0, per_stage=per_stage, activation_bytes=list(self.alloc_bytes),
             boundary_time=[t * US for t in self.boundary_s], post=post_s * US,
@@ -359,6 +367,8 @@ def model_costs(
         params[ranks[last]] += arch.head_params()
     params = [-(-p_r // layout.tp) for p_r in params]  # per GPU: TP splits every matrix
     times = {k: [sum(p.values()) for p in parts[k]] for k in "FIW"}
+    hidden_in_b = [k * comm["hidden_in_b"] for k in layers]
+    fused = [i + w - h for i, w, h in zip(times["I"], times["W"], hidden_in_b, strict=True)]
     saved = [k * blk.saved_bytes + (arch.head_saved_bytes() / n_gpu if s == last else 0.0)
              for s, k in enumerate(layers)]  # fmt: skip
     saved[0] += arch.embedding_saved_bytes() / layout.cp
@@ -374,9 +384,9 @@ def model_costs(
     step = [n_p / shard_opt * ADAM_BYTES[arch.precision] / bandwidth for n_p in params]
     static = [m["weights"] + m["gradients"] + m["optimizer"] for m in memory]
     return ModelCosts(
-        arch, machine, layout, rates, layers, times["F"], times["I"], times["W"], boundary,
-        saved, held, params, step, static, [m["buffers"] for m in memory],
-        extra={"parts": parts, "memory": memory, "block": blk,
+        arch, machine, layout, rates, layers, times["F"], times["I"], times["W"], fused,
+        boundary, saved, held, params, step, static, [m["buffers"] for m in memory],
+        extra={"parts": parts, "memory": memory, "block": blk, "hidden_in_b": hidden_in_b,
                "fsdp_s": _fsdp_gather_s(arch, machine, layout, layers)},
     )  # fmt: skip
 
@@ -403,14 +413,17 @@ def stage_parts(kind: str, blocks: int, blk, comm: dict, rates: Rates, bandwidth
 def block_comm_s(machine: Machine, layout: Layout, blk, rates: Rates, tp_hidden: float) -> dict:
     """Per block and pass, seconds of TP's collectives (less the share ``tp_hidden`` under the
     GEMMs) and of CP's ring beyond the attention it overlaps; a fully recomputed block's I
-    repeats F's."""
+    repeats F's. ``hidden_in_b``: what a fused backward hides of I's own two collectives,
+    each under its column-parallel matrix's weight-gradient GEMM (at most that GEMM's time)."""
     tp, cp = layout.tp, layout.cp
-    out: dict[str, dict[str, float]] = {"tp": {}, "cp": {}}
+    out: dict[str, Any] = {"tp": {}, "cp": {}}
     lat, bw = machine.link(tp <= machine.gpus_per_node)
     ring = 2 * (tp - 1) * lat * (1 if blk.tp_bytes and tp > 1 else 0)
     tp_pass = (ring + blk.tp_bytes / bw) * (1 - tp_hidden)
     full = layout.recompute == "full"
     out["tp"] = {"F": tp_pass, "I": tp_pass * (2 if full else 1), "W": 0.0}
+    out["hidden_in_b"] = sum(min(tp_pass / 2, w / rates.w) for w in blk.column_w_flops
+                             if layout.overlap_tp_backward)  # fmt: skip
     lat, bw = machine.link(tp * cp <= machine.gpus_per_node)
     for kind, rate in (("F", rates.f), ("I", rates.i)):
         ring = (cp - 1) * lat + blk.cp_bytes[kind] / bw if cp > 1 else 0.0

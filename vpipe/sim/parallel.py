@@ -14,7 +14,11 @@ generalises section 4.1):
   so everything divides by ``tp``. Per block each pass has two collectives of ``t h`` values: in
   F an all-gather and a reduce-scatter before and after attention and the MLP (without SP, two
   all-reduces), the same in I. Each GPU sends ``(tp - 1) / tp`` of them per all-gather or
-  reduce-scatter, twice that per all-reduce (a ring).
+  reduce-scatter, twice that per all-reduce (a ring). I's two collectives carry the input
+  gradients of the column-parallel matrices (QKV and the MLP's input): a fused backward (B)
+  runs each beside that matrix's weight gradient (Megatron-LM's asynchronous TP
+  communication), hiding up to that GEMM's time (``column_w_flops``); a split backward
+  computes the weight gradients later, in W, so its I pays them whole.
 - **CP** splits the sequence over ``cp`` GPUs: every per-token figure divides by ``cp``; the
   attention needs every other GPU's K and V, passed round a ring (``cp - 1`` steps of
   ``t / cp`` tokens' K and V in F; in I the K and V again and their gradients back), which
@@ -99,6 +103,7 @@ class BlockOnGPU:
     attention_flops: dict[str, float]  # the score and value products' share of ``flops``
     elementwise_bytes: dict[str, float]  # memory traffic of the non-matrix operators, per pass
     recompute_elementwise_bytes: float  # what the recomputation before I moves again
+    column_w_flops: tuple[float, float]  # W of QKV and of the MLP's input matrices, this GPU
 
 
 def block_on_gpu(arch: Arch, split: Split) -> BlockOnGPU:
@@ -135,8 +140,11 @@ def block_on_gpu(arch: Arch, split: Split) -> BlockOnGPU:
     moved = elementwise_bytes(arch, split)
     total = {k: sum(part[k] for part in moved.values()) for k in "FIW"}
     again = {"none": 0.0, "selective": moved["scores"]["F"], "full": total["F"]}[split.recompute]
+    qkv = h * (h + 2 * arch.kv_width)
+    mlp_in = (2 if arch.gated_mlp else 1) * h * arch.ffn_width
+    column = (2.0 * arch.tokens * qkv / n, 2.0 * arch.tokens * mlp_in / n)
     return BlockOnGPU(flops, extra, saved, held, working, tp_bytes, {"F": cp_f, "I": 2 * cp_f},
-                      attention, total, again)  # fmt: skip
+                      attention, total, again, column)  # fmt: skip
 
 
 def elementwise_bytes(arch: Arch, split: Split) -> dict[str, dict[str, float]]:
