@@ -34,13 +34,13 @@ from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any
 
+from vpipe.sim.activation_memory import activation_peaks
 from vpipe.sim.arch import Arch
 from vpipe.sim.machine import PRESETS
 from vpipe.sim.model_costs import (
     Layout,
     ModelCosts,
     Rates,
-    activation_peaks,
     layer_split,
     model_costs,
 )

@@ -17,12 +17,13 @@ from vpipe.predict.cluster_eval import PROBE, ClusterCandidate
 from vpipe.predict.plan import PlanError
 from vpipe.schedules import catalogue
 from vpipe.sim import simulate
+from vpipe.sim.activation_memory import activation_peaks
 from vpipe.sim.arch import Arch
 from vpipe.sim.collectives import simulate_reductions
 from vpipe.sim.efficiency import FITS
 from vpipe.sim.iteration import iteration
 from vpipe.sim.machine import GIB, load_machine
-from vpipe.sim.model_costs import Layout, activation_peaks, model_costs
+from vpipe.sim.model_costs import Layout, model_costs
 
 ARCH = Arch("small", layers=16, hidden=2048, heads=16, seq_len=2048, vocab=32000)
 H100 = load_machine("h100")

@@ -13,6 +13,7 @@ import pytest
 from vpipe.ir import Schedule, actions_from_strings
 from vpipe.schedules import make_schedule
 from vpipe.sim import CostModel, simulate
+from vpipe.sim.activation_memory import activation_peaks
 from vpipe.sim.arch import PRESETS as ARCHS
 from vpipe.sim.arch import Arch, ArchError, load_arch
 from vpipe.sim.iteration import IterationCosts, iteration
@@ -23,7 +24,6 @@ from vpipe.sim.model_costs import (
     Layout,
     ModelCostError,
     Rates,
-    activation_peaks,
     layer_split,
     model_costs,
 )

@@ -19,7 +19,8 @@ import numpy as np
 from vpipe.errors import ScheduleError
 from vpipe.ir import Kind
 from vpipe.predict.plan import plural
-from vpipe.sim.model_costs import ModelCosts, activation_peaks
+from vpipe.sim.activation_memory import activation_peaks
+from vpipe.sim.model_costs import ModelCosts
 
 __all__ = ["ClusterCandidate", "busy_bound", "evaluate"]
 
