@@ -287,7 +287,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     print("assumed: " + "; ".join(ASSUMED))
     _print_errors(out, "error per source (|predicted / published - 1|):",
                   "in-sample error per machine (median |error| of its rows):")  # fmt: skip
-    print("  h200: unknown (no published H200 rows)")
+    print("  h200, b200: unknown (no published H200 or B200 rows)")
     if args.held_out:
         _print_errors(held_out(rows), "each row held out (terms fitted on its machine's other "
                       "rows):", "tie band per machine (median |error| of its rows, each held "

@@ -130,8 +130,9 @@ def test_ties_are_within_the_machines_error_and_the_least_memory_is_recommended(
     assert best.schedule == "b"
 
 
-def test_a_machine_without_published_runs_says_its_error_is_unknown():
-    band, why = tie_band(load_machine("h200"))
+@pytest.mark.parametrize("name", ["h200", "b200"])
+def test_a_machine_without_published_runs_says_its_error_is_unknown(name):
+    band, why = tie_band(load_machine(name))
     assert "unknown" in why and band == max(tie_band(H100)[0], tie_band(load_machine("a100"))[0])
 
 

@@ -148,6 +148,10 @@ def test_machine_presets_cite_their_sources():
     assert (h200.memory_bandwidth, h200.memory) == (4.8e12, 141e9)
     # one unit, the datasheets' bytes (GB = 1e9): the H200 holds 141/80 of an H100
     assert h200.memory / h100.memory == pytest.approx(141 / 80)
+    b200 = PRESETS["b200"]  # the HGX/DGX B200 datasheets' 8-GPU figures over 8
+    assert (b200.peak("bf16"), b200.peak("fp8")) == (36e15 / 2 / 8, 72e15 / 2 / 8)
+    assert (b200.memory_bandwidth, b200.memory) == (64e12 / 8, 1440e9 / 8)
+    assert b200.intra_node_bandwidth == 14.4e12 / 8 / 2  # per direction
     assert a100.message_time(25e9, same_node=False) == pytest.approx(1 + 10e-6)
 
 

@@ -18,7 +18,7 @@ def add_cluster_flags(p: argparse.ArgumentParser) -> None:
     g.add_argument("--arch", help="model: a preset (llama3.1-405b, llama3-70b, llama3-8b, "
                    "llama2-70b, gpt3-175b), a Hugging Face config.json, or a JSON file of "
                    "vpipe.sim.arch.Arch fields")  # fmt: skip
-    g.add_argument("--machine", help="a100, h100, h200, or a JSON file of "
+    g.add_argument("--machine", help="a100, h100, h200, b200, or a JSON file of "
                    "vpipe.sim.machine.Machine fields (\"preset\": NAME to start from one)")  # fmt: skip
     g.add_argument("--gpus", type=int, help="GPUs in all (tp x cp x pp x dp)")
     for flag, what in (("--tp", "tensor-parallel GPUs per rank"),

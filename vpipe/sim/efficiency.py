@@ -18,7 +18,9 @@ memory-bound operators between the GEMMs are costed apart, by the bytes they mov
 --fit`` on the published development tables (``shared/data/3d-parallel``: Megatron-LM's H100
 weak scaling and NeMo's H100 rows for ``h100``, the Megatron-LM paper's A100 Table 1 for
 ``a100``), never one term per row. There are no published H200 rows: ``h200`` reuses the
-H100's terms (the same chip and clocks; only the memory differs) and its error is unknown.
+H100's terms (the same chip and clocks; only the memory differs) and its error is unknown;
+so does ``b200`` (another chip: its terms are a guess until published B200 runs are fitted) and
+any machine given as a file.
 
 :data:`MEASURED_ERROR` is the median |error| of predicted against published tokens/s per GPU
 over each preset's rows, each row predicted by terms fitted on the preset's other rows (leave
@@ -60,7 +62,8 @@ FITS["h200"] = FITS["h100"]
 # Median |error| of predicted against published tokens/s per GPU over each preset's rows, each
 # held out of the fit, as `python -m bench.cluster_published --held-out` prints it with the
 # terms above; None: no published rows, the error is unknown.
-MEASURED_ERROR: dict[str, float | None] = {"h100": 0.071, "a100": 0.091, "h200": None}
+MEASURED_ERROR: dict[str, float | None] = {"h100": 0.071, "a100": 0.091, "h200": None,
+                                            "b200": None}
 
 
 def fit_for(machine_name: str) -> Fit:
