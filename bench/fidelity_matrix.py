@@ -1,7 +1,7 @@
 """The simulator's fidelity matrix: calibrate on each schedule, predict every other one.
 
     python -m bench.fidelity_matrix [--runs 3] [--hog-runs 1] [--minutes 3] [--impl vpipe]
-                                    [--profile-steps 3] [--keep DIR]
+                                    [--profile-steps 3] [--rounds 8] [--steps 4] [--keep DIR]
 
 Each run is one ``vpipe bench`` sweep of five schedules (P=2, M=6, an MLP of a shape no test
 uses, compute-bound: actions of 7-30 ms), quiet or beside a CPU hog (a busy loop pinned to one
@@ -14,6 +14,13 @@ core, :class:`bench.false_alarms.Hog`). From its store, per implementation:
   config's own: (predicted / timed) / (own predicted / own timed) - 1.
 - **breakdown**: for the calibration the report's plan uses (zbv), what each term adds to each
   prediction (:func:`vpipe.predict.error_terms.breakdown`).
+- **timed**: how well the timed medians themselves are known: per config its timed steps and
+  the 95% interval of its median, and per cell the interval of the timed ratio the prediction
+  is judged against (:func:`vpipe.stats.ratio_of_medians`). An error inside that interval is
+  one the timing cannot tell from exact; the summary counts the cells outside it. With the
+  ``vpipe bench`` defaults (3 rounds of 3 steps) a config the ranking had settled got 9 timed
+  steps, and its median was known to about +-5%: the size of the goal itself. ``--rounds`` and
+  ``--steps`` set every config's timed steps (default 8 x 4 = 32).
 - **replay**: each profiled step simulated with the times its own actions took
   (:func:`vpipe.predict.step_replay.action_times`) and the calibrated posting, gaps and link,
   against that step's measured time: the error of everything but the per-action costs.
@@ -41,13 +48,15 @@ RANKS, MICROBATCHES, BATCH = 2, 6, 384
 GOAL_RELATIVE, GOAL_ABSOLUTE = 0.05, 0.10
 
 
-def sweep(out: Path, minutes: float, impl: str, profile_steps: int) -> float:
+def sweep(out: Path, minutes: float, impl: str, profile_steps: int, rounds: int,
+          steps: int) -> float:  # fmt: skip
     """One ``vpipe bench`` launch into ``out``; returns its wall seconds."""
     cmd = [
         sys.executable, "-m", "vpipe", "bench", "-p", str(RANKS), "-m", str(MICROBATCHES),
         "--batch", str(BATCH), "--sizes", SIZES, "--schedules", SCHEDULES, "--impl", impl,
         "--max-minutes", str(minutes), "--profile-steps", str(profile_steps),
-        "--rounds", str(profile_steps), "--out", str(out), "--force",
+        "--rounds", str(max(rounds, profile_steps)), "--steps", str(steps), "--out", str(out),
+        "--force",
     ]  # fmt: skip
     t = time.monotonic()
     subprocess.run(cmd, check=True, stdout=subprocess.DEVNULL)
@@ -91,8 +100,10 @@ def matrices(store_dir: Path) -> list[dict[str, Any]]:
         base = next((c for c in cases if c.label == "zbv"), cases[0])
         cal = anchor(calibrate(base.events), base.schedule, base.timed_s, units)
         terms = breakdown(cal, [(c.label, c.schedule, c.timed_s) for c in cases], units)
+        timed = {c.label: c.timed_s for c in cases}
         out.append({
             "impl": str(impl), "absolute": absolute, "replay": replay_errors(cases),
+            "timed": timed_intervals(store_dir / "steps.parquet", str(impl), timed),
             "relative": relative.loc[absolute.index, absolute.columns],
             "base": base.label, "scale": cal.compute_scale, "breakdown": terms,
         })  # fmt: skip
@@ -120,6 +131,52 @@ def replay_errors(cases: list[Any]) -> dict[str, list[float]]:
     return out
 
 
+def timed_intervals(steps_file: Path, impl: str, timed: dict[str, float]) -> dict[str, Any]:
+    """How well the timed medians are known: per config its timed steps and the relative
+    half-width of its median's 95% interval; per cell (rows: calibrated on, columns: predicted)
+    the interval of timed(column) / timed(row) over the stored medians' ratio."""
+    steps = pd.read_parquet(steps_file)
+    steps = steps[steps["impl"] == impl]
+    times = {k: g["step_time_s"].to_numpy() for k, g in steps.groupby("schedule") if k in timed}
+    return ratio_intervals(times, timed)
+
+
+def ratio_intervals(times: dict[str, np.ndarray], timed: dict[str, float]) -> dict[str, Any]:
+    """:func:`timed_intervals` from each config's step times (``times``) and the medians the
+    predictions were judged against (``timed``)."""
+    from vpipe.stats import ratio_of_medians
+
+    labels = [k for k in timed if k in times]
+    low = pd.DataFrame(np.nan, index=labels, columns=labels)
+    high = low.copy()
+    for c in labels:
+        for t in labels:
+            if c != t:
+                r = ratio_of_medians(times[t], times[c])
+                base = timed[t] / timed[c]
+                low.loc[c, t], high.loc[c, t] = r.low / base, r.high / base
+    own = {}
+    for k in labels:  # the median's interval against a constant: the ratio to itself resampled
+        r = ratio_of_medians(times[k], np.full(len(times[k]), np.median(times[k])))
+        own[k] = (len(times[k]), max(r.high / r.value - 1, 1 - r.low / r.value))
+    return {"low": low, "high": high, "own": own}
+
+
+def outside_timing(absolute: pd.DataFrame, timed: dict[str, Any]) -> list[float]:
+    """Per held-out cell whose prediction lies outside the timed ratio's interval, how far
+    (relative); cells inside it are errors the timing cannot tell from none."""
+    out = []
+    for c in timed["low"].index:
+        for t in timed["low"].columns:
+            if c == t or pd.isna(timed["low"].loc[c, t]):
+                continue
+            made = 1 + absolute.loc[c, t]  # prediction over the stored timed ratio
+            lo, hi = timed["low"].loc[c, t], timed["high"].loc[c, t]
+            if made < lo or made > hi:
+                out.append(max(lo - made, made - hi))
+    return out
+
+
 def held_out(table: pd.DataFrame) -> np.ndarray:
     """The off-diagonal cells of a square error table."""
     values = table.to_numpy(dtype=float)
@@ -142,6 +199,9 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--minutes", type=float, default=3.0, help="budget of each sweep")
     ap.add_argument("--impl", default="vpipe", help="vpipe, torch or both (default vpipe)")
     ap.add_argument("--profile-steps", type=int, default=3)
+    ap.add_argument("--rounds", type=int, default=8, help="timed rounds per sweep (default 8)")
+    ap.add_argument("--steps", type=int, default=4,
+                    help="timed steps per config and round (default 4)")
     ap.add_argument("--keep", type=Path, help="keep the sweeps' stores under this folder")
     args = ap.parse_args(argv)
     from bench.false_alarms import Hog
@@ -150,16 +210,19 @@ def main(argv: list[str] | None = None) -> int:
     kinds = ["quiet"] * args.runs + ["hog"] * args.hog_runs
     print(f"fidelity matrix: P={RANKS}, M={MICROBATCHES}, mlp {SIZES}, batch {BATCH}, "
           f"{SCHEDULES}, impl {args.impl}, {args.minutes:g} min per sweep, "
-          f"{args.profile_steps} profiled steps per config")  # fmt: skip
+          f"{args.profile_steps} profiled steps per config, {args.rounds} rounds of {args.steps} "
+          f"timed steps")  # fmt: skip
     summary = []
     for i, kind in enumerate(kinds, start=1):
         before = host_line()
         out = root / f"run{i}-{kind}"
         if kind == "hog":
             with Hog():
-                wall = sweep(out, args.minutes, args.impl, args.profile_steps)
+                wall = sweep(out, args.minutes, args.impl, args.profile_steps, args.rounds,
+                             args.steps)  # fmt: skip
         else:
-            wall = sweep(out, args.minutes, args.impl, args.profile_steps)
+            wall = sweep(out, args.minutes, args.impl, args.profile_steps, args.rounds,
+                         args.steps)  # fmt: skip
         for m in matrices(out):
             rel, ab = held_out(m["relative"]), held_out(m["absolute"])
             worst_rel, worst_abs = float(np.abs(rel).max()), float(np.abs(ab).max())
@@ -169,6 +232,16 @@ def main(argv: list[str] | None = None) -> int:
             print(shown(m["absolute"]))
             print("relative error (unanchored, to the calibration config's own error):")
             print(shown(m["relative"]))
+            own = m["timed"]["own"]
+            print("timed steps per config (95% interval of the median): " + ", ".join(
+                f"{k} {n} (+-{w * 100:.1f}%)" for k, (n, w) in own.items()))
+            print("95% interval of each cell's timed ratio (+-, the larger side):")
+            half = np.maximum(m["timed"]["high"] - 1, 1 - m["timed"]["low"])
+            print(shown(half.loc[m["absolute"].index, m["absolute"].columns]).replace("+nan%", ""))
+            beyond = outside_timing(m["absolute"], m["timed"])
+            judged = int(m["timed"]["low"].notna().to_numpy().sum())  # too few steps: no interval
+            print(f"cells outside their timed ratio's interval: {len(beyond)} of {judged}"
+                  + (f", by at most {max(beyond) * 100:.1f}%" if beyond else ""))
             print("replay of each profiled step with its own action times, error per step:")
             for label, errs in m["replay"].items():
                 print(f"  {label:17s} " + " ".join(f"{e * 100:+.1f}%" for e in errs))

@@ -32,7 +32,9 @@ time is the slowest rank's. Printed per schedule, implementation and mode:
   ``PP:RECOMPUTABLE`` spans: :mod:`vpipe.predict.recompute_share`), its compute anchored to
   the ``none`` run's timed median (:func:`vpipe.predict.calibrate.anchor`: ``none``'s error
   is 0 by construction), and its
-  error against the timed median (``sim ms``, ``err``).
+  error against the timed median (``sim ms``, ``err``), and whether the simulator's ratio to
+  ``none`` lies inside the measured paired ratio's 95% interval (``sim in CI``: an error the
+  timing cannot tell from none).
 
 Run: ``python -m bench.recompute [--rounds 10] [--steps 3] [--batch 64] [--stage-repeats 30]``.
 """
@@ -180,7 +182,7 @@ def report(specs: list, per_rank: list[dict], rounds: int, steps: int, batch: in
         "ratio: median of pairwise ratios to the same implementation's none (95% CI)",
         f"{'schedule':17s} {'impl':5s} {'mode':9s} {'step ms':>8s} {'ratio':>22s} "
         f"{'sim':>5s} {'step +F (95% CI)':>18s} {'B|I +F':>6s} {'W +F':>5s} {'peak/rank (count)':>19s} "
-        f"{'predicted':>19s} {'meter':>19s} {'sim ms':>7s} {'err':>6s}",
+        f"{'predicted':>19s} {'meter':>19s} {'sim ms':>7s} {'err':>6s} {'sim in CI':>9s}",
     ]
     kib = lambda xs: "/".join(f"{x / 1024:.0f}" for x in xs) + " KiB"  # noqa: E731
     shares: list[str] = []
@@ -221,7 +223,8 @@ def report(specs: list, per_rank: list[dict], rounds: int, steps: int, batch: in
             f"{head} {step_ms:8.1f} {ratio.value:7.3f} ({ratio.interval_text(3):>12s}) "
             f"{sim_ratio:5.3f} {step_f:>18s} {extra_bi:6.2f} {extra_w:5.2f} {count:>19s} "
             f"{predicted:>19s} {kib(meter):>19s} "
-            f"{sim_ms:7.1f} {100 * (sim_ms / step_ms - 1):+5.1f}%"
+            f"{sim_ms:7.1f} {100 * (sim_ms / step_ms - 1):+5.1f}% "
+            f"{'yes' if ratio.low <= sim_ratio <= ratio.high else 'no':>9s}"
         )
     lines.append("selective's share of each stage's forward, per stage (none run's spans): "
                  + "; ".join(shares))  # fmt: skip

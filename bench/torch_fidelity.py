@@ -6,8 +6,11 @@ running the same stages, in ``--rounds`` launches whose class order rotates, so 
 in the host's load over the minutes of a run does not fall on one class. In each round, each
 class's trace is calibrated on (:func:`vpipe.predict.calibrate.calibrate`, from what the ranks
 computed), anchored to its own profiled median step, and predicts every other class's profiled
-median step: the error table (rows: calibrated on; columns: predicted). Printed per round, and
-the median of each cell over the rounds.
+median step: the error table (rows: calibrated on; columns: predicted). Printed per round, with
+how many predictions fall outside the 95% interval of the profiled ratio they are judged against
+(:func:`bench.fidelity_matrix.outside_timing`; a trace's few profiled steps pin its median
+loosely, and with fewer than six there is no interval), and the median of each cell over the
+rounds.
 
 Run: ``python -m bench.torch_fidelity OUT [--rounds 3] [--ranks 2] [--width 768] [--rows 64]``.
 """
@@ -21,29 +24,31 @@ from pathlib import Path
 import numpy as np
 import pandas as pd
 
-from bench.fidelity_matrix import held_out, host_line, shown
+from bench.fidelity_matrix import held_out, host_line, outside_timing, ratio_intervals, shown
 from bench.torch_traces import record
 
 CLASSES = ("Interleaved1F1B", "InterleavedZeroBubble", "ZBVZeroBubble", "DualPipeV")
 
 
-def round_table(where: Path, classes: Sequence[str]) -> pd.DataFrame:
-    """The error table of one round's traces (``where/<class>/``)."""
+def round_table(where: Path, classes: Sequence[str]) -> tuple[pd.DataFrame, dict]:
+    """The error table of one round's traces (``where/<class>/``) and the intervals of the
+    profiled ratios (:func:`bench.fidelity_matrix.ratio_intervals`)."""
     from vpipe.metrics.per_run import step_metrics
     from vpipe.predict.calibrate import Case, leave_one_out
     from vpipe.schedules import make_schedule
     from vpipe.trace.kineto import convert
 
-    cases = []
+    cases, steps = [], {}
     for name in classes:
         trace = convert([where / name])
         meta, ev = trace.meta, trace.events
         ranks, stages = int(meta["ranks"]), int(meta["stages"])
         schedule = make_schedule(str(meta["schedule"]), ranks, int(meta["microbatches"]),
                                  stages // ranks)  # fmt: skip
-        profiled = float(step_metrics(ev[ev["step"] >= 0])["step_time_s"].median())
-        cases.append(Case(name, schedule, ev, profiled))
-    return leave_one_out(cases).set_index("calibrated on")
+        steps[name] = step_metrics(ev[ev["step"] >= 0])["step_time_s"].to_numpy()
+        cases.append(Case(name, schedule, ev, float(np.median(steps[name]))))
+    timed = {c.label: c.timed_s for c in cases}
+    return leave_one_out(cases).set_index("calibrated on"), ratio_intervals(steps, timed)
 
 
 def main(argv: Sequence[str] | None = None) -> int:
@@ -61,11 +66,15 @@ def main(argv: Sequence[str] | None = None) -> int:
         where = Path(args.out) / f"round{k}"
         print(f"round {k}: {' '.join(order)}; {host_line()}", flush=True)
         record(where, args.ranks, order, width=args.width, rows=args.rows, active=args.active)
-        table = round_table(where, CLASSES)
+        table, intervals = round_table(where, CLASSES)
         tables.append(table)
         cells = np.abs(held_out(table))
         print(shown(table), flush=True)
-        print(f"worst |error| {cells.max() * 100:.1f}%, median {np.median(cells) * 100:.1f}%")
+        beyond = outside_timing(table, intervals)
+        judged = int(intervals["low"].notna().to_numpy().sum())
+        print(f"worst |error| {cells.max() * 100:.1f}%, median {np.median(cells) * 100:.1f}%; "
+              f"outside the profiled ratio's 95% interval: {len(beyond)} of {judged} cells"
+              + (f", by at most {max(beyond) * 100:.1f}%" if beyond else ""))  # fmt: skip
     med = pd.concat(tables).groupby(level=0, sort=False).median().loc[tables[0].index]
     cells = np.abs(held_out(med))
     print(f"median over {args.rounds} rounds; {host_line()}")
