@@ -9,7 +9,7 @@ default operator recording, ``rank<N>_trace.json``, no vpipe metadata), read tru
 - the ranks next to the slow stage wait (over 5% of their step);
 - ranks, microbatches and the schedule come from the trace, and ``analyze --predict`` works.
 
-One launch per rank count: P=2 balanced and with stage 1 four times slower, P=4 slow.
+One launch per rank count: P=2 and P=4, each balanced and with stage 1 four times slower.
 """
 
 from __future__ import annotations
@@ -41,7 +41,7 @@ def p2(tmp_path_factory):
 @pytest.fixture(scope="module")
 def p4(tmp_path_factory):
     return record(tmp_path_factory.mktemp("p4"), 4, microbatches=M_OF[4], blocks=1, slow=SLOW,
-                  wait=0)  # fmt: skip
+                  both=True, wait=0)  # fmt: skip
 
 
 def _union(intervals: list[tuple[float, float]]) -> float:
@@ -141,7 +141,8 @@ def test_p2_balanced_and_slow(p2, name):
 
 
 @pytest.mark.parametrize("name", list(CLASSES))
-def test_p4_slow(p4, name):
+def test_p4_balanced_and_slow(p4, name):
+    _check_run(p4 / name, 4, slow=False)
     _check_run(p4 / f"{name}-slow", 4, slow=True)
 
 
