@@ -250,3 +250,24 @@ def test_a_split_backward_pays_the_tp_collectives_a_fused_one_hides():
     assert fused.step_shares["tp"] * fused.iteration_s < apart.step_shares["tp"] * apart.iteration_s
     assert got["zb-h1", True].iteration_s == got["zb-h1", False].iteration_s
     assert got["zb-h1", True].step_shares == got["zb-h1", False].step_shares
+
+
+def test_cli_says_what_the_runtime_overlaps_and_costs_it(tmp_path, capsys):
+    """--grad-reduce after and --tp-backward after-w reach the layout: the same fixed layout
+    is slower with either, and the plan says which it assumed."""
+    arch = write_arch(tmp_path)
+    base = ["plan", "--arch", arch, "--machine", "a100", "--gpus", "32", "--batch", "64",
+            "--tp", "8", "--pp", "2", "--dp", "2", "--recompute", "none", "--schedules", "1f1b",
+            "--microbatch-sizes", "1", "--json"]  # fmt: skip
+    got = {}
+    for extra in ([], ["--grad-reduce", "after"], ["--tp-backward", "after-w"]):
+        assert main(base + extra) == 0
+        out = json.loads(capsys.readouterr().out)
+        got[tuple(extra)] = out
+    default = got[()]
+    assert (default["grad_reduce"], default["tp_backward"]) == ("during", "beside-w")
+    after = got["--grad-reduce", "after"]
+    apart = got["--tp-backward", "after-w"]
+    assert after["grad_reduce"] == "after" and apart["tp_backward"] == "after-w"
+    speed = lambda o: o["recommended"]["tokens_per_s_per_gpu"]  # noqa: E731
+    assert speed(after) < speed(default) and speed(apart) < speed(default)

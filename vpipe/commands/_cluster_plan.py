@@ -35,6 +35,14 @@ def add_cluster_flags(p: argparse.ArgumentParser) -> None:
     g.add_argument("--optimizer", choices=("sync", "post-validated"), default="sync",
                    help="sync: every rank waits for the global gradient norm before its step "
                    "(default); post-validated: each steps when ready (the zero-bubble paper's)")
+    g.add_argument("--grad-reduce", choices=("during", "after"), default="during",
+                   dest="grad_reduce", help="the data-parallel reduction: bucket by bucket "
+                   "during each stage's last backward (default: Megatron-LM's "
+                   "--overlap-grad-reduce, DDP, FSDP) or once it has ended")
+    g.add_argument("--tp-backward", choices=("beside-w", "after-w"), default="beside-w",
+                   dest="tp_backward", help="a fused backward's input-gradient TP collectives: "
+                   "beside the weight-gradient GEMMs (default: Megatron-LM's asynchronous TP "
+                   "communication) or after them")
     g.add_argument("--replicas-inner", action="store_true", dest="replicas_inner",
                    help="put a rank's replicas on consecutive GPUs (default: a pipeline's ranks)")
     g.add_argument("--i-frees", type=float, dest="i_frees", metavar="SHARE",
@@ -91,7 +99,8 @@ def cluster_command(args: argparse.Namespace) -> int:
         shard=args.shard, post_validated=args.optimizer == "post-validated",
         pp_inner=not args.replicas_inner, tp=args.tp, pp=args.pp, cp=args.cp, dp=args.dp,
         recompute=recompute_modes(args.recompute) if args.recompute else None,
-        i_frees=args.i_frees,
+        i_frees=args.i_frees, overlap_grad_reduce=args.grad_reduce == "during",
+        overlap_tp_backward=args.tp_backward == "beside-w",
     )  # fmt: skip
     result = plan_cluster(spec)
     if args.json:
@@ -142,7 +151,9 @@ def render_cluster(result: dict, top: int) -> str:
     lines = [
         f"{result['arch']['name']} (seq {result['arch']['seq_len']}) on {result['gpus']} "
         f"{result['machine']} GPUs, global batch {result['batch']} sequences, optimizer "
-        f"{result['optimizer']}, shard {result['recommended']['shard']}; budget "
+        f"{result['optimizer']}, shard {result['recommended']['shard']}, grad reduce "
+        f"{result['grad_reduce']} the backward, a fused backward's TP "
+        f"{result['tp_backward'].replace('-w', ' W')}; budget "
         f"{result['budget_bytes'] / gib:.1f} GiB per GPU",
         f"rates (recommended layout): {result['rates']['source']}",
         head,

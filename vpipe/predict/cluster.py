@@ -65,7 +65,8 @@ AUTO_LAYOUTS = 3
 class ClusterSpec:
     """What a cluster plan is asked: the model, the machine, ``gpus`` and a global ``batch`` of
     sequences, how to run, and which of ``tp``, ``pp``, ``cp``, ``dp``, ``recompute`` are fixed
-    (None: searched)."""
+    (None: searched). ``overlap_grad_reduce`` and ``overlap_tp_backward``: what the runtime
+    overlaps (:class:`vpipe.sim.model_costs.Layout`)."""
 
     arch: Arch
     machine: Machine
@@ -84,6 +85,8 @@ class ClusterSpec:
     dp: int | None = None
     recompute: Sequence[str] | None = None  # the modes weighed (None: each)
     i_frees: float | None = None  # replaces the model's own share when given
+    overlap_grad_reduce: bool = True
+    overlap_tp_backward: bool = True
 
     def __post_init__(self) -> None:
         if isinstance(self.recompute, str):  # one mode, not its letters
@@ -171,7 +174,8 @@ def cluster_candidates(spec: ClusterSpec) -> dict[str, Any]:
             for rc in spec.recompute or RECOMPUTE:
                 for fam in families:
                     for placement, v in _shapes(fam, pp, arch.layers):
-                        lay = Layout(pp, dp, v, placement, spec.pp_inner, spec.shard, tp, cp, rc)
+                        lay = Layout(pp, dp, v, placement, spec.pp_inner, spec.shard, tp, cp, rc,
+                                     spec.overlap_grad_reduce, spec.overlap_tp_backward)
                         queue.append((lay, mb, m, fam))
     # a layout's costs and bound, shared by the families of its shape (m follows from it)
     costed: dict[tuple, tuple[ModelCosts, float] | None] = {}
@@ -292,6 +296,8 @@ def plan_cluster(spec: ClusterSpec) -> dict[str, Any]:
         "gpus": spec.gpus,
         "batch": spec.batch,
         "optimizer": "post-validated" if spec.post_validated else "sync",
+        "grad_reduce": "during" if spec.overlap_grad_reduce else "after",
+        "tp_backward": "beside-w" if spec.overlap_tp_backward else "after-w",
         "tie_band": band,
         "tie_band_source": why,
         "measured_error": MEASURED_ERROR.get(spec.machine.name),
