@@ -175,6 +175,9 @@ def evaluate(costs: ModelCosts, fam: Any, m: int, batch: int, budget: float,
         it, sim = timed[0]
         bubble = sim.bubble_ratio
     seconds = it.time / 1e6
+    fused = np.zeros(lay.n_stages)  # read from the schedule only where it changes a share
+    if any(costs.extra["hidden_in_b"]):
+        fused = _fused_shares(built[-1][0], lay.n_stages)
     model = batch * arch.model_flops() / arch.microbatch  # F, I and W of every sequence
     recomputed = _recomputed_flops(costs) * batch / arch.microbatch
     peak = costs.machine.peak(arch.precision) * lay.gpus * seconds
@@ -182,7 +185,7 @@ def evaluate(costs: ModelCosts, fam: Any, m: int, batch: int, budget: float,
         **base, memory_bytes=need, tokens_per_s_per_gpu=batch * arch.seq_len / seconds / lay.gpus,
         mfu=model / peak, hfu=(model + recomputed) / peak, iteration_s=seconds,
         pipeline_s=it.pipeline / 1e6, bubble=bubble,
-        step_shares=_shares(costs, m, it, seconds, _fused_shares(built[-1][0], lay.n_stages)),
+        step_shares=_shares(costs, m, it, seconds, fused),
     )  # fmt: skip
 
 
