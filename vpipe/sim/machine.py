@@ -145,14 +145,16 @@ PRESETS["h200"] = replace(
 )  # fmt: skip
 
 # The B200 (HGX/DGX B200, 1,000 W): a new chip, whose efficiency no published run here measures.
+# Its figures are NVIDIA's 8-GPU specification tables over 8, as secondary sources quote them
+# (the datasheets themselves were not at hand).
 PRESETS["b200"] = Machine(
-    "b200", {"bf16": 2250e12, "fp16": 2250e12, "fp8": 4500e12, "fp32": 80e12},
+    "b200", {"bf16": 2250e12, "fp16": 2250e12, "fp8": 4500e12, "fp32": 75e12},
     memory_bandwidth=8e12, memory=180e9, gpus_per_node=8, intra_node_bandwidth=900e9,
     inter_node_bandwidth=50e9, intra_node_latency=5e-6, inter_node_latency=10e-6,
     sources={
         "peak_flops": "NVIDIA HGX B200 datasheet (8 GPUs): FP16/BF16 Tensor Core 36 PFLOPS and "
-        "FP8 72 PFLOPS with sparsity, so 2,250 and 4,500 TFLOPS dense per GPU; FP32 80 TFLOPS "
-        "per GPU",
+        "FP8 72 PFLOPS with sparsity, so 2,250 and 4,500 TFLOPS dense per GPU; FP32 600 "
+        "TFLOPS, 75 per GPU",
         "memory_bandwidth": "NVIDIA DGX B200 datasheet: 64 TB/s HBM3e over 8 GPUs",
         "memory": "DGX B200 datasheet: 1,440 GB of GPU memory over 8 GPUs",
         "gpus_per_node": "DGX B200 datasheet: 8x NVIDIA Blackwell GPUs",
