@@ -107,8 +107,9 @@ def _memory(costs: ModelCosts, peaks: list[float]) -> dict[str, float]:
 
 def busy_bound(costs: ModelCosts, m: int, post_validated: bool = False) -> float:
     """Seconds no schedule of ``m`` microbatches can beat: each rank's F and backward (the
-    cheaper of I + W and a fused B) of every microbatch and its optimizer step, no bubble; with a synchronous optimizer (ranks start
-    together) also the first microbatch's forwards on the stages before the rank's first."""
+    cheaper of I + W and a fused B) of every microbatch and its optimizer step, no bubble;
+    with a synchronous optimizer (ranks start together) also the first microbatch's forwards
+    on the stages before the rank's first."""
     lay = costs.layout
     busy, first = [0.0] * lay.pp, [len(costs.f)] * lay.pp
     for s in range(len(costs.f)):

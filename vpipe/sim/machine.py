@@ -170,8 +170,8 @@ _FIELDS = {f.name for f in fields(Machine)}
 
 
 def load_machine(text: str, **overrides: Any) -> Machine:
-    """A preset (``a100``, ``h100``, ``h200``, ``b200``) or a JSON file of :class:`Machine` fields (a
-    ``"preset"`` key starts from that preset); ``overrides`` replace fields."""
+    """A preset (``a100``, ``h100``, ``h200``, ``b200``) or a JSON file of :class:`Machine`
+    fields (a ``"preset"`` key starts from that preset); ``overrides`` replace fields."""
     if text.lower() in PRESETS:
         machine = PRESETS[text.lower()]
     else:
