@@ -132,49 +132,14 @@ def replay_errors(cases: list[Any]) -> dict[str, list[float]]:
 
 
 def timed_intervals(steps_file: Path, impl: str, timed: dict[str, float]) -> dict[str, Any]:
-    """How well the timed medians are known: per config its timed steps and the relative
-    half-width of its median's 95% interval; per cell (rows: calibrated on, columns: predicted)
-    the interval of timed(column) / timed(row) over the stored medians' ratio."""
+    """:func:`vpipe.predict.timing_noise.ratio_intervals` of one implementation's timed steps
+    in a sweep's ``steps.parquet``."""
+    from vpipe.predict.timing_noise import ratio_intervals
+
     steps = pd.read_parquet(steps_file)
     steps = steps[steps["impl"] == impl]
     times = {k: g["step_time_s"].to_numpy() for k, g in steps.groupby("schedule") if k in timed}
     return ratio_intervals(times, timed)
-
-
-def ratio_intervals(times: dict[str, np.ndarray], timed: dict[str, float]) -> dict[str, Any]:
-    """:func:`timed_intervals` from each config's step times (``times``) and the medians the
-    predictions were judged against (``timed``)."""
-    from vpipe.stats import ratio_of_medians
-
-    labels = [k for k in timed if k in times]
-    low = pd.DataFrame(np.nan, index=labels, columns=labels)
-    high = low.copy()
-    for c in labels:
-        for t in labels:
-            if c != t:
-                r = ratio_of_medians(times[t], times[c])
-                base = timed[t] / timed[c]
-                low.loc[c, t], high.loc[c, t] = r.low / base, r.high / base
-    own = {}
-    for k in labels:  # the median's interval against a constant: the ratio to itself resampled
-        r = ratio_of_medians(times[k], np.full(len(times[k]), np.median(times[k])))
-        own[k] = (len(times[k]), max(r.high / r.value - 1, 1 - r.low / r.value))
-    return {"low": low, "high": high, "own": own}
-
-
-def outside_timing(absolute: pd.DataFrame, timed: dict[str, Any]) -> list[float]:
-    """Per held-out cell whose prediction lies outside the timed ratio's interval, how far
-    (relative); cells inside it are errors the timing cannot tell from none."""
-    out = []
-    for c in timed["low"].index:
-        for t in timed["low"].columns:
-            if c == t or pd.isna(timed["low"].loc[c, t]):
-                continue
-            made = 1 + absolute.loc[c, t]  # prediction over the stored timed ratio
-            lo, hi = timed["low"].loc[c, t], timed["high"].loc[c, t]
-            if made < lo or made > hi:
-                out.append(max(lo - made, made - hi))
-    return out
 
 
 def held_out(table: pd.DataFrame) -> np.ndarray:
@@ -205,6 +170,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--keep", type=Path, help="keep the sweeps' stores under this folder")
     args = ap.parse_args(argv)
     from bench.false_alarms import Hog
+    from vpipe.predict.timing_noise import outside_timing
 
     root = args.keep or Path(tempfile.mkdtemp(prefix="vpipe-fidelity-"))
     kinds = ["quiet"] * args.runs + ["hog"] * args.hog_runs

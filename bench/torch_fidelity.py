@@ -8,7 +8,7 @@ class's trace is calibrated on (:func:`vpipe.predict.calibrate.calibrate`, from 
 computed), anchored to its own profiled median step, and predicts every other class's profiled
 median step: the error table (rows: calibrated on; columns: predicted). Printed per round, with
 how many predictions fall outside the 95% interval of the profiled ratio they are judged against
-(:func:`bench.fidelity_matrix.outside_timing`; a trace's few profiled steps pin its median
+(:func:`vpipe.predict.timing_noise.outside_timing`; a trace's few profiled steps pin its median
 loosely, and with fewer than six there is no interval), and the median of each cell over the
 rounds.
 
@@ -24,15 +24,16 @@ from pathlib import Path
 import numpy as np
 import pandas as pd
 
-from bench.fidelity_matrix import held_out, host_line, outside_timing, ratio_intervals, shown
+from bench.fidelity_matrix import held_out, host_line, shown
 from bench.torch_traces import record
+from vpipe.predict.timing_noise import outside_timing, ratio_intervals
 
 CLASSES = ("Interleaved1F1B", "InterleavedZeroBubble", "ZBVZeroBubble", "DualPipeV")
 
 
 def round_table(where: Path, classes: Sequence[str]) -> tuple[pd.DataFrame, dict]:
     """The error table of one round's traces (``where/<class>/``) and the intervals of the
-    profiled ratios (:func:`bench.fidelity_matrix.ratio_intervals`)."""
+    profiled ratios (:func:`vpipe.predict.timing_noise.ratio_intervals`)."""
     from vpipe.metrics.per_run import step_metrics
     from vpipe.predict.calibrate import Case, leave_one_out
     from vpipe.schedules import make_schedule

@@ -208,6 +208,10 @@ def test_quick_sweep_writes_store_plots_and_report(tmp_path, capsys):
     md = (out / "report.md").read_text()
     assert "V-schedules vs interleaved-1f1b" in md and "torch/vpipe" in md
     assert "## Simulator fidelity (vpipe, M=4)" in md and "calibrated on" in md
+    # each fidelity section says how well its timed ratios are known (6 timed steps a config)
+    said = re.findall(r"judged against are known to \+-[\d.]+% to \+-[\d.]+% \(95%, over the "
+                      r"timed steps\); (\d) of 2 predictions lie outside them", md)
+    assert len(said) == 2, md  # vpipe's and torch's
     assert "## Plan for this host" in md and "Recommended:" in md
     # two configs per implementation and M: one held out, too few to state the plan's error
     plan = md.split("## Plan for this host", 1)[1]

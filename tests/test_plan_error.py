@@ -267,6 +267,7 @@ def test_report_and_analyze_of_a_stored_sweep_state_the_error(tmp_path, capsys, 
     assert main(["report", str(BASELINE), "-o", str(tmp_path / "r.html")]) == 0
     md = (tmp_path / "r.md").read_text()
     assert "## Simulator fidelity (vpipe, M=8)" in md and "## Plan for this host" in md
+    assert "The timed ratios these errors are judged against are known to +-" in md
     assert f"Predicted step times: ±{worst_zbv:.1%} (the largest |error|" in md
     capsys.readouterr()
     assert main(["analyze", str(BASELINE), "--run", ZBV, "--predict", "1f1b"]) == 0
