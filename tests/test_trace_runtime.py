@@ -3,6 +3,8 @@ interleaved profile rounds) converts to exactly one compute row per executed act
 profiled step, with the right rank, stage, microbatch and kind; the comm actions and waits show
 up too, and the store holds every run with its metrics."""
 
+import re
+
 import pytest
 
 from vpipe.ir.lowering import lower
@@ -148,4 +150,8 @@ def test_analyze_fidelity_reads_a_bench_store(profiled, tmp_path, capsys):
     header = next(line for line in out.splitlines() if "calibrated on" in line and "1f1b" in line)
     assert header.split()[2:] == SCHEDULES
     assert sum(line.split()[0] in SCHEDULES for line in out.splitlines()) == len(SCHEDULES)
+    # a bench output holds one sweep's timed steps: the table says how well they are known
+    n = len(SCHEDULES) * (len(SCHEDULES) - 1)
+    assert re.search(rf"(known to \+-[\d.]+% to \+-[\d.]+% .*; \d+ of {n} predictions|"
+                     r"timed steps are too few to bound)", out), out
     assert main(["analyze", str(tmp_path / "nope"), "--fidelity"]) == 2

@@ -18,7 +18,7 @@ import pandas as pd
 
 from vpipe.stats import ratio_of_medians
 
-__all__ = ["outside_timing", "ratio_intervals", "timing_sentence"]
+__all__ = ["outside_timing", "ratio_intervals", "sweep_timing_sentence", "timing_sentence"]
 
 
 def ratio_intervals(times: Mapping[str, Any], timed: Mapping[str, float]) -> dict[str, Any]:
@@ -74,3 +74,18 @@ def timing_sentence(table: pd.DataFrame, intervals: Mapping[str, Any]) -> str:
             f"steps); {len(beyond)} of {judged.size} predictions lie outside them"
             + (f", by at most {max(beyond) * 100:.1f}%" if beyond else "")
             + ": the others' errors the timing cannot tell from none.")  # fmt: skip
+
+
+def sweep_timing_sentence(steps: pd.DataFrame, runs: pd.DataFrame, impl: str, m: int,
+                          table: pd.DataFrame) -> str:  # fmt: skip
+    """:func:`timing_sentence` for one implementation and microbatch count of a sweep: its
+    timed ``steps`` (``steps.parquet``), its measured ``runs`` (what each was judged against)
+    and its leave-one-out ``table`` (with its ``calibrated on`` column)."""
+    from vpipe.predict.calibrate import judged_against
+
+    runs = runs[(runs["impl"] == impl) & (runs["microbatches"] == m)]
+    steps = steps[(steps["impl"] == impl) & (steps["microbatches"] == m)]
+    times = {k: g["step_time_s"].to_numpy() for k, g in steps.groupby("schedule")}
+    timed = {r.schedule: judged_against(r) for r in runs.itertuples()}
+    errors = table.set_index("calibrated on")
+    return timing_sentence(errors, ratio_intervals(times, timed))

@@ -14,6 +14,7 @@ from pathlib import Path
 import pandas as pd
 
 from vpipe.predict.fidelity import fidelity_worst
+from vpipe.predict.timing_noise import sweep_timing_sentence
 from vpipe.report.document import (
     STATS_NOTE,
     Section,
@@ -143,7 +144,7 @@ def fidelity_sections(
                 f"medians over {res.spec.profile_steps} profiled steps, compute anchored to "
                 "that config's timed median, so the diagonal is 0 by construction). Largest "
                 f"|error|: {fidelity_worst(table) * 100:.1f}% (goal: within 5%). "
-                + _timing(res, impl, m, table)
+                + sweep_timing_sentence(res.steps, res.measured, impl, m, table)
                 + (
                     ""
                     if impl == "vpipe"
@@ -154,21 +155,6 @@ def fidelity_sections(
             )
         )
     return out
-
-
-def _timing(res: BenchResults, impl: str, m: int, table: pd.DataFrame) -> str:
-    """How well the timed ratios judging ``table`` are known
-    (:func:`vpipe.predict.timing_noise.timing_sentence`), from the sweep's timed steps."""
-    from vpipe.predict.calibrate import judged_against
-    from vpipe.predict.timing_noise import ratio_intervals, timing_sentence
-
-    runs = res.measured
-    runs = runs[(runs["impl"] == impl) & (runs["microbatches"] == m)]
-    steps = res.steps[(res.steps["impl"] == impl) & (res.steps["microbatches"] == m)]
-    times = {k: g["step_time_s"].to_numpy() for k, g in steps.groupby("schedule")}
-    timed = {r.schedule: judged_against(r) for r in runs.itertuples()}
-    errors = table.set_index("calibrated on")
-    return timing_sentence(errors, ratio_intervals(times, timed))
 
 
 def fidelity_tables(res: BenchResults) -> list[tuple[str, int, pd.DataFrame]]:
