@@ -271,3 +271,13 @@ def test_cli_says_what_the_runtime_overlaps_and_costs_it(tmp_path, capsys):
     assert after["grad_reduce"] == "after" and apart["tp_backward"] == "after-w"
     speed = lambda o: o["recommended"]["tokens_per_s_per_gpu"]  # noqa: E731
     assert speed(after) < speed(default) and speed(apart) < speed(default)
+
+
+@pytest.mark.parametrize("extra", [["--tp", "2"], ["--shard", "full"], ["--grad-reduce", "after"],
+                                   ["--tp-backward", "after-w"], ["--microbatch-sizes", "2"]])
+def test_a_plan_from_costs_refuses_a_cluster_flag_in_one_line(capsys, extra):
+    argv = ["plan", "-p", "2", "-m", "4", "--batch", "8", "--memory", "6units", "--cost",
+            "f=1,b=1,w=1", *extra]  # fmt: skip
+    assert main(argv) != 0
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and f"{extra[0]} plans a cluster" in err, err

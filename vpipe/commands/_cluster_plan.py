@@ -54,6 +54,26 @@ def add_cluster_flags(p: argparse.ArgumentParser) -> None:
                    "operators charged apart; --from measures them on a run)")
 
 
+# A cluster plan's own flags and their defaults: a plan from --cost or --from refuses them.
+CLUSTER_ONLY = {"--tp": ("tp", None), "--cp": ("cp", None), "--pp": ("pp", None),
+                "--seq-len": ("seq_len", None), "--microbatch-sizes": ("microbatch_sizes", "1,2,4,8"),
+                "--shard": ("shard", "optimizer"), "--optimizer": ("optimizer", "sync"),
+                "--grad-reduce": ("grad_reduce", "during"),
+                "--tp-backward": ("tp_backward", "beside-w"),
+                "--replicas-inner": ("replicas_inner", False), "--i-frees": ("i_frees", None),
+                "--efficiency": ("efficiency", None)}  # fmt: skip
+
+
+def refuse_cluster_flags(args: argparse.Namespace) -> None:
+    """A PlanError naming the first cluster-only flag given to a plan that is no cluster's."""
+    from vpipe.predict.plan import PlanError
+
+    for flag, (dest, default) in CLUSTER_ONLY.items():
+        if getattr(args, dest, default) != default:
+            raise PlanError(f"{flag} plans a cluster: give it with --arch, --machine and --gpus, "
+                            "or leave it out")  # fmt: skip
+
+
 def cluster_command(args: argparse.Namespace) -> int:
     from vpipe.predict.cluster import ClusterSpec, default_budget, plan_cluster
     from vpipe.predict.plan import Budget, PlanError

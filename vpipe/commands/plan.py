@@ -8,7 +8,12 @@ from __future__ import annotations
 import argparse
 import json
 
-from vpipe.commands._cluster_plan import add_cluster_flags, cluster_command, recompute_modes
+from vpipe.commands._cluster_plan import (
+    add_cluster_flags,
+    cluster_command,
+    recompute_modes,
+    refuse_cluster_flags,
+)
 
 
 def register(subparsers: argparse._SubParsersAction) -> None:
@@ -90,6 +95,7 @@ def plan_command(args: argparse.Namespace) -> int:
 
     if args.arch or args.gpus or args.machine:
         return cluster_command(args)
+    refuse_cluster_flags(args)
     if args.ranks is None or args.memory is None or not (args.cost or args.store):
         raise PlanError("vpipe plan needs --ranks, --memory and --from or --cost (or --arch, "
                         "--machine and --gpus for a cluster)")  # fmt: skip
