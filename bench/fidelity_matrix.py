@@ -16,11 +16,11 @@ core, :class:`bench.false_alarms.Hog`). From its store, per implementation:
   prediction (:func:`vpipe.predict.error_terms.breakdown`).
 - **timed**: how well the timed medians themselves are known: per config its timed steps and
   the 95% interval of its median, and per cell the interval of the timed ratio the prediction
-  is judged against (:func:`vpipe.stats.ratio_of_medians`). An error inside that interval is
+  is judged against (:mod:`vpipe.predict.timing_noise`). An error inside that interval is
   one the timing cannot tell from exact; the summary counts the cells outside it. With the
   ``vpipe bench`` defaults (3 rounds of 3 steps) a config the ranking had settled got 9 timed
-  steps, and its median was known to about +-5%: the size of the goal itself. ``--rounds`` and
-  ``--steps`` set every config's timed steps (default 8 x 4 = 32).
+  steps, and its median was known to +-7-17% (95%): wider than the goal itself. ``--rounds``
+  and ``--steps`` set every config's timed steps (default 8 x 4 = 32).
 - **replay**: each profiled step simulated with the times its own actions took
   (:func:`vpipe.predict.step_replay.action_times`) and the calibrated posting, gaps and link,
   against that step's measured time: the error of everything but the per-action costs.
