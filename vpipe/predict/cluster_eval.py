@@ -106,15 +106,15 @@ def _memory(costs: ModelCosts, peaks: list[float]) -> dict[str, float]:
 
 
 def busy_bound(costs: ModelCosts, m: int, post_validated: bool = False) -> float:
-    """Seconds no schedule of ``m`` microbatches can beat: each rank's F and backward (the
-    cheaper of I + W and a fused B) of every microbatch and its optimizer step, no bubble;
+    """Seconds no schedule of ``m`` microbatches can beat: each rank's F and backward (a
+    fused B, never dearer than I + W) of every microbatch and its optimizer step, no bubble;
     with a synchronous optimizer (ranks start together) also the first microbatch's forwards
     on the stages before the rank's first."""
     lay = costs.layout
     busy, first = [0.0] * lay.pp, [len(costs.f)] * lay.pp
-    for s in range(len(costs.f)):
+    for s, backward in enumerate(costs.b):
         r = lay.rank_of(s)
-        busy[r] += m * (costs.f[s] + min(costs.i[s] + costs.w[s], costs.b[s]))
+        busy[r] += m * (costs.f[s] + backward)
         first[r] = min(first[r], s)
     fill = [0.0 if post_validated else sum(costs.f[: first[r]]) for r in range(lay.pp)]
     return max(b + f + step for b, f, step in zip(busy, fill, costs.optimizer_step_s,
@@ -177,7 +177,7 @@ def evaluate(costs: ModelCosts, fam: Any, m: int, batch: int, budget: float,
         bubble = sim.bubble_ratio
     seconds = it.time / 1e6
     fused = np.zeros(lay.n_stages)  # read from the schedule only where it changes a share
-    if any(costs.extra["hidden_in_b"]):
+    if any(costs.hidden_in_b):
         fused = _fused_shares(built[-1][0], lay.n_stages)
     model = batch * arch.model_flops() / arch.microbatch  # F, I and W of every sequence
     recomputed = _recomputed_flops(costs) * batch / arch.microbatch
@@ -245,7 +245,7 @@ def _shares(costs: ModelCosts, m: int, it: Any, seconds: float,
         for s, p in enumerate(parts[kind]):
             for key, t in p.items():
                 per_rank[lay.rank_of(s)][key] += m * t
-    for s, hidden in enumerate(costs.extra["hidden_in_b"]):
+    for s, hidden in enumerate(costs.hidden_in_b):
         per_rank[lay.rank_of(s)]["tp"] -= m * fused[s] * hidden
     r = max(range(lay.pp), key=lambda k: sum(per_rank[k].values()))
     out = per_rank[r]

@@ -234,7 +234,7 @@ class ModelCosts:
     f: list[float]
     i: list[float]
     w: list[float]
-    b: list[float]  # a fused backward: I + W less the collectives hidden under W's GEMMs
+    hidden_in_b: list[float]  # what a fused backward hides of I's TP collectives under W
     boundary_s: list[float]  # one message over boundary s (0 when both stages share a rank)
     saved_bytes: list[float]  # what a stage's F saves, per microbatch
     held_after_i: list[float]  # what it still holds after its I, for its W
@@ -249,7 +249,7 @@ class ModelCosts:
         SEND or RECV posted)."""
         per_stage = {s: {"f": self.f[s] * US, "b": self.i[s] * US, "w": self.w[s] * US}
                      for s in range(len(self.f))}  # fmt: skip
-        for s, hidden in enumerate(self.extra.get("hidden_in_b", ())):
+        for s, hidden in enumerate(self.hidden_in_b):
             if hidden > 0:  # a fused backward is cheaper than I then W
                 per_stage[s]["B"] = self.b[s] * US
         return CostModel(
@@ -310,6 +310,11 @@ class ModelCosts:
         return cost, buckets
 
     @property
+    def b(self) -> list[float]:
+        """A fused backward per stage: I + W less what it hides of I's TP collectives."""
+        return [i + w - h for i, w, h in zip(self.i, self.w, self.hidden_in_b, strict=True)]
+
+    @property
     def alloc_bytes(self) -> list[float]:
         """Bytes a stage's microbatch occupies from its F: without recomputation the larger of
         what F saves and what its I leaves for W, so that the count never undershoots; with
@@ -364,8 +369,6 @@ def model_costs(
         params[ranks[last]] += arch.head_params()
     params = [-(-p_r // layout.tp) for p_r in params]  # per GPU: TP splits every matrix
     times = {k: [sum(p.values()) for p in parts[k]] for k in "FIW"}
-    hidden_in_b = [k * comm["hidden_in_b"] for k in layers]
-    fused = [i + w - h for i, w, h in zip(times["I"], times["W"], hidden_in_b, strict=True)]
     saved = [k * blk.saved_bytes + (arch.head_saved_bytes() / n_gpu if s == last else 0.0)
              for s, k in enumerate(layers)]  # fmt: skip
     saved[0] += arch.embedding_saved_bytes() / layout.cp
@@ -381,9 +384,9 @@ def model_costs(
     step = [n_p / shard_opt * ADAM_BYTES[arch.precision] / bandwidth for n_p in params]
     static = [m["weights"] + m["gradients"] + m["optimizer"] for m in memory]
     return ModelCosts(
-        arch, machine, layout, rates, layers, times["F"], times["I"], times["W"], fused,
-        boundary, saved, held, params, step, static, [m["buffers"] for m in memory],
-        extra={"parts": parts, "memory": memory, "block": blk, "hidden_in_b": hidden_in_b,
+        arch, machine, layout, rates, layers, times["F"], times["I"], times["W"],
+        [k * comm["hidden_in_b"] for k in layers], boundary, saved, held, params, step, static,
+        [m["buffers"] for m in memory], extra={"parts": parts, "memory": memory, "block": blk,
                "fsdp_s": _fsdp_gather_s(arch, machine, layout, layers)},
     )  # fmt: skip
 
