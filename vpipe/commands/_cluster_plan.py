@@ -52,26 +52,23 @@ def add_cluster_flags(p: argparse.ArgumentParser) -> None:
                    "by whole F, I and W passes, memory-bound operators included (default: "
                    "the machine's fitted efficiency for each layout's GEMM shapes, with those "
                    "operators charged apart; --from measures them on a run)")
+    # a cluster plan's flags alone, with the defaults just given: a plan from --cost or --from
+    # refuses them (refuse_cluster_flags)
+    p.set_defaults(cluster_only={d: p.get_default(d) for d in CLUSTER_ONLY})
 
 
-# A cluster plan's own flags and their defaults: a plan from --cost or --from refuses them.
-CLUSTER_ONLY = {"--tp": ("tp", None), "--cp": ("cp", None), "--pp": ("pp", None),
-                "--seq-len": ("seq_len", None), "--microbatch-sizes": ("microbatch_sizes", "1,2,4,8"),
-                "--shard": ("shard", "optimizer"), "--optimizer": ("optimizer", "sync"),
-                "--grad-reduce": ("grad_reduce", "during"),
-                "--tp-backward": ("tp_backward", "beside-w"),
-                "--replicas-inner": ("replicas_inner", False), "--i-frees": ("i_frees", None),
-                "--efficiency": ("efficiency", None)}  # fmt: skip
+CLUSTER_ONLY = ("tp", "cp", "pp", "seq_len", "microbatch_sizes", "shard", "optimizer",
+                "grad_reduce", "tp_backward", "replicas_inner", "i_frees", "efficiency")
 
 
 def refuse_cluster_flags(args: argparse.Namespace) -> None:
     """A PlanError naming the first cluster-only flag given to a plan that is no cluster's."""
     from vpipe.predict.plan import PlanError
 
-    for flag, (dest, default) in CLUSTER_ONLY.items():
-        if getattr(args, dest, default) != default:
-            raise PlanError(f"{flag} plans a cluster: give it with --arch, --machine and --gpus, "
-                            "or leave it out")  # fmt: skip
+    for dest, default in args.cluster_only.items():
+        if getattr(args, dest) != default:
+            raise PlanError(f"--{dest.replace('_', '-')} plans a cluster: give it with --arch, "
+                            "--machine and --gpus, or leave it out")  # fmt: skip
 
 
 def cluster_command(args: argparse.Namespace) -> int:
