@@ -74,6 +74,7 @@ def matrices(store_dir: Path) -> list[dict[str, Any]]:
         model_units,
     )
     from vpipe.predict.error_terms import breakdown
+    from vpipe.predict.timing_noise import sweep_intervals
     from vpipe.schedules import make_schedule
     from vpipe.trace.store import Store
 
@@ -100,10 +101,10 @@ def matrices(store_dir: Path) -> list[dict[str, Any]]:
         base = next((c for c in cases if c.label == "zbv"), cases[0])
         cal = anchor(calibrate(base.events), base.schedule, base.timed_s, units)
         terms = breakdown(cal, [(c.label, c.schedule, c.timed_s) for c in cases], units)
-        timed = {c.label: c.timed_s for c in cases}
         out.append({
             "impl": str(impl), "absolute": absolute, "replay": replay_errors(cases),
-            "timed": timed_intervals(store_dir / "steps.parquet", str(impl), timed),
+            "timed": sweep_intervals(pd.read_parquet(store_dir / "steps.parquet"), group,
+                                     str(impl), MICROBATCHES),
             "relative": relative.loc[absolute.index, absolute.columns],
             "base": base.label, "scale": cal.compute_scale, "breakdown": terms,
         })  # fmt: skip
@@ -129,17 +130,6 @@ def replay_errors(cases: list[Any]) -> dict[str, list[float]]:
             for step, times in sorted(action_times(ev, cal).items())
         ]
     return out
-
-
-def timed_intervals(steps_file: Path, impl: str, timed: dict[str, float]) -> dict[str, Any]:
-    """:func:`vpipe.predict.timing_noise.ratio_intervals` of one implementation's timed steps
-    in a sweep's ``steps.parquet``."""
-    from vpipe.predict.timing_noise import ratio_intervals
-
-    steps = pd.read_parquet(steps_file)
-    steps = steps[steps["impl"] == impl]
-    times = {k: g["step_time_s"].to_numpy() for k, g in steps.groupby("schedule") if k in timed}
-    return ratio_intervals(times, timed)
 
 
 def held_out(table: pd.DataFrame) -> np.ndarray:

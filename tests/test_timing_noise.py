@@ -1,5 +1,5 @@
 """How well the timed ratios that judge a fidelity table are known
-(vpipe.predict.timing_noise), and bench.fidelity_matrix reading them from a sweep's steps."""
+(vpipe.predict.timing_noise), from given steps and from a sweep's."""
 
 from __future__ import annotations
 
@@ -7,8 +7,12 @@ import numpy as np
 import pandas as pd
 import pytest
 
-from bench.fidelity_matrix import timed_intervals
-from vpipe.predict.timing_noise import outside_timing, ratio_intervals, timing_sentence
+from vpipe.predict.timing_noise import (
+    outside_timing,
+    ratio_intervals,
+    sweep_intervals,
+    timing_sentence,
+)
 
 
 def _steps() -> dict[str, np.ndarray]:
@@ -46,12 +50,16 @@ def test_too_few_steps_say_so():
     assert "too few to bound" in timing_sentence(errors, got)
 
 
-def test_the_benchmark_reads_one_implementations_steps(tmp_path):
+def test_a_sweeps_intervals_take_one_implementation_and_microbatch_count():
     times = _steps()
     rows = [(k, t) for k, v in times.items() for t in v]
-    steps = pd.DataFrame(rows, columns=["schedule", "step_time_s"]).assign(impl="vpipe")
-    steps = pd.concat([steps, steps.assign(impl="torch", step_time_s=9.0)])
-    steps.to_parquet(tmp_path / "steps.parquet")
+    steps = pd.DataFrame(rows, columns=["schedule", "step_time_s"]).assign(impl="vpipe",
+                                                                          microbatches=4)
+    others = [steps.assign(impl="torch", step_time_s=9.0), steps.assign(microbatches=8,
+                                                                        step_time_s=7.0)]
     timed = {k: float(np.median(v)) for k, v in times.items()}
-    got = timed_intervals(tmp_path / "steps.parquet", "vpipe", timed)
+    runs = pd.DataFrame([(k, t) for k, t in timed.items()], columns=["schedule", "step_time_s"])
+    runs = pd.concat([runs.assign(impl="vpipe", microbatches=4),
+                      runs.assign(impl="torch", microbatches=4, step_time_s=9.0)])
+    got = sweep_intervals(pd.concat([steps, *others]), runs, "vpipe", 4)
     assert got["own"] == ratio_intervals(times, timed)["own"]

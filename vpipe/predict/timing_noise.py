@@ -18,7 +18,13 @@ import pandas as pd
 
 from vpipe.stats import ratio_of_medians
 
-__all__ = ["outside_timing", "ratio_intervals", "sweep_timing_sentence", "timing_sentence"]
+__all__ = [
+    "outside_timing",
+    "ratio_intervals",
+    "sweep_intervals",
+    "sweep_timing_sentence",
+    "timing_sentence",
+]
 
 
 def ratio_intervals(times: Mapping[str, Any], timed: Mapping[str, float]) -> dict[str, Any]:
@@ -76,16 +82,22 @@ def timing_sentence(table: pd.DataFrame, intervals: Mapping[str, Any]) -> str:
             + ": the others' errors the timing cannot tell from none.")  # fmt: skip
 
 
-def sweep_timing_sentence(steps: pd.DataFrame, runs: pd.DataFrame, impl: str, m: int,
-                          table: pd.DataFrame) -> str:  # fmt: skip
-    """:func:`timing_sentence` for one implementation and microbatch count of a sweep: its
-    timed ``steps`` (``steps.parquet``), its measured ``runs`` (what each was judged against)
-    and its leave-one-out ``table`` (with its ``calibrated on`` column)."""
+def sweep_intervals(steps: pd.DataFrame, runs: pd.DataFrame, impl: str,
+                    m: int) -> dict[str, Any]:  # fmt: skip
+    """:func:`ratio_intervals` of one implementation and microbatch count of a sweep: its
+    timed ``steps`` (``steps.parquet``) and its measured ``runs`` (what each was judged
+    against)."""
     from vpipe.predict.calibrate import judged_against
 
     runs = runs[(runs["impl"] == impl) & (runs["microbatches"] == m)]
     steps = steps[(steps["impl"] == impl) & (steps["microbatches"] == m)]
     times = {k: g["step_time_s"].to_numpy() for k, g in steps.groupby("schedule")}
-    timed = {r.schedule: judged_against(r) for r in runs.itertuples()}
+    return ratio_intervals(times, {r.schedule: judged_against(r) for r in runs.itertuples()})
+
+
+def sweep_timing_sentence(steps: pd.DataFrame, runs: pd.DataFrame, impl: str, m: int,
+                          table: pd.DataFrame) -> str:  # fmt: skip
+    """:func:`timing_sentence` of a sweep's leave-one-out ``table`` (with its ``calibrated
+    on`` column) for one implementation and microbatch count (:func:`sweep_intervals`)."""
     errors = table.set_index("calibrated on")
-    return timing_sentence(errors, ratio_intervals(times, timed))
+    return timing_sentence(errors, sweep_intervals(steps, runs, impl, m))
