@@ -25,6 +25,8 @@ from vpipe.sweep.memory_meter import SavedTensorMeter
         (["--rounds", "0"], "--rounds must be >= 1"),
         (["--blocks", "0"], "--blocks must be >= 1"),
         (["--max-minutes", "-1"], "--max-minutes must be >= 0"),
+        (["--timing-precision", "-1"], "--timing-precision must be >= 0"),
+        (["--timing-precision", "100"], "--timing-precision is a percentage below 100, got 100"),
         (["--blocks", "2", "--max-minutes", "3"], "give --max-minutes 0 with --blocks"),
         (["--inject-delay-ms", "-1"], "--inject-delay-ms must be >= 0"),
         (["--inject-delay-pct", "-5"], "--inject-delay-pct must be >= 0"),
@@ -59,6 +61,18 @@ def test_quick_has_the_pairs_an_interval_needs_and_rounds_to_settle_it():
     assert spec.rounds * spec.steps >= MIN_SAMPLES and spec.max_minutes > 0
     fixed = sweep_spec(build_parser().parse_args(["bench", "--quick", "--max-minutes", "0"]))
     assert fixed.max_minutes == 0 and fixed.rounds * fixed.steps >= MIN_SAMPLES
+
+
+def test_the_default_sweep_asks_its_medians_known_to_3_percent_and_quick_asks_nothing():
+    from vpipe.cli import build_parser
+    from vpipe.commands.bench import sweep_spec
+
+    def spec(*args):
+        return sweep_spec(build_parser().parse_args(["bench", *args]))
+
+    assert spec().timing_precision == 3.0 and spec().max_minutes > 0
+    assert spec("--quick").timing_precision == 0
+    assert spec("--quick", "--timing-precision", "5").timing_precision == 5
 
 
 def test_a_proportional_delay_sleeps_its_share_of_the_previous_step(monkeypatch):

@@ -70,6 +70,8 @@ def test_two_node_torchrun_on_loopback(tmp_path):
             "1",
             "--profile-steps",
             "1",
+            "--timing-precision",
+            "0",
             "--out",
             str(out),
         ]

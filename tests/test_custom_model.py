@@ -127,7 +127,8 @@ def test_run_and_bench_with_a_user_model(user_module, capsys):
     out = user_module / "out"
     r = _vpipe(["bench", "--model", "vpipe_user_model:stack", "--schedules", "1f1b,zbv",
                 "--microbatches", "2", "--batch", "8", "--impl", "vpipe", "--warmup", "1",
-                "--steps", "1", "--rounds", "1", "--out", str(out)], user_module)  # fmt: skip
+                "--steps", "1", "--rounds", "1", "--timing-precision", "0", "--out", str(out)],
+               user_module)  # fmt: skip
     assert r.returncode == 0, r.stderr[-2000:]
     import pandas as pd
 

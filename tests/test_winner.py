@@ -117,8 +117,9 @@ def test_merge_blocks_appends_every_blocks_steps_and_numbers_rounds_on():
     ]  # fmt: skip
 
 
-def _rounds(times: dict[str, float], noise: float, deadline: float | None):
-    """A rank's Rounds after 3 base rounds of synthetic step times (no launch)."""
+def _rounds(times: dict[str, float], noise: float, deadline: float | None, precision=0.0):
+    """A rank's Rounds after 3 base rounds of synthetic step times (no launch), adding rounds
+    to medians known to worse than +-``precision`` percent."""
     from types import SimpleNamespace
 
     from vpipe.sweep.driver import Config
@@ -126,7 +127,7 @@ def _rounds(times: dict[str, float], noise: float, deadline: float | None):
 
     steps = _steps(times, noise)
     configs = [Config(s, 4, "vpipe") for s in times]
-    spec = SimpleNamespace(steps=3, deadline=deadline)
+    spec = SimpleNamespace(steps=3, deadline=deadline, timing_precision=precision)
     rounds = Rounds(spec, configs, [None] * len(configs), None, 0, lambda what: None)
     for i, c in enumerate(configs):
         mine = steps[steps["schedule"] == c.schedule]
@@ -151,3 +152,34 @@ def test_rounds_go_to_open_configs_while_they_fit_before_the_deadline():
     assert r._choose() == [] and r.stop == "decided"
     r = _rounds(close, noise=0.08, deadline=None)  # no budget: the rounds are fixed
     assert r._choose() == [] and r.stop == "fixed"
+
+
+def test_rounds_also_go_to_medians_not_yet_known_to_the_precision_asked():
+    import time
+
+    from vpipe.stats import median_precision
+
+    later = time.time() + 3600
+    apart = {"1f1b": 0.10, "zbv": 0.08, "zb-h1": 0.3}  # ordered: no rounds for the verdict
+    assert _rounds(apart, noise=0.01, deadline=later)._choose() == []
+    r = _rounds(apart, noise=0.05, deadline=later, precision=3.0)
+    known = [median_precision(t) * 100 for t in r.times]
+    assert r._choose() == [i for i, p in enumerate(known) if p > 3.0] != []
+    assert r.stop == "fixed"  # rounds go on
+    r = _rounds(apart, noise=0.05, deadline=later, precision=50.0)  # all known well enough
+    assert r._choose() == [] and r.stop == "decided"
+    r = _rounds({"zbv": 0.08}, noise=0.001, deadline=later, precision=3.0)  # nothing to order
+    assert r._choose() == []
+    r.times[0], r.rounds[0] = r.times[0][:5], r.rounds[0][:5]  # too few for an interval
+    assert r._choose() == [0]
+
+
+def test_a_medians_precision_is_its_bootstrap_interval_relative_to_it():
+    from vpipe.stats import median_precision
+
+    steady = np.full(20, 0.1) * (1 + 0.001 * np.arange(20))
+    assert 0 < median_precision(steady) < 0.01
+    spread = 0.1 * (1 + 0.2 * np.random.default_rng(1).standard_normal(20))
+    assert median_precision(spread) > 5 * median_precision(steady)
+    assert median_precision(np.append(steady, 10.0)) == median_precision(steady)  # an outlier
+    assert np.isnan(median_precision(steady[:5]))

@@ -116,6 +116,19 @@ def ratio_of_medians(num: npt.ArrayLike, den: npt.ArrayLike) -> Ratio:
     return Ratio(value, low, high, min(a.size, b.size), int(flag_a.sum() + flag_b.sum()))
 
 
+def median_precision(times: npt.ArrayLike) -> float:
+    """How well the median of one config's step times is known: the larger side of its 95%
+    bootstrap interval relative to it (0.03: +-3%), outliers excluded; NaN with fewer than
+    :data:`MIN_SAMPLES` steps."""
+    t = np.asarray(times, dtype=float)
+    t = t[~outliers(t)]
+    if t.size < MIN_SAMPLES:
+        return float("nan")
+    mid = float(np.median(t))
+    low, high = _interval(lambda idx: np.median(t[idx], axis=1), (t.size,))
+    return max(high / mid - 1, 1 - low / mid)
+
+
 def _interval(stat: Callable[..., np.ndarray], sizes: tuple[int, ...]) -> tuple[float, float]:
     """Percentile-bootstrap interval of ``stat``, which maps one index matrix per sample
     (resamples x size, drawn with replacement) to the resamples' statistics."""

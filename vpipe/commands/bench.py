@@ -18,6 +18,7 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     from vpipe.sweep.driver import (
         DEFAULT_MAX_MINUTES,
         DEFAULT_SCHEDULES,
+        DEFAULT_TIMING_PRECISION,
         QUICK_MAX_MINUTES,
         QUICK_SCHEDULES,
     )
@@ -83,8 +84,18 @@ def register(subparsers: argparse._SubParsersAction) -> None:
         "--max-minutes",
         type=float,
         help="time budget of the whole command: after --rounds, keep adding rounds to the "
-        "configs whose order is still open until none is or the budget would run out (default "
+        "configs whose order is still open or whose median is looser than --timing-precision, "
+        "until none is or the budget would run out (default "
         f"{DEFAULT_MAX_MINUTES:g}; --quick: {QUICK_MAX_MINUTES:g}; --blocks: 0, the rounds fixed)",
+    )
+    p.add_argument(
+        "--timing-precision",
+        type=float,
+        metavar="PCT",
+        help="within --max-minutes, also add rounds to every config whose median step time is "
+        "not yet known to +-PCT%% (95%%): the report's fidelity table and its plan's error are "
+        f"judged against these medians (default {DEFAULT_TIMING_PRECISION:g}; --quick: 0, "
+        "none)",
     )
     p.add_argument(
         "--profile-steps",
@@ -207,6 +218,7 @@ def sweep_spec(args: argparse.Namespace) -> SweepSpec:
         DEFAULT_MLP_SIZES,
         DEFAULT_PROFILE_STEPS,
         DEFAULT_SCHEDULES,
+        DEFAULT_TIMING_PRECISION,
         GPU_BATCH,
         GPU_MODEL,
         GPU_QUICK_BATCH,
@@ -229,7 +241,7 @@ def sweep_spec(args: argparse.Namespace) -> SweepSpec:
     if args.quick:
         defaults = dict(batch=GPU_QUICK_BATCH if on_gpu else 16, schedules=QUICK_SCHEDULES,
                         microbatches="4", warmup=1, steps=QUICK_STEPS, rounds=QUICK_ROUNDS,
-                        profile_steps=1,
+                        profile_steps=1, timing_precision=0.0,
                         max_minutes=0.0 if args.blocks > 1 else QUICK_MAX_MINUTES)  # fmt: skip
         if not sizes and model == "mlp":
             sizes = {"d_model": 128, "d_hidden": 512}
@@ -237,6 +249,7 @@ def sweep_spec(args: argparse.Namespace) -> SweepSpec:
         defaults = dict(batch=GPU_BATCH if on_gpu else DEFAULT_BATCH, schedules=DEFAULT_SCHEDULES,
                         microbatches=",".join(map(str, DEFAULT_MICROBATCHES)), warmup=2, steps=3,
                         rounds=3, profile_steps=DEFAULT_PROFILE_STEPS,
+                        timing_precision=DEFAULT_TIMING_PRECISION,
                         max_minutes=0.0 if args.blocks > 1 else DEFAULT_MAX_MINUTES)  # fmt: skip
         if not sizes and model == "mlp":
             sizes = dict(DEFAULT_MLP_SIZES)
@@ -264,6 +277,7 @@ def sweep_spec(args: argparse.Namespace) -> SweepSpec:
         recompute=args.recompute,
         blocks=args.blocks,
         max_minutes=opts["max_minutes"],
+        timing_precision=opts["timing_precision"],
         inject_delay_ms=args.inject_delay_ms,
         inject_delay_pct=args.inject_delay_pct,
         inject_delay_rank=args.inject_delay_rank,
@@ -319,6 +333,7 @@ def _sweep_and_write(args: argparse.Namespace) -> int:
         from vpipe.report.dp_section import dp_share_table
 
         print(dp_share_table(res.runs).to_string(index=False))
+    print(res.precision_line())
     budget = f" of a {spec.max_minutes:g}-minute budget" if spec.max_minutes else ""
     print(
         f"{res.meta['rounds_run']} rounds; sweep {sweep_s:.1f} s, total "

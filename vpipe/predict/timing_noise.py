@@ -16,7 +16,7 @@ from typing import Any
 import numpy as np
 import pandas as pd
 
-from vpipe.stats import ratio_of_medians
+from vpipe.stats import median_precision, ratio_of_medians
 
 __all__ = [
     "outside_timing",
@@ -43,10 +43,7 @@ def ratio_intervals(times: Mapping[str, Any], timed: Mapping[str, float]) -> dic
                 r = ratio_of_medians(steps[t], steps[c])
                 base = timed[t] / timed[c]
                 low.loc[c, t], high.loc[c, t] = r.low / base, r.high / base
-    own = {}
-    for k in labels:  # the median's interval: the ratio to a constant, resampled
-        r = ratio_of_medians(steps[k], np.full(len(steps[k]), np.median(steps[k])))
-        own[k] = (len(steps[k]), max(r.high / r.value - 1, 1 - r.low / r.value))
+    own = {k: (len(steps[k]), median_precision(steps[k])) for k in labels}
     return {"low": low, "high": high, "own": own}
 
 

@@ -34,8 +34,11 @@ SETUP: dict[str, tuple[str, str]] = {
     "rounds": ("rounds asked (--rounds)", "rounds every config runs before any is added"),
     "rounds_run": ("rounds run", "rounds that ran, all blocks together, those the time "
                    "budget added included"),  # fmt: skip
-    "rounds_stop": ("rounds ended", "fixed: as asked; decided: no order left open; budget: "
-                    "--max-minutes ran out"),  # fmt: skip
+    "rounds_stop": ("rounds ended", "fixed: as asked; decided: no order left open and every "
+                    "median known to --timing-precision; budget: --max-minutes ran out"),  # fmt: skip
+    "timing_precision": ("median precision asked (--timing-precision)", "rounds were added "
+                         "until every config's median step time was known to +- this many "
+                         "percent (95%), within --max-minutes; 0: not asked"),  # fmt: skip
     "blocks": ("blocks (--blocks)", GLOSSARY["block"]),
     "model_sizes": ("model sizes built", "n_blocks grown to the largest stage count; "
                     "n_blocks: the model's layers, not launch blocks"),  # fmt: skip

@@ -46,6 +46,11 @@ QUICK_SCHEDULES = catalogue.names(lambda f: f.quick_sweep)
 # minute on 2 cores; rounds are added within DEFAULT_MAX_MINUTES.
 DEFAULT_MLP_SIZES = {"d_model": 512, "d_hidden": 1024, "n_blocks": 8}
 DEFAULT_MAX_MINUTES = 4.0
+# Within that budget, rounds also go to configs whose median step time is known to worse than
+# +-3% (95%): the fidelity table judges predictions against ratios of these medians, and with
+# the base rounds' 9 steps a median on this kind of host is known to +-7-17%, so the table
+# would measure timing noise (docs/runtime.md, the fidelity matrix)
+DEFAULT_TIMING_PRECISION = 3.0
 # --quick: 3 rounds of 2 steps give each pair of configs the 6 pairs an interval needs
 # (vpipe.stats.MIN_SAMPLES), and open ones get rounds for up to this long, so that its
 # verdict can settle on a quiet host rather than always end in "too few pairs"
@@ -129,6 +134,8 @@ class SweepSpec:
     # command's start plus max_minutes); 0: the rounds are fixed
     max_minutes: float = 0.0
     deadline: float | None = None
+    # and to configs whose median step time is not yet known to +- this many percent (95%)
+    timing_precision: float = 0.0
     # torch configs that failed to run, key -> cause (vpipe.sweep.torch_failures): left out;
     # run_sweep fills it in, and copies made by dataclasses.replace share it
     failed: dict[str, str] = field(default_factory=dict)
@@ -188,9 +195,14 @@ class SweepSpec:
             ("inject-delay-pct", self.inject_delay_pct, 0),
             ("dp", self.dp, 1),
             ("max-minutes", self.max_minutes, 0),
+            ("timing-precision", self.timing_precision, 0),
         ):
             if value < low:
                 raise BenchError(f"--{what} must be >= {low}, got {value}")
+        if self.timing_precision >= 100:
+            raise BenchError(
+                f"--timing-precision is a percentage below 100, got {self.timing_precision:g}"
+            )
         if self.max_minutes and self.blocks > 1:
             raise BenchError(
                 "--max-minutes adds rounds to one launch, and --blocks K repeats the same "

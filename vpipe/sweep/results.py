@@ -11,6 +11,7 @@ config, measured and simulated, each with its events and memory samples) plus
 from __future__ import annotations
 
 import json
+import math
 import platform
 import subprocess
 import time
@@ -76,6 +77,23 @@ class BenchResults:
         from vpipe.report.winner import verdict_lines
 
         return verdict_lines(self.steps, self.config_memory(), rounds_note(self.meta))
+
+    def precision_line(self) -> str:
+        """How well the configs' median step times are known (95%, :func:`vpipe.stats.
+        median_precision`), and which are looser than ``--timing-precision`` asked."""
+        from vpipe.stats import median_precision
+
+        known = {f"{k[0]}-m{k[1]}-{k[2]}": median_precision(g["step_time_s"]) * 100
+                 for k, g in self.steps.groupby(["schedule", "microbatches", "impl"])}  # fmt: skip
+        finite = [v for v in known.values() if not math.isnan(v)]
+        if not finite:
+            return "medians: too few timed steps to bound any"
+        line = f"medians known to +-{min(finite):.1f}% to +-{max(finite):.1f}% (95%)"
+        target = self.spec.timing_precision
+        loose = [k for k, v in known.items() if not v <= target]
+        if target and loose:
+            line += f"; looser than --timing-precision {target:g}: {', '.join(loose)}"
+        return line
 
     def config_memory(self) -> dict[tuple[str, int, str], float | None]:
         """Each measured config's peak bytes per rank by (schedule, M, impl): what the

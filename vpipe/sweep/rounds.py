@@ -1,5 +1,6 @@
 """The timed rounds of a sweep on one rank: the base rounds over every config, then, within
-the sweep's time budget, more rounds of the configs whose order is still open.
+the sweep's time budget, more rounds of the configs whose order is still open or whose
+median is not yet known to the sweep's precision.
 
 A round runs ``steps`` timed steps of each of its configs in turn, each after a host-speed
 reference (:mod:`vpipe.sweep.reference`), and samples the host's state around it (on a GPU also
@@ -7,9 +8,12 @@ the device reference and the GPU's state, once at the round's start). After ever
 round the step times are reduced to the slowest rank's, so every rank holds the same figures.
 After the base rounds (``--rounds``), rank 0 asks the verdict's rules which configs more rounds
 could still order (:func:`vpipe.report.winner.open_configs`: the open contenders of each group
-and their leader) and broadcasts them; rounds of those alone follow until none is open or the
-next round, the memory steps and the outputs would not fit before the deadline
-(``vpipe bench --max-minutes``). Without a deadline the rounds are fixed.
+and their leader), adds the configs whose median step time is not yet known to the
+sweep's precision (``vpipe bench --timing-precision``: the report judges its predictions
+against these medians, and a loosely known one makes its fidelity table measure timing
+noise), and broadcasts them; rounds of those alone follow until none is left or the next
+round, the memory steps and the outputs would not fit before the deadline (``vpipe bench
+--max-minutes``). Without a deadline the rounds are fixed.
 """
 
 from __future__ import annotations
@@ -108,8 +112,9 @@ class Rounds:
         if deadline is None:
             return []
         wanted = open_configs(self.steps_frame())
-        active = [i for i, c in enumerate(self.configs) if (c.schedule, c.microbatches, c.impl)
-                  in wanted]  # fmt: skip
+        loose = self.loose()
+        active = [i for i, c in enumerate(self.configs)
+                  if (c.schedule, c.microbatches, c.impl) in wanted or i in loose]  # fmt: skip
         if not active:
             self.stop = "decided"
             return []
@@ -117,6 +122,16 @@ class Rounds:
             self.stop = "budget"
             return []
         return active
+
+    def loose(self) -> set[int]:
+        """The configs whose timed median is not yet known to +- ``spec.timing_precision``
+        percent (95% interval; too few steps for one counts as not known); none when 0."""
+        from vpipe.stats import median_precision
+
+        target = getattr(self.spec, "timing_precision", 0.0)
+        if not target:
+            return set()
+        return {i for i, t in enumerate(self.times) if not median_precision(t) * 100 <= target}
 
     def _seconds_left(self, active: Sequence[int]) -> float:
         """What the next round of ``active``, the memory steps and the outputs would take."""
