@@ -99,9 +99,11 @@ def test_comm_latency_and_overhead_from_measured_spans():
 
 def test_handshake_from_receives_posted_after_their_send():
     """Early receive F0: latency 4 us from the send's end. Late receives (posted after the
-    send began): F1 and F3 blocked, 69 and 109 us from their post; F2's wait did not block,
-    so its message took at most 9 us (wait start - post). Their median, 69, less the latency
-    is the handshake; the censored F2 still counts (without it the median would be 89)."""
+    send began): F1, F3 and F4 blocked, 69, 109 and 149 us from their post; F2's and F5's
+    waits did not block, so their messages took at most 9 us (wait start - post). Their
+    median, 69, less the latency is the handshake; the censored F2 and F5 still count
+    (without them the median would be 109). With two blocked late waits, no handshake: one
+    or two slowed waits would set it alone."""
     rows = [
         row(0, "SEND_F", "0SEND_F0", 10, 11),
         row(1, "RECV_F", "1RECV_F0", 0, 1, stage=1),
@@ -112,6 +114,8 @@ def test_handshake_from_receives_posted_after_their_send():
             ((20, 21), (30, 31), (40, 100)),
             ((50, 51), (60, 61), (70, 71)),
             ((80, 81), (90, 91), (95, 200)),
+            ((110, 111), (120, 121), (125, 270)),
+            ((300, 301), (310, 311), (320, 321)),
         ],
         start=1,
     ):
@@ -123,6 +127,8 @@ def test_handshake_from_receives_posted_after_their_send():
     assert comm_link_us(events_frame(rows)) == pytest.approx((4.0, 65.0))
     # without the early receive there is nothing to split: one latency, no handshake
     assert comm_link_us(events_frame(rows[3:])) == pytest.approx((69.0, 0.0))
+    # F1 and F3 alone blocked: too few to read a handshake from
+    assert comm_link_us(events_frame(rows[:12])) == pytest.approx((4.0, 0.0))
 
 
 def test_leave_one_out_is_exact_on_traces_with_known_costs():

@@ -20,6 +20,11 @@ US = 1e3  # ns per cost-model time unit
 # surely found its data there (its message could move more than _SURELY_THERE_NS earlier).
 _BLOCKED_NS = 50_000
 _SURELY_THERE_NS = 5_000_000
+# Late receives whose wait blocked that a handshake is read from, at least. With one or two,
+# a wait the host slowed past the threshold (100 us of executor lag, 7-19 ms after its
+# message could move) set the median alone: a handshake of 6-19 ms, where a message took
+# 0.1-0.3 ms, put one calibration's predictions 44% high (docs/runtime.md).
+_MIN_BLOCKED = 3
 
 
 def _blocked_threshold_ns(m: pd.DataFrame, ready: pd.Series) -> float:
@@ -84,10 +89,10 @@ def comm_link_us(events: pd.DataFrame) -> tuple[float, float]:
 def _left_censored_median(exact: np.ndarray, at_most: np.ndarray) -> float:
     """Median of a sample of which ``exact`` values are known and the rest are only known to
     be at most ``at_most`` (a late receive whose wait did not block: its message had arrived
-    by the time the wait began). Kaplan-Meier on the negated values; NaN when empty, or when
-    the exact values are too few to reach the median (one blocked wait among many that did
-    not block says nothing of the typical message)."""
-    if not len(exact):
+    by the time the wait began). Kaplan-Meier on the negated values; NaN with fewer than
+    :data:`_MIN_BLOCKED` exact values, or when they are too few to reach the median (one
+    blocked wait among many that did not block says nothing of the typical message)."""
+    if len(exact) < _MIN_BLOCKED:
         return math.nan
     values = np.concatenate([-exact, -at_most])
     is_exact = np.concatenate([np.ones(len(exact), bool), np.zeros(len(at_most), bool)])
