@@ -32,10 +32,12 @@ from __future__ import annotations
 
 import argparse
 import os
+import shlex
 import subprocess
 import sys
 import tempfile
 import time
+from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
@@ -49,14 +51,15 @@ GOAL_RELATIVE, GOAL_ABSOLUTE = 0.05, 0.10
 
 
 def sweep(out: Path, minutes: float, impl: str, profile_steps: int, rounds: int,
-          steps: int) -> float:  # fmt: skip
-    """One ``vpipe bench`` launch into ``out``; returns its wall seconds."""
+          steps: int, extra: Sequence[str] = ()) -> float:  # fmt: skip
+    """One ``vpipe bench`` launch into ``out`` (``extra``: more of its options); returns its
+    wall seconds."""
     cmd = [
         sys.executable, "-m", "vpipe", "bench", "-p", str(RANKS), "-m", str(MICROBATCHES),
         "--batch", str(BATCH), "--sizes", SIZES, "--schedules", SCHEDULES, "--impl", impl,
         "--max-minutes", str(minutes), "--profile-steps", str(profile_steps),
         "--rounds", str(max(rounds, profile_steps)), "--steps", str(steps), "--out", str(out),
-        "--force",
+        "--force", *extra,
     ]  # fmt: skip
     t = time.monotonic()
     subprocess.run(cmd, check=True, stdout=subprocess.DEVNULL)
@@ -158,7 +161,11 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--steps", type=int, default=4,
                     help="timed steps per config and round (default 4)")
     ap.add_argument("--keep", type=Path, help="keep the sweeps' stores under this folder")
+    ap.add_argument("--sweep-args", default="", metavar="ARGS",
+                    help="more vpipe bench options for every sweep, e.g. "
+                    "'--cpu-allocator system'")  # fmt: skip
     args = ap.parse_args(argv)
+    extra = shlex.split(args.sweep_args)
     from bench.false_alarms import Hog
     from vpipe.predict.timing_noise import outside_timing
 
@@ -167,7 +174,7 @@ def main(argv: list[str] | None = None) -> int:
     print(f"fidelity matrix: P={RANKS}, M={MICROBATCHES}, mlp {SIZES}, batch {BATCH}, "
           f"{SCHEDULES}, impl {args.impl}, {args.minutes:g} min per sweep, "
           f"{args.profile_steps} profiled steps per config, {args.rounds} rounds of {args.steps} "
-          f"timed steps")  # fmt: skip
+          f"timed steps" + (f", {args.sweep_args}" if extra else ""))  # fmt: skip
     summary = []
     for i, kind in enumerate(kinds, start=1):
         before = host_line()
@@ -175,10 +182,10 @@ def main(argv: list[str] | None = None) -> int:
         if kind == "hog":
             with Hog():
                 wall = sweep(out, args.minutes, args.impl, args.profile_steps, args.rounds,
-                             args.steps)  # fmt: skip
+                             args.steps, extra)  # fmt: skip
         else:
             wall = sweep(out, args.minutes, args.impl, args.profile_steps, args.rounds,
-                         args.steps)  # fmt: skip
+                         args.steps, extra)  # fmt: skip
         for m in matrices(out):
             rel, ab = held_out(m["relative"]), held_out(m["absolute"])
             worst_rel, worst_abs = float(np.abs(rel).max()), float(np.abs(ab).max())

@@ -64,7 +64,8 @@ def _sweep_results(spec: SweepSpec) -> list[dict]:
     """What every rank of ``spec``'s sweep returns, with simulated timelines as events."""
     results = []
     for rank in range(spec.ranks):
-        r = dict(rank=rank, host="h", threads=1, torch="t", sizes={}, tokens_per_sample=None)
+        r = dict(rank=rank, host="h", threads=1, torch="t", sizes={}, tokens_per_sample=None,
+                 cpu_allocator="cached")
         r.update(n_stages={}, times=[], rounds=[], memory={}, events={})
         results.append(r)
     for i, cfg in enumerate(spec.configs()):

@@ -85,6 +85,7 @@ def _sweep(compute_ns: int) -> list[dict]:
     ev = _events(compute_ns, 100, 100)
     return [
         dict(rank=rank, host="h", threads=1, torch="t", sizes={}, tokens_per_sample=None,
+             cpu_allocator="cached",
              n_stages={"zbv-m4-vpipe": 4}, times=[[0.01] * 4], rounds=[[0, 0, 1, 1]],
              memory={"zbv-m4-vpipe": {"peak_bytes": 1000, "samples": [(0, 5)]}},
              events={"zbv-m4-vpipe": ev[ev["rank"] == rank].reset_index(drop=True)})

@@ -16,8 +16,9 @@ def positive_int(text: str) -> int:
 
 
 def add_runtime_flags(p: argparse.ArgumentParser) -> None:
-    """``--dtype``, ``--recompute``, ``--recv-lookahead``, ``--no-bundle``,
-    ``--no-post-thread`` (see :class:`vpipe.runtime.Pipeline`) and data parallel's ``--dp``, ``--dp-bucket-mb``,
+    """``--dtype``, ``--recompute``, ``--cpu-allocator`` (:mod:`vpipe.runtime.host_memory`),
+    ``--recv-lookahead``, ``--no-bundle``, ``--no-post-thread`` (see
+    :class:`vpipe.runtime.Pipeline`) and data parallel's ``--dp``, ``--dp-bucket-mb``,
     ``--fsdp`` (:mod:`vpipe.runtime.data_parallel`)."""
     p.add_argument(
         "--dtype",
@@ -56,6 +57,15 @@ def add_runtime_flags(p: argparse.ArgumentParser) -> None:
         action="store_true",
         help="shard stages with FSDP2 (fully_shard) instead of all-reducing: refused where "
         "it cannot run (gloo), with the reason",
+    )
+    p.add_argument(
+        "--cpu-allocator",
+        choices=("cached", "system"),
+        default="cached",
+        help="cached: the ranks' malloc keeps the memory a step frees for the next, as a "
+        "GPU's caching allocator does (glibc: no trimming, no mmap below 32 MiB), so steps "
+        "do not pay page faults for memory given back; system: the C library's defaults "
+        "(default %(default)s; recorded per run)",
     )
     p.add_argument(
         "--recv-lookahead",

@@ -275,6 +275,7 @@ def sweep_spec(args: argparse.Namespace) -> SweepSpec:
         bundle_messages=args.bundle_messages,
         post_thread=args.post_thread,
         recompute=args.recompute,
+        cpu_allocator=args.cpu_allocator,
         blocks=args.blocks,
         max_minutes=opts["max_minutes"],
         timing_precision=opts["timing_precision"],

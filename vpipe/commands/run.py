@@ -104,6 +104,7 @@ class RunConfig:
     meta: dict[str, Any] = field(default_factory=dict)
     verbose: bool = False  # the profiler's trace-point lines on stderr
     profile_ops: bool = False  # every aten op in the trace, not only the action spans
+    cpu_allocator: str = "cached"  # how each rank's malloc keeps freed memory (host_memory)
 
 
 def run_command(args: argparse.Namespace) -> int:
@@ -201,6 +202,7 @@ def build_config(args: argparse.Namespace) -> RunConfig:
         meta,
         verbose=args.verbose,
         profile_ops=args.profile_ops,
+        cpu_allocator=args.cpu_allocator,
     )
 
 
@@ -233,8 +235,10 @@ def run_rank(rank: int, n_ranks: int, cfg: RunConfig) -> dict[str, Any]:
     import torch
     import torch.distributed as dist
 
+    from vpipe.runtime.host_memory import apply_cpu_allocator
     from vpipe.trace.record import StepProfiler
 
+    cfg.meta["cpu_allocator"] = apply_cpu_allocator(cfg.cpu_allocator)  # what is in effect
     h = build(cfg.rank, rank)
     loss_rank = cfg.rank.schedule.loss_rank
     times: list[float] = []

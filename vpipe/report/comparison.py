@@ -80,6 +80,7 @@ SETUP = {
     "host": "host",
     "torch": "torch version",
     "threads": "threads per rank",
+    "cpu_allocator": "CPU allocator (--cpu-allocator)",
     "device": "device",
     "backend": "backend",
     "ranks": "ranks",
@@ -89,8 +90,9 @@ SETUP = {
     "dp": "data-parallel replicas",
 }
 # Settings a sweep leaves out of its runs table at their default (a pipeline-only sweep
-# records no "dp"), so older sweeps compare as what they were.
-DEFAULTS = {"dp": "1"}
+# records no "dp"), so older sweeps compare as what they were: those from before
+# --cpu-allocator ran on the C library's malloc.
+DEFAULTS = {"dp": "1", "cpu_allocator": "system"}
 
 
 def setting(runs: pd.DataFrame, column: str) -> str | None:

@@ -116,6 +116,7 @@ class SweepSpec:
     bundle_messages: bool = True
     post_thread: bool | None = None  # None: on gloo
     recompute: str = "none"  # activation recomputation (vpipe.runtime.recompute)
+    cpu_allocator: str = "cached"  # how each rank's malloc keeps freed memory (host_memory)
     # cross-run comparisons (vpipe.report.crossrun): independent launches, a known injected delay
     blocks: int = 1
     # the memory step at the end of a launch; blocks after a sweep's first skip it, as only
@@ -305,6 +306,7 @@ def rank_worker(
     import pandas as pd
     import torch
 
+    from vpipe.runtime.host_memory import apply_cpu_allocator
     from vpipe.sweep.dp_bench import step_record
     from vpipe.sweep.gate import RankGate
     from vpipe.sweep.harness import build
@@ -316,6 +318,7 @@ def rank_worker(
         asks = f"{spec.ranks} x {spec.dp} replicas" if spec.dp > 1 else f"{spec.ranks}"
         raise BenchError(f"the job has {world} ranks but the sweep asks for {asks}")
     configs = list(rank_specs)  # the launcher's view: ranks may not know a plugin family
+    allocator = apply_cpu_allocator(spec.cpu_allocator)
     temp_traces = spec.profile and spec.trace_dir is None
     if temp_traces:  # per host, so multi-host jobs need no shared filesystem
         spec = replace(spec, trace_dir=tempfile.mkdtemp(prefix=f"vpipe-traces-{rank}-"))
@@ -390,6 +393,7 @@ def rank_worker(
         "host": socket.gethostname(),
         "threads": torch.get_num_threads(),
         "torch": torch.__version__,
+        "cpu_allocator": allocator,
         "sizes": dict(next(iter(rank_specs.values())).sizes) if rank_specs else {},
         "n_stages": {cfg.key: h.n_stages for cfg, h in zip(configs, harnesses, strict=True)},
         "tokens_per_sample": harnesses[0].tokens_per_sample if harnesses else None,

@@ -199,6 +199,7 @@ def collect(
         # how many timed rounds ran, and why they ended (fixed, decided or budget)
         "rounds_run": 1 + max((x for rounds in r0["rounds"] for x in rounds), default=-1),
         "rounds_stop": r0.get("stop", "fixed"),
+        "cpu_allocator": r0["cpu_allocator"],  # in effect: system where malloc is not glibc's
     }
     meta.pop("trace_dir", None)
     meta.pop("progress", None)
@@ -217,6 +218,7 @@ def collect(
         "batch": spec.batch,
         "bench_id": bench_id,
         "threads": r0["threads"],
+        "cpu_allocator": r0["cpu_allocator"],
         "blocks": spec.blocks,
         "inject_delay_ms": spec.inject_delay_ms,
         "inject_delay_pct": spec.inject_delay_pct,
