@@ -48,6 +48,12 @@ def test_comparison_names_the_knobs_that_differ():
         "bundle_messages (--no-bundle): True in A, False in B",
     ]
     assert knob_differences([a, dict(a)], ["A", "B"]) == []
+    # a sweep from before --cpu-allocator ran on the C library's malloc
+    cached = {**a, "cpu_allocator": "cached"}
+    assert knob_differences([a, cached], ["A", "B"]) == [
+        "cpu_allocator (--cpu-allocator): system in A, cached in B"
+    ]
+    assert knob_differences([{**a, "cpu_allocator": "system"}, a], ["A", "B"]) == []
 
 
 def test_asv_results_are_ignored_by_git():

@@ -80,7 +80,6 @@ SETUP = {
     "host": "host",
     "torch": "torch version",
     "threads": "threads per rank",
-    "cpu_allocator": "CPU allocator (--cpu-allocator)",
     "device": "device",
     "backend": "backend",
     "ranks": "ranks",
@@ -90,9 +89,8 @@ SETUP = {
     "dp": "data-parallel replicas",
 }
 # Settings a sweep leaves out of its runs table at their default (a pipeline-only sweep
-# records no "dp"), so older sweeps compare as what they were: those from before
-# --cpu-allocator ran on the C library's malloc.
-DEFAULTS = {"dp": "1", "cpu_allocator": "system"}
+# records no "dp"), so older sweeps compare as what they were.
+DEFAULTS = {"dp": "1"}
 
 
 def setting(runs: pd.DataFrame, column: str) -> str | None:

@@ -11,7 +11,10 @@ KNOBS = {
     "bundle_messages": "--no-bundle",
     "post_thread": "--post-thread",
     "recompute": "--recompute",
+    "cpu_allocator": "--cpu-allocator",
 }
+# What a sweep from before a knob existed ran with: the C library's malloc
+UNRECORDED = {"cpu_allocator": "system"}
 
 
 def knob_text(meta: Mapping | None) -> str:
@@ -24,11 +27,10 @@ def knob_text(meta: Mapping | None) -> str:
 def knob_differences(metas: Sequence[Mapping | None], labels: Sequence[str]) -> list[str]:
     """In words, each knob whose value in a sweep differs from the first sweep's:
     ``recv_lookahead (--recv-lookahead): 1 in A, 2 in B``."""
-    base = metas[0] or {}
     out = []
     for key, flag in KNOBS.items():
-        values = [(m or {}).get(key, "not recorded") for m in metas]
-        if any(v != values[0] for v in values[1:]) and key in base:
+        values = [(m or {}).get(key, UNRECORDED.get(key, "not recorded")) for m in metas]
+        if any(v != values[0] for v in values[1:]) and values[0] != "not recorded":
             where = ", ".join(f"{v} in {label}" for v, label in zip(values, labels, strict=True))
             out.append(f"{key} ({flag}): {where}")
     return out

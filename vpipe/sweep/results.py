@@ -91,7 +91,7 @@ class BenchResults:
         line = f"medians known to +-{min(finite):.1f}% to +-{max(finite):.1f}% (95%)"
         target = self.spec.timing_precision
         loose = [k for k, v in known.items() if not v <= target]
-        if target and loose:
+        if target and self.spec.max_minutes and loose:  # rounds were added for it
             line += f"; looser than --timing-precision {target:g}: {', '.join(loose)}"
         return line
 
