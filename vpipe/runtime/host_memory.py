@@ -6,8 +6,8 @@ give memory back to the kernel as it is freed: buffers above its mmap threshold 
 on free, and the top of the heap is trimmed once more than its trim threshold is free. The
 next step then takes the same memory again one page fault per 4 KiB page, zeroed by the
 kernel. A fused backward of one stage of the benchmark MLP (2 blocks 384 -> 1536, 64 rows,
-one thread) took about 1,100 page faults per call and 12.1 ms, against none and 9.9 ms with
-the memory kept (docs/runtime.md). How many it takes depends on what else is on the heap
+one thread) took about 1,100 page faults per call and 12.3 and 11.9 ms in two runs, against
+none and 9.7 and 10.0 ms with the memory kept (docs/runtime.md). How many it takes depends on what else is on the heap
 at that moment, so the cost differs between schedules and between launches.
 
 ``cached`` (the default) sets glibc's thresholds so that freed memory stays in the process,
