@@ -36,6 +36,9 @@ SETUP: dict[str, tuple[str, str]] = {
                    "budget added included"),  # fmt: skip
     "rounds_stop": ("rounds ended", "fixed: as asked; decided: no order left open and every "
                     "median known to --timing-precision; budget: --max-minutes ran out"),  # fmt: skip
+    "cpu_allocator": ("CPU allocator (--cpu-allocator)", "cached: each rank's malloc keeps the "
+                      "memory a step frees, as a GPU's caching allocator does; system: the C "
+                      "library's defaults"),  # fmt: skip
     "timing_precision": ("median precision asked (--timing-precision)", "rounds were added "
                          "until every config's median step time was known to +- this many "
                          "percent (95%), within --max-minutes; 0: not asked"),  # fmt: skip
