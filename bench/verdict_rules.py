@@ -27,7 +27,7 @@ import numpy as np
 import pandas as pd
 
 from vpipe.report.winner import open_configs, standings
-from vpipe.stats import median_precision
+from vpipe.stats import looser_than
 
 SCHEDULES = ("1f1b", "zb-h1", "zbv")
 
@@ -59,11 +59,8 @@ def _active(steps: pd.DataFrame, speeds: dict[str, float], precision: float) -> 
     """The schedules of the next round: open ones, and those whose median is not yet known to
     +-``precision`` percent (none when 0)."""
     wanted = open_configs(steps)
-    loose = set()
-    if precision:
-        for s, g in steps.groupby("schedule"):
-            if not median_precision(g["step_time_s"]) * 100 <= precision:
-                loose.add(s)
+    times = {s: g["step_time_s"] for s, g in steps.groupby("schedule")}
+    loose = set(looser_than(times, precision)) if precision else set()
     return [s for s in speeds if (s, 8, "vpipe") in wanted or s in loose]
 
 

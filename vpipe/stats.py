@@ -23,8 +23,9 @@ intervals are the same on every rendering of the same steps.
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass
+from typing import TypeVar
 
 import numpy as np
 import numpy.typing as npt
@@ -34,6 +35,7 @@ SEED = 0
 CONFIDENCE = 0.95
 MIN_SAMPLES = 6
 OUTLIER_FACTOR = 3.0
+K = TypeVar("K")
 
 
 @dataclass(frozen=True)
@@ -127,6 +129,13 @@ def median_precision(times: npt.ArrayLike) -> float:
     mid = float(np.median(t))
     low, high = _interval(lambda idx: np.median(t[idx], axis=1), (t.size,))
     return max(high / mid - 1, 1 - low / mid)
+
+
+def looser_than(samples: Mapping[K, npt.ArrayLike], percent: float) -> list[K]:
+    """The keys of ``samples`` (each one config's step times) whose median is not known to
+    +-``percent`` (:func:`median_precision`; too few steps for an interval count as not
+    known), in their order: what more rounds are for (``vpipe bench --timing-precision``)."""
+    return [k for k, t in samples.items() if not median_precision(t) * 100 <= percent]
 
 
 def _interval(stat: Callable[..., np.ndarray], sizes: tuple[int, ...]) -> tuple[float, float]:

@@ -6,6 +6,8 @@ from __future__ import annotations
 import argparse
 import re
 
+from vpipe.runtime.host_memory import CPU_ALLOCATORS
+
 
 def positive_int(text: str) -> int:
     """An argparse type: a count of at least 1 (ranks, microbatches, stages per rank), worded
@@ -60,8 +62,8 @@ def add_runtime_flags(p: argparse.ArgumentParser) -> None:
     )
     p.add_argument(
         "--cpu-allocator",
-        choices=("cached", "system"),
-        default="cached",
+        choices=CPU_ALLOCATORS,
+        default=CPU_ALLOCATORS[0],
         help="cached: the ranks' malloc keeps the memory a step frees for the next, as a "
         "GPU's caching allocator does (glibc: no trimming, no mmap below 32 MiB), so steps "
         "do not pay page faults for memory given back; system: the C library's defaults "

@@ -7,8 +7,8 @@ on free, and the top of the heap is trimmed once more than its trim threshold is
 next step then takes the same memory again one page fault per 4 KiB page, zeroed by the
 kernel. A fused backward of one stage of the benchmark MLP (2 blocks 384 -> 1536, 64 rows,
 one thread) took about 1,100 page faults per call and 12.3 and 11.9 ms in two runs, against
-none and 9.7 and 10.0 ms with the memory kept (docs/runtime.md). How many it takes depends on what else is on the heap
-at that moment, so the cost differs between schedules and between launches.
+none and 9.7 and 10.0 ms with the memory kept (docs/runtime.md). How many it takes depends
+on what else is on the heap, so the cost differs between schedules and between launches.
 
 ``cached`` (the default) sets glibc's thresholds so that freed memory stays in the process,
 as on a GPU: no trimming, and no mmap below :data:`MMAP_THRESHOLD_BYTES`. Resident memory
@@ -20,10 +20,9 @@ C library's defaults. Outside glibc (macOS, musl) there is nothing to set: the r
 from __future__ import annotations
 
 import ctypes
-import ctypes.util
 from typing import Literal
 
-CPU_ALLOCATORS = ("cached", "system")
+CPU_ALLOCATORS = ("cached", "system")  # the first is the default
 
 # glibc's mallopt parameters (malloc.h)
 _M_TRIM_THRESHOLD = -1
@@ -44,11 +43,9 @@ def apply_cpu_allocator(choice: str) -> Literal["cached", "system"]:
         )
     if choice == "system":
         return "system"
-    name = ctypes.util.find_library("c")
     try:
-        libc = ctypes.CDLL(name)
-        mallopt = libc.mallopt
-    except (OSError, AttributeError, TypeError):
+        mallopt = ctypes.CDLL(None).mallopt  # the process's own C library
+    except (OSError, AttributeError):
         return "system"
     mallopt.argtypes, mallopt.restype = [ctypes.c_int, ctypes.c_int], ctypes.c_int
     kept = mallopt(_M_MMAP_THRESHOLD, MMAP_THRESHOLD_BYTES)

@@ -81,19 +81,19 @@ class BenchResults:
     def precision_line(self) -> str:
         """How well the configs' median step times are known (95%, :func:`vpipe.stats.
         median_precision`), and which are looser than ``--timing-precision`` asked."""
-        from vpipe.stats import median_precision
+        from vpipe.stats import looser_than, median_precision
 
-        known = {f"{k[0]}-m{k[1]}-{k[2]}": median_precision(g["step_time_s"]) * 100
+        times = {f"{k[0]}-m{k[1]}-{k[2]}": g["step_time_s"]
                  for k, g in self.steps.groupby(["schedule", "microbatches", "impl"])}  # fmt: skip
-        finite = [v for v in known.values() if not math.isnan(v)]
+        known = [median_precision(t) * 100 for t in times.values()]
+        finite = [v for v in known if not math.isnan(v)]
         if not finite:
             return "medians: too few timed steps to bound any"
         line = f"medians known to +-{min(finite):.1f}% to +-{max(finite):.1f}% (95%)"
-        target = self.spec.timing_precision
-        loose = [k for k, v in known.items() if not v <= target]
-        if target and self.spec.max_minutes and loose:  # rounds were added for it
-            line += f"; looser than --timing-precision {target:g}: {', '.join(loose)}"
-        return line
+        target = self.spec.timing_precision  # rounds were added for it only within a budget
+        loose = looser_than(times, target) if target and self.spec.max_minutes else []
+        return line + (f"; looser than --timing-precision {target:g}: {', '.join(loose)}"
+                       if loose else "")  # fmt: skip
 
     def config_memory(self) -> dict[tuple[str, int, str], float | None]:
         """Each measured config's peak bytes per rank by (schedule, M, impl): what the

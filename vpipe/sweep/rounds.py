@@ -126,12 +126,10 @@ class Rounds:
     def loose(self) -> set[int]:
         """The configs whose timed median is not yet known to +- ``spec.timing_precision``
         percent (95% interval; too few steps for one counts as not known); none when 0."""
-        from vpipe.stats import median_precision
+        from vpipe.stats import looser_than
 
-        target = getattr(self.spec, "timing_precision", 0.0)
-        if not target:
-            return set()
-        return {i for i, t in enumerate(self.times) if not median_precision(t) * 100 <= target}
+        target = self.spec.timing_precision
+        return set(looser_than(dict(enumerate(self.times)), target)) if target else set()
 
     def _seconds_left(self, active: Sequence[int]) -> float:
         """What the next round of ``active``, the memory steps and the outputs would take."""
