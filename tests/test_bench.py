@@ -191,6 +191,15 @@ def test_quick_sweep_writes_store_plots_and_report(tmp_path, capsys):
     assert measured["bubble_ratio"].between(0, 1).all()
     simulated = runs[runs["source"] == "simulated"]
     assert len(simulated) == 4 and (simulated["step_time_s"] > 0).all()
+    # the communication threads' CPU per step: measured where the 2 ranks' compute threads
+    # take every core (they do by default: cores // ranks each), else left out
+    from vpipe.trace.thread_cpu import cores_shared
+
+    comm = pd.to_numeric(measured["comm_thread_cpu_s"], errors="coerce")
+    if cores_shared(2 * int(measured["threads"].iloc[0])):
+        assert (comm > 0).all(), comm
+    else:
+        assert comm.isna().all(), comm
 
     steps = pd.read_parquet(out / "steps.parquet")
     assert len(steps) == 4 * 3 * 2  # configs x rounds x steps (quick: 3 x 2)

@@ -46,7 +46,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-__all__ = ["P2P", "uses_post_thread"]
+__all__ = ["P2P", "poster_thread_ids", "uses_post_thread"]
 
 
 def uses_post_thread(backend: str, post_thread: bool | None) -> bool:
@@ -246,7 +246,8 @@ class _Poster:
 
     def __init__(self) -> None:
         self._queue: queue.SimpleQueue[_Batch] = queue.SimpleQueue()
-        threading.Thread(target=self._loop, name="vpipe-p2p-poster", daemon=True).start()
+        self.thread = threading.Thread(target=self._loop, name="vpipe-p2p-poster", daemon=True)
+        self.thread.start()
 
     def submit(self, fn: Callable[[list], list], ops: list) -> _Batch:
         batch = _Batch(fn, ops)
@@ -268,6 +269,12 @@ class _Poster:
 
 _POSTER: list[_Poster] = []  # the process's poster, started by the first P2P that wants one
 os.register_at_fork(after_in_child=_POSTER.clear)  # a forked child has no such thread
+
+
+def poster_thread_ids() -> tuple[int, ...]:
+    """The OS thread id of this process's poster thread, if it has one (for
+    :func:`vpipe.trace.thread_cpu.comm_thread_ns`)."""
+    return tuple(p.thread.native_id for p in _POSTER if p.thread.native_id is not None)
 
 
 def _poster() -> _Poster:

@@ -24,6 +24,7 @@ import shutil
 import socket
 import tempfile
 import time
+from collections.abc import Callable
 from dataclasses import asdict, dataclass, field, replace
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
@@ -347,7 +348,8 @@ def rank_worker(
 
         timed = Rounds(spec, configs, harnesses, reference, rank, progress.advance,
                        record if spec.dp > 1 else None,
-                       lambda: device_round(device_reference, device))  # fmt: skip
+                       lambda: device_round(device_reference, device),
+                       comm_thread_clock(world) if not on_gpu and spec.dp == 1 else None)  # fmt: skip
         traced: dict[str, list[Any]] = {cfg.key: [] for cfg in configs}
 
         def profile_round(r: int) -> None:  # interleaved with the timed rounds
@@ -400,6 +402,7 @@ def rank_worker(
         "times": timed.times,
         "refs": timed.refs,
         "rounds": timed.rounds,
+        "comm_thread_cpu_s": timed.comm_cpu_s,
         "stop": timed.stop,
         "reference": ref_shape,
         "host_rounds": host,
@@ -407,6 +410,21 @@ def rank_worker(
         "events": events,
         **({"dp_steps": dp_steps} if spec.dp > 1 else {}),
     }
+
+
+def comm_thread_clock(world: int) -> Callable[[], int | None] | None:
+    """A reader of this rank's communication threads' CPU ns (:mod:`vpipe.trace.thread_cpu`)
+    where the host's compute threads (its ranks x torch's threads) take every core, so that
+    those threads run on compute's time; else None."""
+    import torch
+
+    from vpipe.runtime.comm import poster_thread_ids
+    from vpipe.trace.thread_cpu import comm_thread_ns, cores_shared
+
+    local_ranks = int(os.environ.get("LOCAL_WORLD_SIZE", world))
+    if not cores_shared(local_ranks * torch.get_num_threads()):
+        return None
+    return lambda: comm_thread_ns(poster_thread_ids())
 
 
 def gated_rounds(gate: RankGate, timed: Rounds, configs: list[int]) -> None:

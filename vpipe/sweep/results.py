@@ -298,6 +298,7 @@ def collect(
                 **compute(measured),
                 **dp_figures,
                 **_memory_kinds(results, cfg),
+                "comm_thread_cpu_s": _comm_thread_cpu_s(r0, i),
                 "run_id": run_id,
                 "source": "measured",
                 "status": "ok",
@@ -392,6 +393,17 @@ def simulate_config(
     # the calibrated cost model is in microseconds
     row = compute(Inputs(sim=Simulated(sim, 1e-6), batch=spec.batch))
     return {**row, **dp_figures}, events_frame(ev)
+
+
+def _comm_thread_cpu_s(r0: dict[str, Any], i: int) -> float | None:
+    """Config ``i``'s communication threads' CPU seconds per timed step, summed over the ranks,
+    the median over its rounds (:mod:`vpipe.trace.thread_cpu`); None where they were not
+    measured (a GPU, a host with cores to spare, --dp, a rank without /proc)."""
+    import numpy as np
+
+    per_round = np.asarray(r0.get("comm_thread_cpu_s", [[]] * (i + 1))[i], dtype=float)
+    per_round = per_round[np.isfinite(per_round)]
+    return float(np.median(per_round)) if len(per_round) else None
 
 
 def _memory_kinds(results: list[dict[str, Any]], cfg: Config) -> dict[str, int | None]:

@@ -45,6 +45,7 @@ class Rounds:
         advance: Callable[[str], None],
         record: Callable[[int, int, Any], None] | None = None,
         device_state: Callable[[], dict[str, Any]] | None = None,
+        comm_threads: Callable[[], int | None] | None = None,
     ) -> None:
         self.spec, self.configs, self.harnesses = spec, list(configs), list(harnesses)
         self.reference, self.rank, self.advance, self.record = reference, rank, advance, record
@@ -58,6 +59,11 @@ class Rounds:
         self.labels: list[int] = []  # each sampled round's number
         self.own_cpu: list[float] = []
         self.seconds: list[list[float]] = [[] for _ in range(n)]  # wall per round, this rank
+        # CPU ns of the communication threads so far, where they take compute's cores
+        # (vpipe.trace.thread_cpu), else None; per config and round: their CPU seconds per step
+        # summed over the ranks, NaN unless every rank measured
+        self.comm_threads = comm_threads
+        self.comm_cpu_s: list[list[float]] = [[] for _ in range(n)]
         self.stop = "fixed"  # why the rounds ended: fixed, decided or budget
 
     def run(self, r: int, active: Sequence[int]) -> None:
@@ -71,14 +77,20 @@ class Rounds:
         self.devices.append(self.device_state() if self.device_state is not None else {})
         t = torch.zeros(len(active), steps, dtype=torch.float64)
         ref = torch.zeros_like(t)
+        comm = torch.zeros(len(active) + 1, dtype=torch.float64)  # the last: ranks measuring
+        read = self.comm_threads or (lambda: None)
         before = host_state.sample()
         for row, i in enumerate(active):
-            h, t0 = self.harnesses[i], time.perf_counter()
+            h, t0, c0 = self.harnesses[i], time.perf_counter(), read()
             for k in range(steps):
                 ref[row, k] = self.reference.timed()
                 t[row, k] = h.timed_step()
                 if self.record is not None:
                     self.record(i, len(self.times[i]) + k, h)
+            c1 = read()
+            if c0 is not None and c1 is not None:
+                comm[row] = (c1 - c0) / 1e9 / steps
+                comm[-1] = 1
             self.seconds[i].append(time.perf_counter() - t0)
             self.advance(f"round {r + 1} {self.configs[i].key}")
         after = host_state.sample()
@@ -87,10 +99,13 @@ class Rounds:
         self.labels.append(r)
         dist.all_reduce(t, op=dist.ReduceOp.MAX)
         dist.all_reduce(ref, op=dist.ReduceOp.MAX)
+        dist.all_reduce(comm, op=dist.ReduceOp.SUM)
+        everyone = comm[-1].item() == dist.get_world_size()
         for row, i in enumerate(active):
             self.times[i] += t[row].tolist()
             self.refs[i] += ref[row].tolist()
             self.rounds[i] += [r] * steps
+            self.comm_cpu_s[i].append(comm[row].item() if everyone else float("nan"))
 
     def more(self) -> list[int]:
         """The configs of the next round: rank 0's choice (see the module's doc), broadcast to
