@@ -14,6 +14,9 @@ core, :class:`bench.false_alarms.Hog`). From its store, per implementation:
   config's own: (predicted / timed) / (own predicted / own timed) - 1.
 - **breakdown**: for the calibration the report's plan uses (zbv), what each term adds to each
   prediction (:func:`vpipe.predict.error_terms.breakdown`).
+- **without comm threads**: the summary's worst and median absolute error again, the
+  communication threads' CPU not charged (:mod:`vpipe.predict.comm_threads`), from the same
+  sweeps.
 - **timed**: how well the timed medians themselves are known: per config its timed steps and
   the 95% interval of its median, and per cell the interval of the timed ratio the prediction
   is judged against (:mod:`vpipe.predict.timing_noise`). An error inside that interval is
@@ -66,9 +69,10 @@ def sweep(out: Path, minutes: float, impl: str, profile_steps: int, rounds: int,
     return time.monotonic() - t
 
 
-def matrices(store_dir: Path) -> list[dict[str, Any]]:
+def matrices(store_dir: Path, comm_threads: bool = True) -> list[dict[str, Any]]:
     """Per implementation of a stored sweep: its absolute (anchored) and relative (unanchored)
-    error tables, and the breakdown of the zbv calibration (or the first one)."""
+    error tables, and the breakdown of the zbv calibration (or the first one); without the
+    communication threads' cost (:mod:`vpipe.predict.comm_threads`) unless ``comm_threads``."""
     from vpipe.predict.calibrate import (
         Case,
         anchor,
@@ -76,6 +80,7 @@ def matrices(store_dir: Path) -> list[dict[str, Any]]:
         leave_one_out,
         model_units,
     )
+    from vpipe.predict.comm_threads import comm_thread_cpu_s, with_comm_threads
     from vpipe.predict.error_terms import breakdown
     from vpipe.predict.timing_noise import sweep_intervals
     from vpipe.schedules import make_schedule
@@ -93,7 +98,8 @@ def matrices(store_dir: Path) -> list[dict[str, Any]]:
             if ev is None or not ev["kind"].astype(str).isin(["F", "B", "I", "W"]).any():
                 continue
             schedule = make_schedule(r.schedule, RANKS, int(r.microbatches))
-            cases.append(Case(r.schedule, schedule, ev, float(r.step_time_s)))
+            threads = comm_thread_cpu_s(r) if comm_threads else None
+            cases.append(Case(r.schedule, schedule, ev, float(r.step_time_s), threads))
         if len(cases) < 2:
             continue
         units = model_units({**meta, "stages": max(c.schedule.n_stages for c in cases)})
@@ -102,7 +108,8 @@ def matrices(store_dir: Path) -> list[dict[str, Any]]:
         own = pd.Series(np.diag(plain.loc[:, plain.index].to_numpy()), index=plain.index)
         relative = (1 + plain).div(1 + own, axis=0) - 1
         base = next((c for c in cases if c.label == "zbv"), cases[0])
-        cal = anchor(calibrate(base.events), base.schedule, base.timed_s, units)
+        cal = with_comm_threads(calibrate(base.events), base.schedule, base.comm_thread_cpu_s)
+        cal = anchor(cal, base.schedule, base.timed_s, units)
         terms = breakdown(cal, [(c.label, c.schedule, c.timed_s) for c in cases], units)
         out.append({
             "impl": str(impl), "absolute": absolute, "replay": replay_errors(cases),
@@ -186,10 +193,13 @@ def main(argv: list[str] | None = None) -> int:
         else:
             wall = sweep(out, args.minutes, args.impl, args.profile_steps, args.rounds,
                          args.steps, extra)  # fmt: skip
+        without = {m["impl"]: m for m in matrices(out, comm_threads=False)}
         for m in matrices(out):
             rel, ab = held_out(m["relative"]), held_out(m["absolute"])
             worst_rel, worst_abs = float(np.abs(rel).max()), float(np.abs(ab).max())
-            summary.append((i, kind, m["impl"], worst_rel, worst_abs, np.median(np.abs(ab))))
+            plain = np.abs(held_out(without[m["impl"]]["absolute"]))
+            summary.append((i, kind, m["impl"], worst_rel, worst_abs, np.median(np.abs(ab)),
+                            plain.max(), np.median(plain)))  # fmt: skip
             print(f"\nrun {i} ({kind}; {before} before; sweep {wall:.0f} s), {m['impl']}")
             print("absolute error (anchored; rows: calibrated on, columns: predicted):")
             print(shown(m["absolute"]))
@@ -210,10 +220,12 @@ def main(argv: list[str] | None = None) -> int:
                 print(f"  {label:17s} " + " ".join(f"{e * 100:+.1f}%" for e in errs))
             print(f"breakdown, calibrated on {m['base']} (compute scale {m['scale']:.3f}; ms):")
             print(m["breakdown"].round(2).to_string(index=False))
-    print("\nrun kind   impl   worst relative  worst absolute  median absolute")
-    for i, kind, impl, r, a, med in summary:
+    print("\nrun kind   impl   worst relative  worst absolute  median absolute"
+          "  (without comm threads: worst / median absolute)")
+    for i, kind, impl, r, a, med, plain_worst, plain_med in summary:
         verdict = "within" if r <= GOAL_RELATIVE and a <= GOAL_ABSOLUTE else "outside"
         print(f"{i:3d} {kind:5s}  {impl:5s}  {r * 100:13.1f}%  {a * 100:13.1f}%  {med * 100:14.1f}%"
+              f"  ({plain_worst * 100:.1f}% / {plain_med * 100:.1f}%)"
               f"  {verdict} the goals ({GOAL_RELATIVE:.0%} / {GOAL_ABSOLUTE:.0%})")  # fmt: skip
     if not args.keep:
         print(f"(stores in {root}; pass --keep DIR to keep them somewhere of your choosing)")

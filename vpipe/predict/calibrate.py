@@ -20,6 +20,10 @@ communication latency:
   move (its SEND on the peer and its RECV both posted) to the end of the wait: the median over
   receives posted before their send is the cost model's ``comm_latency``, and what receives
   posted after it take beyond that is ``comm_handshake`` (:func:`comm_link_us`).
+- **Communication threads**: on a host whose cores the compute threads fill, gloo's and
+  vpipe's communication threads run on compute's time. A sweep measures their CPU per step
+  (the runs table's ``comm_thread_cpu_s``); :func:`vpipe.predict.comm_threads.with_comm_threads`
+  charges it per posted operation, with ``post`` (events alone do not hold it).
 - **Stage granularity**: a 1f1b run at P=2 has 2 stages, zbv and interleaved-1f1b at P=2 have
   4, so per-stage costs do not transfer as they are. The model is split into ``n_units`` equal
   pieces (MLP blocks, GPT layers) as :func:`vpipe.models.build_model` splits them (contiguous,
@@ -71,6 +75,9 @@ class Calibration:
     full_b: np.ndarray | None = None  # B's own time where a stage also ran I and W, else NaN
     compute_scale: float = 1.0  # F, I, W and B times are multiplied by it (vpipe.predict.anchor)
     recomputable: np.ndarray | None = None  # per stage, an F's time in RECOMPUTABLE spans
+    # the communication threads' CPU per posted operation, where it came out of compute's cores
+    # (vpipe.predict.comm_threads); charged with ``post``
+    comm_threads: float = 0.0
 
     @property
     def n_stages(self) -> int:
@@ -95,7 +102,7 @@ class Calibration:
             comm_latency=self.comm_latency,
             comm_handshake=self.comm_handshake,
             per_stage=per_stage,
-            post=self.post,
+            post=self.post + self.comm_threads,
             gap=self.gap,
             overlap=self.overlap,
         )
@@ -121,6 +128,7 @@ class Calibration:
             "overlap": round(self.overlap, 3),
             "w_share": self.w_share,
             "compute_scale": round(self.compute_scale, 4),
+            "comm_threads_us": round(self.comm_threads, 1),
         }
 
 
@@ -395,6 +403,7 @@ class Case:
     schedule: Any
     events: pd.DataFrame
     timed_s: float
+    comm_thread_cpu_s: float | None = None  # its communication threads' CPU s per step
 
 
 def leave_one_out(
@@ -406,10 +415,13 @@ def leave_one_out(
     uses the per-action medians over all of that case's profiled steps, anchored to that
     case's timed median (:func:`anchor`: the diagonal is then 0 by construction), unless
     ``anchored`` is False (the profiled steps' own level)."""
+    from vpipe.predict.comm_threads import with_comm_threads
+
     targets = [(c.label, c.schedule, None, c.timed_s) for c in cases]
     rows = []
     for source in cases:
         cal = calibrate(source.events)
+        cal = with_comm_threads(cal, source.schedule, source.comm_thread_cpu_s)
         if anchored:
             cal = anchor(cal, source.schedule, source.timed_s, n_units)
         t = fidelity_table(cal, targets, n_units)
@@ -446,6 +458,7 @@ def leave_one_out_tables(
     ``runs`` (two profiled configs at least): ``(impl, M, table)``. ``events_of(run_id)`` gives
     a run's events (or None); ``meta`` names the model and its sizes, for the pieces. Cases
     follow the catalogue's display order."""
+    from vpipe.predict.comm_threads import comm_thread_cpu_s
     from vpipe.schedules import catalogue, make_schedule
 
     order = {name: i for i, name in enumerate(catalogue.names())}
@@ -456,7 +469,8 @@ def leave_one_out_tables(
             ev = events_of(r.run_id)
             if ev is not None and ev["kind"].astype(str).isin(COMPUTE_KINDS).any():
                 schedule = make_schedule(r.schedule, ranks, int(m))
-                cases.append(Case(r.schedule, schedule, ev, judged_against(r)))
+                threads = comm_thread_cpu_s(r)
+                cases.append(Case(r.schedule, schedule, ev, judged_against(r), threads))
         if len(cases) >= 2:
             stages = max(c.schedule.n_stages for c in cases)
             units = model_units({**meta, "stages": stages})

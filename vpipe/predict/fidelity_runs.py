@@ -48,6 +48,7 @@ def across_m_table(
 
     from vpipe.errors import ScheduleError
     from vpipe.predict.calibrate import judged_against
+    from vpipe.predict.comm_threads import comm_thread_cpu_s
     from vpipe.predict.plan import calibrated_costs
     from vpipe.schedules import make_schedule
     from vpipe.sim import simulate
@@ -59,9 +60,8 @@ def across_m_table(
     for src in sources:
         events = events_of(src.run_id)
         own = make_schedule(src.schedule, ranks, int(src.microbatches))
-        costs = calibrated_costs(
-            events, {}, own, {**meta, "stages": own.n_stages}, judged_against(src)
-        )
+        src_meta = {**meta, "stages": own.n_stages, "comm_thread_cpu_s": comm_thread_cpu_s(src)}
+        costs = calibrated_costs(events, {}, own, src_meta, judged_against(src))
         row: dict[str, Any] = {"calibrated on": label(src.schedule, int(src.microbatches))}
         for t in runs[runs["microbatches"] != src.microbatches].itertuples():
             m = int(t.microbatches)

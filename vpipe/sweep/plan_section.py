@@ -57,9 +57,9 @@ def plan_sections(
     try:
         errors = plan_errors(swept, res.events.get, base, res.spec.ranks, meta, loo)
         tie, tie_source = tie_band(errors, None)
-        costs = calibrated_costs(
-            res.events[base.run_id], peaks, schedule, meta, float(base.step_time_s)
-        )
+        own = {**meta, "comm_thread_cpu_s": getattr(base, "comm_thread_cpu_s", None)}
+        costs = calibrated_costs(res.events[base.run_id], peaks, schedule, own,
+                                 float(base.step_time_s))  # fmt: skip
         result = plan(costs, res.spec.ranks, res.spec.batch, budget, dp=dp, tie=tie,
                       measured_m=errors.measured_m,
                       microbatches=_planned_m(res, errors.measured_m))  # fmt: skip

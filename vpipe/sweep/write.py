@@ -145,6 +145,7 @@ def fidelity_sections(
                 "that config's timed median, so the diagonal is 0 by construction). Largest "
                 f"|error|: {fidelity_worst(table) * 100:.1f}% (goal: within 5%). "
                 + sweep_timing_sentence(res.steps, res.measured, impl, m, table)
+                + comm_thread_sentence(res.measured, impl, m)
                 + (
                     ""
                     if impl == "vpipe"
@@ -155,6 +156,25 @@ def fidelity_sections(
             )
         )
     return out
+
+
+def comm_thread_sentence(runs: pd.DataFrame, impl: str, m: int) -> str:
+    """What the communication threads took of the cores compute needed, per step, where the
+    sweep measured it (:mod:`vpipe.trace.thread_cpu`); "" elsewhere."""
+    if "comm_thread_cpu_s" not in runs.columns:
+        return ""
+    mine = runs[(runs["impl"] == impl) & (runs["microbatches"] == m)]
+    ms = pd.to_numeric(mine["comm_thread_cpu_s"], errors="coerce").dropna() * 1e3
+    if ms.empty:
+        return ""
+    rows = mine.loc[ms.index]
+    share = ms / (rows["step_time_s"].astype(float) * 1e3 * rows["ranks"].astype(float))
+    return (
+        f" The communication threads ran {ms.min():.1f}-{ms.max():.1f} ms of CPU per step, "
+        f"all ranks together ({share.min() * 100:.1f}-{share.max() * 100:.1f}% of the ranks' "
+        "time), on cores the compute threads needed; each prediction charges them per message "
+        "posted."
+    )
 
 
 def fidelity_tables(res: BenchResults) -> list[tuple[str, int, pd.DataFrame]]:
