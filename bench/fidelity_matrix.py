@@ -73,15 +73,10 @@ def matrices(store_dir: Path, comm_threads: bool = True) -> list[dict[str, Any]]
     """Per implementation of a stored sweep: its absolute (anchored) and relative (unanchored)
     error tables, and the breakdown of the zbv calibration (or the first one); without the
     communication threads' cost (:mod:`vpipe.predict.comm_threads`) unless ``comm_threads``."""
-    from vpipe.predict.calibrate import (
-        Case,
-        anchor,
-        calibrate,
-        leave_one_out,
-        model_units,
-    )
+    from vpipe.predict.calibrate import anchor, calibrate, model_units
     from vpipe.predict.comm_threads import comm_thread_cpu_s, with_comm_threads
     from vpipe.predict.error_terms import breakdown
+    from vpipe.predict.leave_one_out import Case, leave_one_out
     from vpipe.predict.timing_noise import sweep_intervals
     from vpipe.schedules import make_schedule
     from vpipe.trace.store import Store

@@ -47,7 +47,7 @@ def quick_sweep(out: Path) -> tuple[Any, str, dict[str, Any]]:
     """(ok, detail, figures) of the P=1 sweep at ``out``."""
     import pandas as pd
 
-    from vpipe.predict.calibrate import leave_one_out_tables
+    from vpipe.predict.leave_one_out import leave_one_out_tables
     from vpipe.trace.store import Store
 
     rc, printed = _bench(out, "-p", "1", "--impl", "vpipe", "--schedules", P1_SCHEDULES)
@@ -86,7 +86,7 @@ def quick_sweep(out: Path) -> tuple[Any, str, dict[str, Any]]:
 
 def cross_config_errors(tables: list[Any]) -> list[tuple[str, str, float]]:
     """(calibrated on, predicted, error) for every pair of two different configs of the
-    leave-one-out tables (:func:`vpipe.predict.calibrate.leave_one_out`); the diagonal (a
+    leave-one-out tables (:func:`vpipe.predict.leave_one_out.leave_one_out`); the diagonal (a
     config predicted from its own calibration) is left out."""
     out = []
     for t in tables:

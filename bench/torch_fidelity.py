@@ -35,7 +35,7 @@ def round_table(where: Path, classes: Sequence[str]) -> tuple[pd.DataFrame, dict
     """The error table of one round's traces (``where/<class>/``) and the intervals of the
     profiled ratios (:func:`vpipe.predict.timing_noise.ratio_intervals`)."""
     from vpipe.metrics.per_run import step_metrics
-    from vpipe.predict.calibrate import Case, leave_one_out
+    from vpipe.predict.leave_one_out import Case, leave_one_out
     from vpipe.schedules import make_schedule
     from vpipe.trace.kineto import convert
 

@@ -135,7 +135,7 @@ def test_leave_one_out_is_exact_on_traces_with_known_costs():
     """Traces simulated with known per-piece costs (a model of 4 equal pieces; stage 0 has no
     input gradient, as on a real first stage): calibrating on any schedule predicts every
     other one exactly, in and out of sample."""
-    from vpipe.predict.calibrate import Case, leave_one_out
+    from vpipe.predict.leave_one_out import Case, leave_one_out
     from vpipe.sim import CostModel
 
     def true_costs(n_stages: int) -> CostModel:

@@ -15,7 +15,7 @@ from vpipe.ir.lowering import lower
 from vpipe.predict.calibrate import Calibration, predict
 from vpipe.predict.comm_threads import comm_thread_cpu_s, with_comm_threads
 from vpipe.schedules import make_schedule
-from vpipe.sim.simulator import posted_operations
+from vpipe.sim.posts import posted_operations
 from vpipe.sweep.write import comm_thread_sentence
 from vpipe.trace import thread_cpu
 from vpipe.trace.thread_cpu import comm_thread_ns, cores_shared, parse_schedstat

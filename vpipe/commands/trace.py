@@ -338,7 +338,7 @@ def fidelity_text(source: str) -> str:
     """Leave-one-out fidelity of every sweep in a store, as the bench report has it."""
     import pandas as pd
 
-    from vpipe.predict.calibrate import leave_one_out_tables
+    from vpipe.predict.leave_one_out import leave_one_out_tables
     from vpipe.predict.timing_noise import sweep_timing_sentence
     from vpipe.sweep.write import fidelity_shown, fidelity_worst
     from vpipe.trace.store import Store

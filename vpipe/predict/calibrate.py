@@ -394,43 +394,6 @@ def _paired_error(
     return (float(np.median(errors)) if errors else float("nan")), len(errors)
 
 
-@dataclass
-class Case:
-    """One measured config for :func:`leave_one_out`: its schedule, its profiled events (to
-    calibrate on) and its timed median step time in seconds (to judge predictions against)."""
-
-    label: str
-    schedule: Any
-    events: pd.DataFrame
-    timed_s: float
-    comm_thread_cpu_s: float | None = None  # its communication threads' CPU s per step
-
-
-def leave_one_out(
-    cases: list[Case], n_units: int | None = None, *, anchored: bool = True
-) -> pd.DataFrame:
-    """Calibrate on each case in turn and predict every case (itself included: the in-sample
-    error); one row per calibration case, one column per predicted case, holding the relative
-    error predicted / timed median - 1 (:func:`fidelity_table`'s ``error``). Each calibration
-    uses the per-action medians over all of that case's profiled steps, anchored to that
-    case's timed median (:func:`anchor`: the diagonal is then 0 by construction), unless
-    ``anchored`` is False (the profiled steps' own level)."""
-    from vpipe.predict.comm_threads import with_comm_threads
-
-    targets = [(c.label, c.schedule, None, c.timed_s) for c in cases]
-    rows = []
-    for source in cases:
-        cal = calibrate(source.events)
-        cal = with_comm_threads(cal, source.schedule, source.comm_thread_cpu_s)
-        if anchored:
-            cal = anchor(cal, source.schedule, source.timed_s, n_units)
-        t = fidelity_table(cal, targets, n_units)
-        rows.append(
-            {"calibrated on": source.label, **dict(zip(t["schedule"], t["error"], strict=True))}
-        )
-    return pd.DataFrame(rows)
-
-
 def timed_median_s(row: Any) -> float | None:
     """A measured run's timed median step time (its runs-table row or metadata), when it has
     timed steps (a sweep's run; a run converted from traces has none)."""
@@ -449,30 +412,3 @@ def judged_against(run: Any) -> float:
     if timed is None or pd.isna(timed):
         return float(getattr(run, "profiled_step_time_s", float("nan")))
     return float(timed)
-
-
-def leave_one_out_tables(
-    runs: pd.DataFrame, events_of: Any, ranks: int, meta: dict[str, Any]
-) -> list[tuple[str, int, pd.DataFrame]]:
-    """:func:`leave_one_out` per implementation and microbatch count of a sweep's measured
-    ``runs`` (two profiled configs at least): ``(impl, M, table)``. ``events_of(run_id)`` gives
-    a run's events (or None); ``meta`` names the model and its sizes, for the pieces. Cases
-    follow the catalogue's display order."""
-    from vpipe.predict.comm_threads import comm_thread_cpu_s
-    from vpipe.schedules import catalogue, make_schedule
-
-    order = {name: i for i, name in enumerate(catalogue.names())}
-    out = []
-    for (impl, m), group in runs.groupby(["impl", "microbatches"], sort=True):
-        cases = []
-        for r in sorted(group.itertuples(), key=lambda r: order.get(r.schedule, len(order))):
-            ev = events_of(r.run_id)
-            if ev is not None and ev["kind"].astype(str).isin(COMPUTE_KINDS).any():
-                schedule = make_schedule(r.schedule, ranks, int(m))
-                threads = comm_thread_cpu_s(r)
-                cases.append(Case(r.schedule, schedule, ev, judged_against(r), threads))
-        if len(cases) >= 2:
-            stages = max(c.schedule.n_stages for c in cases)
-            units = model_units({**meta, "stages": stages})
-            out.append((str(impl), int(m), leave_one_out(cases, units)))
-    return out

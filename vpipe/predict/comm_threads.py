@@ -4,7 +4,7 @@ On a host whose cores are all taken by compute threads, gloo's I/O loop, torch's
 threads and vpipe's poster run on compute's time (:mod:`vpipe.trace.thread_cpu`). A sweep
 records, per config, their CPU seconds per timed step summed over the ranks (the runs table's
 ``comm_thread_cpu_s``). :func:`with_comm_threads` turns that into a cost per posted operation
-(:func:`vpipe.sim.simulator.posted_operations`), which the cost model charges with ``post``, so
+(:func:`vpipe.sim.posts.posted_operations`), which the cost model charges with ``post``, so
 a schedule that sends more messages than the calibration run pays for them.
 
 The calibration run's own share is already inside its compute spans; the anchor
@@ -41,7 +41,7 @@ def with_comm_threads(
     """``cal`` with the communication threads' cost per posted operation (microseconds), from
     the CPU seconds per step its own run's ``schedule`` spent in them; unchanged without the
     figure or messages."""
-    from vpipe.sim.simulator import posted_operations
+    from vpipe.sim.posts import posted_operations
 
     if cpu_s_per_step is None:
         return cal

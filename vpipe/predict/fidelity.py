@@ -1,6 +1,6 @@
 """The measured error of a prediction, read from a sweep's fidelity tables.
 
-A fidelity table (:func:`vpipe.predict.calibrate.leave_one_out`) has one row per calibration
+A fidelity table (:func:`vpipe.predict.leave_one_out.leave_one_out`) has one row per calibration
 config (``calibrated on``) and one column per predicted config, holding predicted / timed
 median - 1. Predictions made from costs calibrated on config C are as good as C's row shows
 on the *other* configs it predicted (its off-diagonal cells): the largest of their |error| is

@@ -87,7 +87,7 @@ def plan_errors(
     """The errors of predictions calibrated on ``base`` (a row of ``runs``: the measured,
     profiled configs of one sweep and implementation). ``loo``: the sweep's leave-one-out
     table at ``base``'s M when already made (else made here)."""
-    from vpipe.predict.calibrate import leave_one_out_tables
+    from vpipe.predict.leave_one_out import leave_one_out_tables
 
     m = int(base.microbatches)
     same = runs[runs["microbatches"] == m]

@@ -35,12 +35,12 @@ from typing import Any
 import numpy as np
 
 from vpipe.ir import Schedule
-from vpipe.ir.bundling import bundle_leaders, next_ops, posting_rows
 from vpipe.ir.engine import Program, Timing, compile_program, replay
 from vpipe.ir.flat import KIND_ORDER, PART_BITS, Flat, comm_messages, decode_messages, flatten
 from vpipe.ir.lowering import CommPlan, plan_comm, slot_keys
 from vpipe.ir.validation import check_static
 from vpipe.sim.cost_model import CostModel, CostModelError, parse_numbers
+from vpipe.sim.posts import comm_rows
 
 __all__ = [
     "CostModel",
@@ -48,7 +48,6 @@ __all__ = [
     "Prepared",
     "SimResult",
     "parse_numbers",
-    "posted_operations",
     "prepare",
     "simulate",
 ]
@@ -342,36 +341,13 @@ def _overheads(fl: Flat, plan: CommPlan | None, costs: CostModel) -> tuple[np.nd
     n_ops, P = len(fl.o_rank), fl.schedule.n_ranks
     if costs.post == 0 and costs.gap == 0:
         return np.zeros(n_ops), np.zeros(P)
-    c_rank, nxt, posts = _comm_rows(fl, plan)
+    c_rank, nxt, posts = comm_rows(fl, plan)
     # gap per SEND/RECV action; post per operation posted (a bundle posts one for several)
     cost = costs.gap + costs.post * posts
     inside = nxt < fl.o_lo[c_rank + 1]  # else after the rank's last op
     lead_t = costs.gap + np.bincount(nxt[inside], weights=cost[inside], minlength=n_ops)
     tail = np.bincount(c_rank[~inside], weights=cost[~inside], minlength=P)
     return lead_t.astype(float), tail.astype(float)
-
-
-def _comm_rows(fl: Flat, plan: CommPlan | None) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
-    """Per SEND/RECV action: its rank, the compute op it precedes, and 1 where it posts an
-    operation (0 for a bundle's followers)."""
-    if fl.lowered:  # each SEND/RECV precedes the next op of its rank
-        return fl.c_rank, next_ops(fl), posting_rows(fl)
-    # as lower() would place them: SENDs after their op, RECVs before their slot
-    n_ops = len(fl.o_rank)
-    c_rank = np.concatenate([fl.o_rank[plan.send_op], plan.dst])
-    nxt = np.concatenate([plan.send_op + 1, fl.o_lo[plan.dst] + plan.slot])
-    # the batch of each SEND, then each RECV; the plan keeps per-peer FIFO order, so every
-    # group is a bundle the runtime forms
-    batch = c_rank * (n_ops + 1) + nxt
-    lead = bundle_leaders(batch[: len(plan.e)], batch[len(plan.e) :]).astype(float)
-    return c_rank, nxt, np.concatenate([lead, lead])
-
-
-def posted_operations(schedule: Schedule, recv_lookahead: int = 1) -> int:
-    """Operations the runtime posts in one step of ``schedule``, over all ranks (a bundle of
-    messages posts one): what the cost model's ``post`` is charged per."""
-    prepared = prepare(schedule, recv_lookahead)
-    return int(_comm_rows(prepared.fl, prepared.plan)[2].sum())
 
 
 def _summarise(schedule, costs, prepared: Prepared, part_dur, timing: Timing, tail) -> SimResult:

@@ -2,19 +2,17 @@
 
 A sweep is schedules x microbatch counts x implementations (vpipe's runtime, torch's
 ``torch.distributed.pipelining``) on one model. All configs are built once per rank, warmed
-up, then measured in interleaved rounds (for each round, for each config, ``steps`` timed
-steps) so that machine noise hits every config alike; with a time budget (``max_minutes``),
-rounds of the configs whose order is still open follow (:mod:`vpipe.sweep.rounds`). Each timed step starts after a barrier;
-its time is the slowest rank's (with ``dp`` replicas, of all ranks x replicas:
-:mod:`vpipe.sweep.dp_bench`). Before each timed step every rank times a short host-speed
-reference (:mod:`vpipe.sweep.reference`), and each round records the host's state
-(:mod:`vpipe.trace.host_state`), so that runs can be compared across time (:mod:`vpipe.report.crossrun`).
-After each of the first rounds each config runs one profiled step (interleaved, so
-calibration and timing see the same host; Kineto trace, converted to the event table on its
-own rank, so no shared filesystem is needed across hosts); at the end one memory step (live saved-activation bytes from autograd's saved-tensor hooks, the same
-measure for both implementations; the CUDA allocator's peak on GPUs).
-
-This module imports torch only inside the rank worker and the post-processing.
+up, then measured in interleaved rounds (:mod:`vpipe.sweep.rounds`: each config's timed steps
+in turn, so machine noise hits every config alike; within ``max_minutes``, more rounds of the
+configs whose order is still open). Each timed step starts after a barrier; its time is the
+slowest rank's (with ``dp`` replicas, of all ranks x replicas: :mod:`vpipe.sweep.dp_bench`).
+Every rank times a host-speed reference before each step (:mod:`vpipe.sweep.reference`), and
+each round records the host's state (:mod:`vpipe.trace.host_state`) and the communication
+threads' CPU (:mod:`vpipe.trace.thread_cpu`). After each of the first rounds each config runs
+one profiled step (interleaved, so calibration and timing see the same host; converted to the
+event table on its own rank: no shared filesystem needed), and at the end one memory step
+(bytes saved for backward, from autograd's hooks, alike for both implementations; the CUDA
+allocator's peak on GPUs). It imports torch only in the rank worker and the post-processing.
 """
 
 from __future__ import annotations
@@ -24,7 +22,6 @@ import shutil
 import socket
 import tempfile
 import time
-from collections.abc import Callable
 from dataclasses import asdict, dataclass, field, replace
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
@@ -312,7 +309,7 @@ def rank_worker(
     from vpipe.sweep.gate import RankGate
     from vpipe.sweep.harness import build
     from vpipe.sweep.reference import DeviceReference, Reference, device_round
-    from vpipe.sweep.rounds import Rounds
+    from vpipe.sweep.rounds import Rounds, comm_thread_clock
     from vpipe.sweep.torch_failures import warm_up
 
     if world != spec.world_size:
@@ -410,21 +407,6 @@ def rank_worker(
         "events": events,
         **({"dp_steps": dp_steps} if spec.dp > 1 else {}),
     }
-
-
-def comm_thread_clock(world: int) -> Callable[[], int | None] | None:
-    """A reader of this rank's communication threads' CPU ns (:mod:`vpipe.trace.thread_cpu`)
-    where the host's compute threads (its ranks x torch's threads) take every core, so that
-    those threads run on compute's time; else None."""
-    import torch
-
-    from vpipe.runtime.comm import poster_thread_ids
-    from vpipe.trace.thread_cpu import comm_thread_ns, cores_shared
-
-    local_ranks = int(os.environ.get("LOCAL_WORLD_SIZE", world))
-    if not cores_shared(local_ranks * torch.get_num_threads()):
-        return None
-    return lambda: comm_thread_ns(poster_thread_ids())
 
 
 def gated_rounds(gate: RankGate, timed: Rounds, configs: list[int]) -> None:

@@ -183,3 +183,20 @@ class Rounds:
                 self.samples, cpu.tolist(), self.devices, self.labels, strict=True
             )
         ]
+
+
+def comm_thread_clock(world: int) -> Callable[[], int | None] | None:
+    """A reader of this rank's communication threads' CPU ns (:mod:`vpipe.trace.thread_cpu`)
+    where the host's compute threads (its ranks x torch's threads) take every core, so that
+    those threads run on compute's time; else None."""
+    import os
+
+    import torch
+
+    from vpipe.runtime.comm import poster_thread_ids
+    from vpipe.trace.thread_cpu import comm_thread_ns, cores_shared
+
+    local_ranks = int(os.environ.get("LOCAL_WORLD_SIZE", world))
+    if not cores_shared(local_ranks * torch.get_num_threads()):
+        return None
+    return lambda: comm_thread_ns(poster_thread_ids())

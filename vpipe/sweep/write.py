@@ -178,9 +178,9 @@ def comm_thread_sentence(runs: pd.DataFrame, impl: str, m: int) -> str:
 
 
 def fidelity_tables(res: BenchResults) -> list[tuple[str, int, pd.DataFrame]]:
-    """The sweep's leave-one-out tables (:func:`vpipe.predict.calibrate.leave_one_out_tables`):
+    """The sweep's leave-one-out tables (:func:`vpipe.predict.leave_one_out.leave_one_out_tables`):
     (impl, M, table) each."""
-    from vpipe.predict.calibrate import leave_one_out_tables
+    from vpipe.predict.leave_one_out import leave_one_out_tables
 
     meta = {"model": res.spec.model, "sizes": res.meta.get("model_sizes")}
     return list(leave_one_out_tables(res.measured, res.events.get, res.spec.ranks, meta))
