@@ -196,10 +196,15 @@ def test_quick_sweep_writes_store_plots_and_report(tmp_path, capsys):
     from vpipe.trace.thread_cpu import cores_shared
 
     comm = pd.to_numeric(measured["comm_thread_cpu_s"], errors="coerce")
-    if cores_shared(2 * int(measured["threads"].iloc[0])):
-        assert (comm > 0).all(), comm
-    else:
-        assert comm.isna().all(), comm
+    shared = cores_shared(2 * int(measured["threads"].iloc[0]))
+    assert (comm > 0).all() if shared else comm.isna().all(), comm
+    # a prediction from the sweep charges them per message, and says so
+    zbv = measured[(measured["schedule"] == "zbv") & (measured["impl"] == "vpipe")]
+    capsys.readouterr()
+    run_id = zbv["run_id"].iloc[0]
+    rc = main(["analyze", str(out), "--run", run_id, "--predict", "interleaved-1f1b"])
+    assert rc == 0
+    assert ("us per message posted" in capsys.readouterr().out) == shared
 
     steps = pd.read_parquet(out / "steps.parquet")
     assert len(steps) == 4 * 3 * 2  # configs x rounds x steps (quick: 3 x 2)

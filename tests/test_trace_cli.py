@@ -68,6 +68,7 @@ def test_analyze_prints_metrics_and_predictions(tmp_path, capsys):
     )
     out = capsys.readouterr().out
     assert "profiled step " in out and "bubble ratio" in out and "calibrated on cli1" in out
+    assert "per message posted" not in out  # a trace holds no communication threads' CPU
     lines = {ln.split()[0]: ln for ln in out.splitlines() if ln.strip()}
     assert "zbv" in lines and "gpipe" in lines and "1f1b" in lines
     # a store of one run, or a trace alone: no other config to measure the error on

@@ -302,6 +302,11 @@ def analysis_text(found: dict[str, Any]) -> str:
             f"W {d['w_us']} us per stage; posting {d['post_us']} us per send/recv, gap "
             f"{d['gap_us']} us per action; comm latency {d['comm_latency_us']} us, handshake "
             f"{d['comm_handshake_us']} us"
+            + (
+                f"; communication threads {d['comm_threads_us']} us per message posted"
+                if d.get("comm_threads_us")
+                else ""
+            )
             + (f"; I/W split assumed (W = {d['w_share']} of B)" if d["w_share"] is not None else "")
             + (f"; model in {units} pieces" if units else "")
             + (
