@@ -102,7 +102,7 @@ def test_a_slower_schedule_leaves_the_open_set_while_the_rest_stay():
 def test_merge_blocks_appends_every_blocks_steps_and_numbers_rounds_on():
     def rank(r, t):
         return {"rank": r, "times": [[t, t], [2 * t, 2 * t]], "refs": [[1, 1], [1, 1]],
-                "rounds": [[0, 1], [0, 1]],
+                "rounds": [[0, 1], [0, 1]], "comm_thread_cpu_s": [[t / 10], [t / 5]],
                 "host_rounds": [{"load1": t, "round": 0}, {"load1": t, "round": 1}],
                 "memory": {}}  # fmt: skip
 
@@ -110,6 +110,7 @@ def test_merge_blocks_appends_every_blocks_steps_and_numbers_rounds_on():
     assert [m["rank"] for m in merged] == [0, 1]
     assert merged[0]["times"] == [[0.1, 0.1, 0.3, 0.3], [0.2, 0.2, 0.6, 0.6]]
     assert merged[0]["refs"] == [[1, 1, 1, 1], [1, 1, 1, 1]]
+    assert merged[0]["comm_thread_cpu_s"] == [[0.01, 0.03], [0.02, 0.06]]  # one per round
     assert merged[0]["rounds"] == [[0, 1, 2, 3], [0, 1, 2, 3]]
     assert merged[0]["blocks"] == [[0, 0, 1, 1], [0, 0, 1, 1]]
     assert [(h["block"], h["round"], h["load1"]) for h in merged[0]["host_rounds"]] == [

@@ -35,10 +35,10 @@ def run_blocks(spec: SweepSpec, bench_id: str) -> list[dict[str, Any]]:
 
 
 def merge_blocks(blocks: list[list[dict[str, Any]]]) -> list[dict[str, Any]]:
-    """One result per rank: the first block's, with every block's step and reference times
-    and rounds appended per config (block after block; rounds numbered on across blocks), each
-    step's block, and every block's host rounds (and ``--dp`` reduction records), each marked
-    with its block."""
+    """One result per rank: the first block's, with every block's step and reference times,
+    communication-thread CPU and rounds appended per config (block after block; rounds
+    numbered on across blocks), each step's block, and every block's host rounds (and ``--dp``
+    reduction records), each marked with its block."""
     merged = []
     for per_rank in zip(*(sorted(b, key=lambda r: r["rank"]) for b in blocks), strict=True):
         first = dict(per_rank[0])
@@ -46,8 +46,9 @@ def merge_blocks(blocks: list[list[dict[str, Any]]]) -> list[dict[str, Any]]:
         for r in per_rank:  # the first round of each block, counted on across blocks
             offsets.append(n)
             n += 1 + max((x for rounds in r["rounds"] for x in rounds), default=-1)
-        for key in ("times", "refs"):
-            first[key] = [sum(rows, []) for rows in zip(*(r[key] for r in per_rank), strict=True)]
+        for key in ("times", "refs", "comm_thread_cpu_s"):  # per config, per step or round
+            if key in first:
+                first[key] = [sum(rows, []) for rows in zip(*(r[key] for r in per_rank), strict=True)]
         first["rounds"] = [
             [x + offsets[b] for b, rounds in enumerate(rows) for x in rounds]
             for rows in zip(*(r["rounds"] for r in per_rank), strict=True)

@@ -401,7 +401,7 @@ def _comm_thread_cpu_s(r0: dict[str, Any], i: int) -> float | None:
     measured (a GPU, a host with cores to spare, --dp, a rank without /proc)."""
     import numpy as np
 
-    per_round = np.asarray(r0.get("comm_thread_cpu_s", [[]] * (i + 1))[i], dtype=float)
+    per_round = np.asarray(r0["comm_thread_cpu_s"][i] if "comm_thread_cpu_s" in r0 else [])
     per_round = per_round[np.isfinite(per_round)]
     return float(np.median(per_round)) if len(per_round) else None
 
