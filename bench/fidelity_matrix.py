@@ -15,7 +15,7 @@ core, :class:`bench.false_alarms.Hog`). From its store, per implementation:
 - **breakdown**: for the calibration the report's plan uses (zbv), what each term adds to each
   prediction (:func:`vpipe.predict.error_terms.breakdown`).
 - **without comm threads**: the summary's worst and median absolute error again, the
-  communication threads' CPU not charged (:mod:`vpipe.predict.comm_threads`), from the same
+  communication threads' CPU not charged (:func:`vpipe.predict.calibrate.with_comm_threads`), from the same
   sweeps.
 - **timed**: how well the timed medians themselves are known: per config its timed steps and
   the 95% interval of its median, and per cell the interval of the timed ratio the prediction
@@ -72,9 +72,8 @@ def sweep(out: Path, minutes: float, impl: str, profile_steps: int, rounds: int,
 def matrices(store_dir: Path, comm_threads: bool = True) -> list[dict[str, Any]]:
     """Per implementation of a stored sweep: its absolute (anchored) and relative (unanchored)
     error tables, and the breakdown of the zbv calibration (or the first one); without the
-    communication threads' cost (:mod:`vpipe.predict.comm_threads`) unless ``comm_threads``."""
-    from vpipe.predict.calibrate import anchor, calibrate, model_units
-    from vpipe.predict.comm_threads import comm_thread_cpu_s, with_comm_threads
+    communication threads' cost (:func:`vpipe.predict.calibrate.with_comm_threads`) unless ``comm_threads``."""
+    from vpipe.predict.calibrate import anchor, calibrate, comm_thread_cpu_s, model_units
     from vpipe.predict.error_terms import breakdown
     from vpipe.predict.leave_one_out import Case, leave_one_out
     from vpipe.predict.timing_noise import sweep_intervals
@@ -103,8 +102,8 @@ def matrices(store_dir: Path, comm_threads: bool = True) -> list[dict[str, Any]]
         own = pd.Series(np.diag(plain.loc[:, plain.index].to_numpy()), index=plain.index)
         relative = (1 + plain).div(1 + own, axis=0) - 1
         base = next((c for c in cases if c.label == "zbv"), cases[0])
-        cal = with_comm_threads(calibrate(base.events), base.schedule, base.comm_thread_cpu_s)
-        cal = anchor(cal, base.schedule, base.timed_s, units)
+        cal = anchor(calibrate(base.events), base.schedule, base.timed_s, units,
+                     comm_thread_cpu_s=base.comm_thread_cpu_s)  # fmt: skip
         terms = breakdown(cal, [(c.label, c.schedule, c.timed_s) for c in cases], units)
         out.append({
             "impl": str(impl), "absolute": absolute, "replay": replay_errors(cases),

@@ -1,5 +1,5 @@
 """The communication threads' CPU time (vpipe.trace.thread_cpu) and its cost per posted message
-in predictions (vpipe.predict.comm_threads)."""
+in predictions (vpipe.predict.calibrate.with_comm_threads)."""
 
 from __future__ import annotations
 
@@ -12,8 +12,13 @@ import pandas as pd
 import pytest
 
 from vpipe.ir.lowering import lower
-from vpipe.predict.calibrate import Calibration, predict
-from vpipe.predict.comm_threads import comm_thread_cpu_s, with_comm_threads
+from vpipe.predict.calibrate import (
+    Calibration,
+    anchor,
+    comm_thread_cpu_s,
+    predict,
+    with_comm_threads,
+)
 from vpipe.schedules import make_schedule
 from vpipe.sim.posts import posted_operations
 from vpipe.sweep.write import comm_thread_sentence
@@ -97,6 +102,10 @@ def test_the_threads_cost_per_posted_operation_is_charged_with_posting():
     }
     assert grow["1f1b"] > 0 and grow["interleaved-1f1b"] > grow["1f1b"]
     assert with_comm_threads(_calibration(2), s, None).comm_threads == 0.0
+    # the anchor charges them first, then scales compute to the timed median with them
+    anchored = anchor(_calibration(2), s, 0.02, 4, comm_thread_cpu_s=0.008)
+    assert anchored.comm_threads == pytest.approx(500.0)
+    assert predict(anchored, s, 4).makespan == pytest.approx(20_000.0, rel=1e-3)
 
 
 def test_comm_thread_cpu_s_reads_rows_and_metadata_and_refuses_what_is_not_a_figure():

@@ -402,11 +402,11 @@ def _fidelity(
     from vpipe.predict.calibrate import (
         anchor,
         calibrate,
+        comm_thread_cpu_s,
         fidelity_table,
         model_units,
         timed_median_s,
     )
-    from vpipe.predict.comm_threads import comm_thread_cpu_s, with_comm_threads
     from vpipe.schedules import make_schedule
     from vpipe.sweep.results import has_actions
 
@@ -433,7 +433,7 @@ def _fidelity(
         schedule = make_schedule(own, ranks, mbs, _per_rank(meta, ranks))
         # its level: the timed median's, else its profiled steps' (a trace has no timed steps)
         level = timed or float(step_metrics(events[events["step"] >= 0])["step_time_s"].median())
-        cal = anchor(with_comm_threads(cal, schedule, comm_thread_cpu_s(meta)), schedule, level, units)
+        cal = anchor(cal, schedule, level, units, comm_thread_cpu_s=comm_thread_cpu_s(meta))
         anchored_to = "timed median" if timed else "profiled median"
         cases.append((f"{own} (calibration run)", schedule, events, timed))
     for item in predict:

@@ -21,9 +21,12 @@ communication latency:
   receives posted before their send is the cost model's ``comm_latency``, and what receives
   posted after it take beyond that is ``comm_handshake`` (:func:`comm_link_us`).
 - **Communication threads**: on a host whose cores the compute threads fill, gloo's and
-  vpipe's communication threads run on compute's time. A sweep measures their CPU per step
-  (the runs table's ``comm_thread_cpu_s``); :func:`vpipe.predict.comm_threads.with_comm_threads`
-  charges it per posted operation, with ``post`` (events alone do not hold it).
+  vpipe's communication threads run on compute's time (:mod:`vpipe.trace.thread_cpu`). A
+  sweep measures their CPU per timed step (the runs table's ``comm_thread_cpu_s``; events
+  alone do not hold it); :func:`with_comm_threads` divides it by the operations the run's
+  schedule posts (:func:`vpipe.sim.posts.posted_operations`) and the cost model charges that
+  with each ``post``, so a schedule that posts more pays for it. The run's own share is already
+  in its compute spans: :func:`anchor`, which applies it first, takes that share back out.
 - **Stage granularity**: a 1f1b run at P=2 has 2 stages, zbv and interleaved-1f1b at P=2 have
   4, so per-stage costs do not transfer as they are. The model is split into ``n_units`` equal
   pieces (MLP blocks, GPT layers) as :func:`vpipe.models.build_model` splits them (contiguous,
@@ -76,7 +79,7 @@ class Calibration:
     compute_scale: float = 1.0  # F, I, W and B times are multiplied by it (vpipe.predict.anchor)
     recomputable: np.ndarray | None = None  # per stage, an F's time in RECOMPUTABLE spans
     # the communication threads' CPU per posted operation, where it came out of compute's cores
-    # (vpipe.predict.comm_threads); charged with ``post``
+    # (with_comm_threads); charged with ``post``
     comm_threads: float = 0.0
 
     @property
@@ -313,6 +316,7 @@ def anchor(
     n_units: int | None = None,
     *,
     recv_lookahead: int = 1,
+    comm_thread_cpu_s: float | None = None,
 ) -> Calibration:
     """``cal`` with the ``compute_scale`` that makes its own ``schedule`` (the config it was
     calibrated on) simulate to ``timed_s`` seconds, its timed median; ``cal`` unchanged when
@@ -322,7 +326,10 @@ def anchor(
     and run under the profiler, so their level is off by several percent either way, while
     their structure (how F, I, W and B of each stage compare; posting and link costs) is
     measured inside the same steps, which share the host's state. The timed median is taken
-    over many interleaved steps. Only compute is scaled, never the overheads or the link."""
+    over many interleaved steps. Only compute is scaled, never the overheads or the link.
+    ``comm_thread_cpu_s``, the same timed steps' communication-thread CPU, is charged first
+    (:func:`with_comm_threads`)."""
+    cal = with_comm_threads(cal, schedule, comm_thread_cpu_s, recv_lookahead=recv_lookahead)
     if timed_s is None or not timed_s > 0:
         return cal
     target = timed_s * 1e9 / US
@@ -412,3 +419,30 @@ def judged_against(run: Any) -> float:
     if timed is None or pd.isna(timed):
         return float(getattr(run, "profiled_step_time_s", float("nan")))
     return float(timed)
+
+
+def comm_thread_cpu_s(row: Any) -> float | None:
+    """A run's communication threads' CPU seconds per timed step (its runs-table row, a row
+    tuple or its metadata), or None where they were not measured."""
+    value = row.get("comm_thread_cpu_s") if hasattr(row, "get") else getattr(
+        row, "comm_thread_cpu_s", None
+    )
+    try:
+        value = float(value)
+    except (TypeError, ValueError):  # None, NA
+        return None
+    return value if value >= 0 else None  # NaN fails the comparison too
+
+
+def with_comm_threads(
+    cal: Calibration, schedule: Any, cpu_s_per_step: float | None, *, recv_lookahead: int = 1
+) -> Calibration:
+    """``cal`` with the communication threads' cost per posted operation (microseconds), from
+    the CPU seconds per step its own run's ``schedule`` spent in them (see the module's doc);
+    unchanged without the figure or messages."""
+    from vpipe.sim.posts import posted_operations
+
+    if cpu_s_per_step is None:
+        return cal
+    posts = posted_operations(schedule, recv_lookahead)
+    return replace(cal, comm_threads=cpu_s_per_step * 1e6 / posts) if posts else cal

@@ -9,7 +9,7 @@ step loses, in milliseconds:
   steps' own compute level instead of the timed median's;
 - ``posting``: SEND/RECV posting (``post``), ``gaps``: the executor's time between actions
   (``gap``), ``link``: message latency and handshake, ``comm threads``: the communication
-  threads' CPU where it comes out of compute's cores (:mod:`vpipe.predict.comm_threads`);
+  threads' CPU where it comes out of compute's cores (:func:`vpipe.predict.calibrate.with_comm_threads`);
 - ``w_share``: when the calibration had only B, how far the step moves if W's assumed share of
   a backward is 0.4 or 0.6 instead of the assumed one (the larger change);
 - ``restaged``: whether the target splits the model into other stages than the calibration

@@ -47,8 +47,7 @@ def across_m_table(
     import pandas as pd
 
     from vpipe.errors import ScheduleError
-    from vpipe.predict.calibrate import judged_against
-    from vpipe.predict.comm_threads import comm_thread_cpu_s
+    from vpipe.predict.calibrate import comm_thread_cpu_s, judged_against
     from vpipe.predict.plan import calibrated_costs
     from vpipe.schedules import make_schedule
     from vpipe.sim import simulate

@@ -4,7 +4,7 @@ error, ``bench.fidelity_matrix``).
 
 Each calibration (:func:`vpipe.predict.calibrate.calibrate`) takes its config's
 communication-thread cost where the sweep measured it
-(:func:`vpipe.predict.comm_threads.with_comm_threads`) and is anchored to its timed median
+(:func:`vpipe.predict.calibrate.with_comm_threads`) and is anchored to its timed median
 (:func:`vpipe.predict.calibrate.anchor`).
 """
 
@@ -19,11 +19,12 @@ from vpipe.events import COMPUTE_KINDS
 from vpipe.predict.calibrate import (
     anchor,
     calibrate,
+    comm_thread_cpu_s,
     fidelity_table,
     judged_against,
     model_units,
+    with_comm_threads,
 )
-from vpipe.predict.comm_threads import comm_thread_cpu_s, with_comm_threads
 
 __all__ = ["Case", "leave_one_out", "leave_one_out_tables"]
 
@@ -52,10 +53,11 @@ def leave_one_out(
     targets = [(c.label, c.schedule, None, c.timed_s) for c in cases]
     rows = []
     for source in cases:
-        cal = calibrate(source.events)
-        cal = with_comm_threads(cal, source.schedule, source.comm_thread_cpu_s)
+        cal, threads = calibrate(source.events), source.comm_thread_cpu_s
         if anchored:
-            cal = anchor(cal, source.schedule, source.timed_s, n_units)
+            cal = anchor(cal, source.schedule, source.timed_s, n_units, comm_thread_cpu_s=threads)
+        else:
+            cal = with_comm_threads(cal, source.schedule, threads)
         t = fidelity_table(cal, targets, n_units)
         rows.append(
             {"calibrated on": source.label, **dict(zip(t["schedule"], t["error"], strict=True))}

@@ -176,8 +176,7 @@ def calibrated_costs(
     for backward per model piece and row, from the run's measured peak per rank
     (``peak_bytes``) against the simulated peak of the same schedule. ``meta`` names the
     model, its sizes, stages and batch (the global batch of ``meta["dp"]`` replicas, if any)."""
-    from vpipe.predict.calibrate import anchor, calibrate, model_units
-    from vpipe.predict.comm_threads import comm_thread_cpu_s, with_comm_threads
+    from vpipe.predict.calibrate import anchor, calibrate, comm_thread_cpu_s, model_units
     from vpipe.predict.pieces import split_sizes
     from vpipe.sim import simulate
 
@@ -190,8 +189,8 @@ def calibrated_costs(
     units = split_sizes(pieces, schedule.n_stages)
     sim = simulate(schedule, CostModel(activation_bytes=[u * rows for u in units]))
     ratios = [peak_bytes.get(r, 0) / p for r, p in enumerate(sim.peak_activation_bytes) if p]
-    cal = with_comm_threads(calibrate(events), schedule, comm_thread_cpu_s(meta))
-    cal = anchor(cal, schedule, timed_s, pieces)
+    cal = anchor(calibrate(events), schedule, timed_s, pieces,
+                 comm_thread_cpu_s=comm_thread_cpu_s(meta))  # fmt: skip
     return CalibratedCosts(cal, pieces, rows, float(max(ratios, default=0.0)), meta)
 
 

@@ -1,7 +1,7 @@
 """Where a lowered program's SEND/RECV actions sit and which of them post an operation: what
 the cost model's per-action overheads are charged on (:func:`vpipe.sim.simulator.simulate`),
 and how many operations a step posts (:func:`posted_operations`, what a measured per-message
-cost is divided by: :mod:`vpipe.predict.comm_threads`)."""
+cost is divided by: :func:`vpipe.predict.calibrate.with_comm_threads`)."""
 
 from __future__ import annotations
 
