@@ -1,7 +1,7 @@
 """The simulator's fidelity matrix: calibrate on each schedule, predict every other one.
 
     python -m bench.fidelity_matrix [--runs 3] [--hog-runs 1] [--minutes 3] [--impl vpipe]
-                                    [--profile-steps 3] [--rounds 8] [--steps 4] [--keep DIR]
+                                    [--profile-steps 6] [--rounds 8] [--steps 4] [--keep DIR]
 
 Each run is one ``vpipe bench`` sweep of five schedules (P=2, M=6, an MLP of a shape no test
 uses, compute-bound: actions of 7-30 ms), quiet or beside a CPU hog (a busy loop pinned to one
@@ -152,19 +152,22 @@ def host_line() -> str:
 
 
 def main(argv: list[str] | None = None) -> int:
+    from vpipe.sweep.driver import DEFAULT_PROFILE_STEPS
+
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--runs", type=int, default=3, help="quiet sweeps (default 3)")
     ap.add_argument("--hog-runs", type=int, default=1, help="sweeps beside a hog (default 1)")
     ap.add_argument("--minutes", type=float, default=3.0, help="budget of each sweep")
     ap.add_argument("--impl", default="vpipe", help="vpipe, torch or both (default vpipe)")
-    ap.add_argument("--profile-steps", type=int, default=3)
+    ap.add_argument("--profile-steps", type=int, default=DEFAULT_PROFILE_STEPS,
+                    help=f"profiled steps per config (default {DEFAULT_PROFILE_STEPS}, as vpipe bench)")
     ap.add_argument("--rounds", type=int, default=8, help="timed rounds per sweep (default 8)")
     ap.add_argument("--steps", type=int, default=4,
                     help="timed steps per config and round (default 4)")
     ap.add_argument("--keep", type=Path, help="keep the sweeps' stores under this folder")
     ap.add_argument("--sweep-args", default="", metavar="ARGS",
-                    help="more vpipe bench options for every sweep, e.g. "
-                    "'--cpu-allocator system'")  # fmt: skip
+                    help="more vpipe bench options for every sweep, joined with '=' as "
+                    "they start with a dash: --sweep-args='--cpu-allocator system'")  # fmt: skip
     args = ap.parse_args(argv)
     extra = shlex.split(args.sweep_args)
     from bench.false_alarms import Hog

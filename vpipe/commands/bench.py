@@ -17,6 +17,7 @@ if TYPE_CHECKING:
 def register(subparsers: argparse._SubParsersAction) -> None:
     from vpipe.sweep.driver import (
         DEFAULT_MAX_MINUTES,
+        DEFAULT_PROFILE_STEPS,
         DEFAULT_SCHEDULES,
         DEFAULT_TIMING_PRECISION,
         QUICK_MAX_MINUTES,
@@ -101,7 +102,7 @@ def register(subparsers: argparse._SubParsersAction) -> None:
         "--profile-steps",
         type=int,
         help="profiled steps per config, one per interleaved round; calibration takes "
-        "per-action medians over them (default 3; --quick: 1)",
+        f"per-action medians over them (default {DEFAULT_PROFILE_STEPS}; --quick: 1)",
     )
     p.add_argument(
         "--blocks",

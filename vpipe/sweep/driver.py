@@ -61,7 +61,7 @@ DEFAULT_MICROBATCHES = (8,)
 GPU_MODEL = "gpt"
 GPU_SIZES = {"vocab": 32768, "d_model": 2048, "n_heads": 16, "seq_len": 1024}
 GPU_BATCH, GPU_QUICK_BATCH = 32, 16
-DEFAULT_PROFILE_STEPS = 3  # calibration takes per-action medians over these
+DEFAULT_PROFILE_STEPS = 6  # calibration takes per-action medians over these (docs/runtime.md)
 
 
 class BenchError(VpipeError, ValueError):
