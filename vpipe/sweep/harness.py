@@ -259,16 +259,22 @@ class RankHarness:
         verbose: bool = False,
         ops: bool = False,
     ) -> Any:
-        """One step under torch.profiler (after one traced warm-up step), written to
-        ``out_dir/rank{R}.pt.trace.json`` and returned as this rank's event table; ``verbose``
-        shows the profiler's own stderr lines; ``ops`` records every aten op besides the action
-        spans (:class:`~vpipe.trace.record.StepProfiler`)."""
+        """One step under torch.profiler, written to ``out_dir/rank{R}.pt.trace.json`` and
+        returned as this rank's event table; ``verbose`` shows the profiler's own stderr lines;
+        ``ops`` records every aten op besides the action spans
+        (:class:`~vpipe.trace.record.StepProfiler`).
+
+        A traced warm-up step comes first on CUDA (where CUPTI starts) and with ``ops`` (without
+        it torch's recorded steps ran longer). Recording only vpipe's spans on CPU, it cost a
+        whole step and changed neither the recorded step nor the predictions calibrated on it
+        (docs/runtime.md, "How many profiled steps")."""
         import torch.distributed as dist
 
         from vpipe.trace.kineto import convert
         from vpipe.trace.record import StepProfiler
 
-        window = {"wait": 0, "warmup": 1, "active": 1}
+        warmup = 1 if ops or self.cuda else 0
+        window = {"wait": 0, "warmup": warmup, "active": 1}
         with StepProfiler(
             out_dir,
             self.rank,
@@ -278,7 +284,7 @@ class RankHarness:
             device=self.device,
             **window,
         ) as p:
-            for _ in range(2):
+            for _ in range(warmup + 1):
                 dist.barrier()
                 self.step()
                 p.step({"activations": self.stats.get("peak_live_activation_bytes")})

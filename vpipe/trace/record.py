@@ -148,9 +148,12 @@ class StepProfiler:
         user_only = not self._ops and self._scopes.enter_context(user_scope_only())
         self._meta["profiler_ops"] = "user spans" if user_only else "all"
         try:
+            with warnings.catch_warnings():  # warmup=0 is the caller's measured choice
+                warnings.filterwarnings("ignore", "Profiler won't be using warmup")
+                steps = schedule(wait=wait, warmup=warmup, active=active, repeat=1)
             prof = profile(
                 activities=activities,
-                schedule=schedule(wait=wait, warmup=warmup, active=active, repeat=1),
+                schedule=steps,
                 on_trace_ready=self._write,
                 **self._options,
             )
