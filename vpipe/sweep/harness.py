@@ -274,7 +274,6 @@ class RankHarness:
         from vpipe.trace.record import StepProfiler
 
         warmup = 1 if ops or self.cuda else 0
-        window = {"wait": 0, "warmup": warmup, "active": 1}
         with StepProfiler(
             out_dir,
             self.rank,
@@ -282,7 +281,9 @@ class RankHarness:
             verbose=verbose,
             ops=ops,
             device=self.device,
-            **window,
+            wait=0,
+            warmup=warmup,
+            active=1,
         ) as p:
             for _ in range(warmup + 1):
                 dist.barrier()

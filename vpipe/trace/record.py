@@ -148,7 +148,7 @@ class StepProfiler:
         user_only = not self._ops and self._scopes.enter_context(user_scope_only())
         self._meta["profiler_ops"] = "user spans" if user_only else "all"
         try:
-            with warnings.catch_warnings():  # warmup=0 is the caller's measured choice
+            with warnings.catch_warnings():  # a caller's warmup=0 is deliberate (profiled_step)
                 warnings.filterwarnings("ignore", "Profiler won't be using warmup")
                 steps = schedule(wait=wait, warmup=warmup, active=active, repeat=1)
             prof = profile(
