@@ -56,6 +56,7 @@ from vpipe.metrics.per_run import KEYS, _union_ns, rank_metrics, step_metrics
 from vpipe.predict.links import comm_link_us
 from vpipe.predict.pieces import lcm, rescale_stages
 from vpipe.predict.recompute_share import recomputable_us
+from vpipe.predict.split_cost import in_run_ratio, split_factors
 from vpipe.trace.operators import RUN_NAME
 
 US = 1e3  # ns per cost-model time unit
@@ -81,6 +82,8 @@ class Calibration:
     # the communication threads' CPU per posted operation, where it came out of compute's cores
     # (with_comm_threads); charged with ``post``
     comm_threads: float = 0.0
+    # (I + W) over a fused B past the first stage (vpipe.predict.split_cost); None: unknown, 1
+    split_ratio: float | None = None
 
     @property
     def n_stages(self) -> int:
@@ -91,16 +94,21 @@ class Calibration:
         from vpipe.sim import CostModel
 
         n_stages, k = schedule.n_stages, self.compute_scale
+        split = split_factors(n_stages, self.split_ratio)
         if n_stages == self.n_stages:
-            f, b, w = self.f * k, self.b * k, self.w * k
+            f, fused = self.f * k, self.fused_backward() * k
+            if self.w_share is None:  # I and W as measured
+                b, w = self.b * k, self.w * k
+            else:
+                b, w = split_backward(fused * split, self.w_share)
         else:
             n_units = n_units or lcm(self.n_stages, n_stages)
-            f, total = (rescale_stages(x * k, n_units, n_stages) for x in (self.f, self.b + self.w))
-            b, w = split_backward(total, self.share_of_w())
-        per_stage = {s: {"f": f[s], "b": b[s], "w": w[s]} for s in range(n_stages)}
-        if n_stages == self.n_stages and self.full_b is not None:  # same split: B as measured
-            for s in np.flatnonzero(np.isfinite(self.full_b)):
-                per_stage[int(s)]["B"] = float(self.full_b[s] * k)
+            f, fused = (rescale_stages(x * k, n_units, n_stages)
+                        for x in (self.f, self.fused_backward()))  # fmt: skip
+            b, w = split_backward(fused * split, self.share_of_w())
+        per_stage = {
+            s: {"f": f[s], "b": b[s], "w": w[s], "B": float(fused[s])} for s in range(n_stages)
+        }
         return CostModel(
             comm_latency=self.comm_latency,
             comm_handshake=self.comm_handshake,
@@ -109,6 +117,17 @@ class Calibration:
             gap=self.gap,
             overlap=self.overlap,
         )
+
+    def fused_backward(self) -> np.ndarray:
+        """Per stage, what one fused B costs: as measured where the run ran B, else its I + W
+        over the split ratio (:mod:`vpipe.predict.split_cost`)."""
+        total = self.b + self.w
+        if self.w_share is not None:  # the run's backwards were B
+            return total
+        fused = total / split_factors(self.n_stages, self.split_ratio)
+        if self.full_b is not None:
+            fused = np.where(np.isfinite(self.full_b), self.full_b, fused)
+        return fused
 
     def share_of_w(self) -> float:
         """W's share of a backward past the first stage: assumed, or measured (median)."""
@@ -132,6 +151,7 @@ class Calibration:
             "w_share": self.w_share,
             "compute_scale": round(self.compute_scale, 4),
             "comm_threads_us": round(self.comm_threads, 1),
+            "split_ratio": None if self.split_ratio is None else round(self.split_ratio, 3),
         }
 
 
@@ -143,8 +163,16 @@ def split_backward(total: np.ndarray, share: float) -> tuple[np.ndarray, np.ndar
     return total - w, w
 
 
-def calibrate(events: pd.DataFrame, *, w_share: float = 0.5, stat: str = "median") -> Calibration:
-    """Calibrate from one measured run's event table (see the module docstring)."""
+def calibrate(
+    events: pd.DataFrame,
+    *,
+    w_share: float = 0.5,
+    stat: str = "median",
+    split_ratio: float | None = None,
+) -> Calibration:
+    """Calibrate from one measured run's event table (see the module docstring);
+    ``split_ratio``, the run's probe of its split backward, where the run did not measure it
+    itself (:mod:`vpipe.predict.split_cost`)."""
     if events.empty:
         raise TraceError("cannot calibrate from an empty event table")
     in_steps = events[events["step"] >= 0]
@@ -188,10 +216,11 @@ def calibrate(events: pd.DataFrame, *, w_share: float = 0.5, stat: str = "median
         latency,
         None if measured_iw else w_share,
         str(ev["run_id"].iloc[0]) if len(ev) else "",
-        _overlap_factor(ev, dur_us, kind, f, b, w),
+        _overlap_factor(ev, dur_us, kind, f, b, w, np.where(np.isfinite(full_b), full_b, b + w)),
         handshake,
         full_b if np.isfinite(full_b).any() else None,
         recomputable=recomputable_us(ev, n_stages),
+        split_ratio=in_run_ratio(b, w, full_b) or split_ratio,
     )
 
 
@@ -202,11 +231,12 @@ def _overlap_factor(
     f: np.ndarray,
     b: np.ndarray,
     w: np.ndarray,
+    fused: np.ndarray,
 ) -> float:
     """Median over a run's overlap actions of the compound's computing time (its span less
-    the waits inside it) over the sum of its parts' separate median costs; 1 when the run has
-    none."""
-    parts = compound_parts(ev.assign(kind=kind, us=dur_us), f, b, w)
+    the waits inside it) over the sum of its parts' separate median costs (a B part's:
+    ``fused``); 1 when the run has none."""
+    parts = compound_parts(ev.assign(kind=kind, us=dur_us), f, b, w, fused)
     if parts.empty:
         return 1.0
     per = parts.groupby(COMPOUND_KEYS, observed=True).agg(
@@ -219,13 +249,16 @@ def _overlap_factor(
 COMPOUND_KEYS = [*KEYS, "name"]
 
 
-def compound_parts(ev: pd.DataFrame, f: np.ndarray, b: np.ndarray, w: np.ndarray) -> pd.DataFrame:
+def compound_parts(
+    ev: pd.DataFrame, f: np.ndarray, b: np.ndarray, w: np.ndarray, fused: np.ndarray | None = None
+) -> pd.DataFrame:
     """The rows of overlap-action parts in ``ev`` (which has a string ``kind`` and the span in
-    microseconds as ``us``), each with ``own``, its calibrated cost, and ``computing``, its
-    compound's computing time: the parts' rows tile the compound less its waits (each part
-    its own interval, or a shared one), so that is the sum over their distinct intervals."""
+    microseconds as ``us``), each with ``own``, its calibrated cost (a B part's: ``fused``,
+    else ``b + w``), and ``computing``, its compound's computing time: the parts' rows tile
+    the compound less its waits (each part its own interval, or a shared one), so that is the
+    sum over their distinct intervals."""
     compound = ev["name"].astype(str).str.startswith("(") & ev["kind"].isin(COMPUTE_KINDS)
-    cost = {"F": f, "B": b + w, "I": b, "W": w}
+    cost = {"F": f, "B": b + w if fused is None else fused, "I": b, "W": w}
     parts = ev[compound]
     parts = parts.assign(
         own=[float(cost[k][s]) for k, s in zip(parts["kind"], parts["stage"], strict=True)]

@@ -32,7 +32,7 @@ def action_times(events: pd.DataFrame, cal: Calibration) -> dict[int, dict[tuple
     ev = events[(events["step"] >= 0) & events["kind"].astype(str).isin(COMPUTE_KINDS)]
     ev = ev.reset_index(drop=True)
     ev = ev.assign(kind=ev["kind"].astype(str), us=(ev["end_ns"] - ev["start_ns"]) / US)
-    parts = compound_parts(ev, cal.f, cal.b, cal.w)
+    parts = compound_parts(ev, cal.f, cal.b, cal.w, cal.fused_backward())
     if len(parts):
         own_sum = parts.groupby(COMPOUND_KEYS, observed=True)["own"].transform("sum")
         share = (parts["own"] / own_sum).where(own_sum > 0, 1 / 2)

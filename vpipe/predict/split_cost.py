@@ -1,0 +1,55 @@
+"""What splitting a backward costs: (I + W) over one fused B of the same stage and microbatch.
+
+A split backward is not free. On a CPU host, vpipe's I then W of an MLP stage took 1.14-1.26x
+its fused B (one thread, stages of 1 to 3 blocks, interleaved repeats; docs/runtime.md): W
+roots one autograd call at each node where the input-gradient chain meets a weight, and the
+pass over the graph is paid twice. A calibration whose run had only B (1f1b) that assumed
+I + W = B predicted zbv 8-11% short, and one whose run had only I and W predicted 1f1b as
+much too long.
+
+The ratio comes from the run itself where it ran B beside I and W on the same stage
+(dualpipev), else from the split probe a sweep runs on each config's stages
+(:mod:`vpipe.sweep.split_probe`, the runs table's ``split_backward_ratio``); unknown, it is
+taken as 1. It applies to stages that compute an input gradient: the first stage's I computes
+nothing, so its W is the whole backward.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import numpy as np
+
+__all__ = ["in_run_ratio", "split_backward_ratio", "split_factors"]
+
+
+def split_factors(n_stages: int, ratio: float | None) -> np.ndarray:
+    """Per stage, what I + W costs over a fused B: ``ratio`` (1 when unknown) past the first
+    stage, 1 on it."""
+    out = np.full(n_stages, 1.0 if ratio is None else float(ratio))
+    out[0] = 1.0
+    return out
+
+
+def in_run_ratio(b: np.ndarray, w: np.ndarray, full_b: np.ndarray | None) -> float | None:
+    """(I + W) / B from a run that measured both on the same stages past the first (the median
+    over them), or None."""
+    if full_b is None or len(full_b) < 2:
+        return None
+    both = np.isfinite(full_b[1:]) & (full_b[1:] > 0)
+    if not both.any():
+        return None
+    return float(np.median(((b + w)[1:] / full_b[1:])[both]))
+
+
+def split_backward_ratio(row: Any) -> float | None:
+    """A run's probed split ratio (its runs-table row, a row tuple or its metadata), or None
+    where the run has none (torch's configs, a recomputing run, a trace from elsewhere)."""
+    value = row.get("split_backward_ratio") if hasattr(row, "get") else getattr(
+        row, "split_backward_ratio", None
+    )
+    try:
+        value = float(value)
+    except (TypeError, ValueError):  # None, NA
+        return None
+    return value if value > 0 else None  # NaN fails the comparison too
