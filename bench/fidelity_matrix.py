@@ -76,6 +76,7 @@ def matrices(store_dir: Path, comm_threads: bool = True) -> list[dict[str, Any]]
     from vpipe.predict.calibrate import anchor, calibrate, comm_thread_cpu_s, model_units
     from vpipe.predict.error_terms import breakdown
     from vpipe.predict.leave_one_out import Case, leave_one_out
+    from vpipe.predict.split_cost import split_backward_ratio
     from vpipe.predict.timing_noise import sweep_intervals
     from vpipe.schedules import make_schedule
     from vpipe.trace.store import Store
@@ -93,7 +94,8 @@ def matrices(store_dir: Path, comm_threads: bool = True) -> list[dict[str, Any]]
                 continue
             schedule = make_schedule(r.schedule, RANKS, int(r.microbatches))
             threads = comm_thread_cpu_s(r) if comm_threads else None
-            cases.append(Case(r.schedule, schedule, ev, float(r.step_time_s), threads))
+            cases.append(Case(r.schedule, schedule, ev, float(r.step_time_s), threads,
+                              split_backward_ratio(r)))  # fmt: skip
         if len(cases) < 2:
             continue
         units = model_units({**meta, "stages": max(c.schedule.n_stages for c in cases)})
@@ -102,7 +104,8 @@ def matrices(store_dir: Path, comm_threads: bool = True) -> list[dict[str, Any]]
         own = pd.Series(np.diag(plain.loc[:, plain.index].to_numpy()), index=plain.index)
         relative = (1 + plain).div(1 + own, axis=0) - 1
         base = next((c for c in cases if c.label == "zbv"), cases[0])
-        cal = anchor(calibrate(base.events), base.schedule, base.timed_s, units,
+        cal = anchor(calibrate(base.events, split_ratio=base.split_ratio), base.schedule,
+                     base.timed_s, units,
                      comm_thread_cpu_s=base.comm_thread_cpu_s)  # fmt: skip
         terms = breakdown(cal, [(c.label, c.schedule, c.timed_s) for c in cases], units)
         out.append({

@@ -191,6 +191,10 @@ def test_quick_sweep_writes_store_plots_and_report(tmp_path, capsys):
     assert measured["bubble_ratio"].between(0, 1).all()
     simulated = runs[runs["source"] == "simulated"]
     assert len(simulated) == 4 and (simulated["step_time_s"] > 0).all()
+    # the split probe: (I + W) / B on vpipe's stages, none for torch's runtime
+    split = pd.to_numeric(measured["split_backward_ratio"], errors="coerce")
+    assert (split[measured["impl"] == "vpipe"] > 0).all()
+    assert split[measured["impl"] == "torch"].isna().all()
     # the communication threads' CPU per step: measured where the 2 ranks' compute threads
     # take every core (they do by default: cores // ranks each), else left out
     from vpipe.trace.thread_cpu import cores_shared

@@ -21,7 +21,7 @@ from vpipe.predict.calibrate import (
 )
 from vpipe.schedules import make_schedule
 from vpipe.sim.posts import posted_operations
-from vpipe.sweep.write import comm_thread_sentence
+from vpipe.sweep.write import comm_thread_sentence, split_sentence
 from vpipe.trace import thread_cpu
 from vpipe.trace.thread_cpu import comm_thread_ns, cores_shared, parse_schedstat
 
@@ -126,3 +126,13 @@ def test_the_report_says_what_the_threads_took_where_measured():
     assert "4.0-10.0 ms of CPU per step" in said and "(1.0-2.0% of the ranks' time)" in said
     assert comm_thread_sentence(runs, "torch", 4) == ""
     assert comm_thread_sentence(runs.drop(columns="comm_thread_cpu_s"), "vpipe", 4) == ""
+
+
+def test_the_report_says_what_the_split_backward_cost_where_probed():
+    runs = pd.DataFrame(
+        {"impl": ["vpipe", "vpipe", "torch"], "microbatches": [4, 4, 4],
+         "split_backward_ratio": [1.08, 1.21, None]}
+    )  # fmt: skip
+    assert "cost 1.08-1.21x a fused B" in split_sentence(runs, "vpipe", 4)
+    assert split_sentence(runs, "torch", 4) == ""
+    assert split_sentence(runs.drop(columns="split_backward_ratio"), "vpipe", 4) == ""

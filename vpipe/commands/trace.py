@@ -407,6 +407,7 @@ def _fidelity(
         model_units,
         timed_median_s,
     )
+    from vpipe.predict.split_cost import split_backward_ratio
     from vpipe.schedules import make_schedule
     from vpipe.sweep.results import has_actions
 
@@ -423,7 +424,7 @@ def _fidelity(
             "--predict needs the run's microbatches, which the trace does not name: "
             "give --microbatches M"
         )
-    cal = calibrate(events, w_share=w_share, stat=stat)
+    cal = calibrate(events, w_share=w_share, stat=stat, split_ratio=split_backward_ratio(meta))
     units = model_units(meta)
     cases = []
     own = str(meta.get("schedule", "unknown"))

@@ -9,7 +9,8 @@ step loses, in milliseconds:
   steps' own compute level instead of the timed median's;
 - ``posting``: SEND/RECV posting (``post``), ``gaps``: the executor's time between actions
   (``gap``), ``link``: message latency and handshake, ``comm threads``: the communication
-  threads' CPU where it comes out of compute's cores (:func:`vpipe.predict.calibrate.with_comm_threads`);
+  threads' CPU where it comes out of compute's cores (:func:`vpipe.predict.calibrate.with_comm_threads`),
+  ``split``: what a split backward costs over a fused B (:mod:`vpipe.predict.split_cost`);
 - ``w_share``: when the calibration had only B, how far the step moves if W's assumed share of
   a backward is 0.4 or 0.6 instead of the assumed one (the larger change);
 - ``restaged``: whether the target splits the model into other stages than the calibration
@@ -62,6 +63,7 @@ def breakdown(
             "gaps": replace(cal, gap=0.0),
             "link": replace(cal, comm_latency=0.0, comm_handshake=0.0),
             "comm threads": replace(cal, comm_threads=0.0),
+            "split": replace(cal, split_ratio=None),
         }
         for term, other in without.items():
             row[term] = step - _step_ms(other, schedule, n_units)

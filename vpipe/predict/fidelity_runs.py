@@ -59,7 +59,8 @@ def across_m_table(
     for src in sources:
         events = events_of(src.run_id)
         own = make_schedule(src.schedule, ranks, int(src.microbatches))
-        src_meta = {**meta, "stages": own.n_stages, "comm_thread_cpu_s": comm_thread_cpu_s(src)}
+        src_meta = {**meta, "stages": own.n_stages, "comm_thread_cpu_s": comm_thread_cpu_s(src),
+                    "split_backward_ratio": getattr(src, "split_backward_ratio", None)}  # fmt: skip
         costs = calibrated_costs(events, {}, own, src_meta, judged_against(src))
         row: dict[str, Any] = {"calibrated on": label(src.schedule, int(src.microbatches))}
         for t in runs[runs["microbatches"] != src.microbatches].itertuples():

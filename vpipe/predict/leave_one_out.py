@@ -25,6 +25,7 @@ from vpipe.predict.calibrate import (
     model_units,
     with_comm_threads,
 )
+from vpipe.predict.split_cost import split_backward_ratio
 
 __all__ = ["Case", "leave_one_out", "leave_one_out_tables"]
 
@@ -39,6 +40,7 @@ class Case:
     events: pd.DataFrame
     timed_s: float
     comm_thread_cpu_s: float | None = None  # its communication threads' CPU s per step
+    split_ratio: float | None = None  # its split probe (vpipe.predict.split_cost)
 
 
 def leave_one_out(
@@ -53,7 +55,8 @@ def leave_one_out(
     targets = [(c.label, c.schedule, None, c.timed_s) for c in cases]
     rows = []
     for source in cases:
-        cal, threads = calibrate(source.events), source.comm_thread_cpu_s
+        cal = calibrate(source.events, split_ratio=source.split_ratio)
+        threads = source.comm_thread_cpu_s
         if anchored:
             cal = anchor(cal, source.schedule, source.timed_s, n_units, comm_thread_cpu_s=threads)
         else:
@@ -82,8 +85,8 @@ def leave_one_out_tables(
             ev = events_of(r.run_id)
             if ev is not None and ev["kind"].astype(str).isin(COMPUTE_KINDS).any():
                 schedule = make_schedule(r.schedule, ranks, int(m))
-                threads = comm_thread_cpu_s(r)
-                cases.append(Case(r.schedule, schedule, ev, judged_against(r), threads))
+                threads, split = comm_thread_cpu_s(r), split_backward_ratio(r)
+                cases.append(Case(r.schedule, schedule, ev, judged_against(r), threads, split))
         if len(cases) >= 2:
             stages = max(c.schedule.n_stages for c in cases)
             units = model_units({**meta, "stages": stages})

@@ -24,16 +24,12 @@ import tempfile
 import time
 from dataclasses import asdict, dataclass, field, replace
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 from vpipe.errors import VpipeError
 from vpipe.schedules import catalogue
 from vpipe.sweep.harness import IMPLS, RankSpec
 from vpipe.sweep.progress import Progress
-
-if TYPE_CHECKING:  # the rank's side of the gate and its rounds, imported where they run
-    from vpipe.sweep.gate import RankGate
-    from vpipe.sweep.rounds import Rounds
 
 # Fixed when this module is imported: families registered later join only when named.
 DEFAULT_SCHEDULES = catalogue.names(lambda f: f.default_sweep)
@@ -306,7 +302,7 @@ def rank_worker(
 
     from vpipe.runtime.host_memory import apply_cpu_allocator
     from vpipe.sweep.dp_bench import step_record
-    from vpipe.sweep.gate import RankGate
+    from vpipe.sweep.gate import RankGate, gated_rounds
     from vpipe.sweep.harness import build
     from vpipe.sweep.reference import DeviceReference, Reference, device_round
     from vpipe.sweep.rounds import Rounds, comm_thread_clock
@@ -348,6 +344,7 @@ def rank_worker(
                        lambda: device_round(device_reference, device),
                        comm_thread_clock(world) if not on_gpu and spec.dp == 1 else None)  # fmt: skip
         traced: dict[str, list[Any]] = {cfg.key: [] for cfg in configs}
+        probes: dict[str, list[float]] = {}
 
         def profile_round(r: int) -> None:  # interleaved with the timed rounds
             for cfg, h in zip(configs, harnesses, strict=True):
@@ -355,6 +352,8 @@ def rank_worker(
                 meta = _trace_meta(spec, cfg, h, run_id)
                 # torch's runtime marks no waits: they are read from its operators
                 ops = spec.profile_ops or cfg.impl == "torch"
+                if r == 0:  # what a split backward costs on its stages (vpipe.sweep.split_probe)
+                    probes[cfg.key] = h.split_probe()
                 ev = h.profiled_step(out, meta, verbose=spec.verbose, ops=ops)
                 # one recorded step per round: number it by its round (torch's traces count
                 # their ProfilerStep from 1 again in every round)
@@ -400,6 +399,7 @@ def rank_worker(
         "refs": timed.refs,
         "rounds": timed.rounds,
         "comm_thread_cpu_s": timed.comm_cpu_s,
+        "split_probe": probes,
         "stop": timed.stop,
         "reference": ref_shape,
         "host_rounds": host,
@@ -407,20 +407,6 @@ def rank_worker(
         "events": events,
         **({"dp_steps": dp_steps} if spec.dp > 1 else {}),
     }
-
-
-def gated_rounds(gate: RankGate, timed: Rounds, configs: list[int]) -> None:
-    """The timed rounds of a gated launch: ready once warm, then one round each time the
-    paced side says so, until it says stop."""
-    try:
-        gate.ready()
-        r = 0
-        while gate.next_round():
-            timed.run(r, configs)
-            gate.done()
-            r += 1
-    finally:
-        gate.close()
 
 
 def sweep_reference_shape(spec: SweepSpec, rank_specs: dict[Config, RankSpec]) -> dict[str, int]:

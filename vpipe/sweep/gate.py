@@ -16,7 +16,10 @@ from __future__ import annotations
 
 import os
 from pathlib import Path
-from typing import IO
+from typing import IO, TYPE_CHECKING
+
+if TYPE_CHECKING:  # the rank's timed rounds, imported where they run
+    from vpipe.sweep.rounds import Rounds
 
 
 class GateError(RuntimeError):
@@ -92,3 +95,17 @@ class RankGate:
         for f in (self._go, self._done):
             if f is not None:
                 f.close()
+
+
+def gated_rounds(gate: RankGate, timed: Rounds, configs: list[int]) -> None:
+    """The timed rounds of a gated launch: ready once warm, then one round each time the
+    paced side says so, until it says stop."""
+    try:
+        gate.ready()
+        r = 0
+        while gate.next_round():
+            timed.run(r, configs)
+            gate.done()
+            r += 1
+    finally:
+        gate.close()

@@ -296,6 +296,16 @@ class RankHarness:
             microbatches=meta.get("microbatches"),
         ).events  # fmt: skip
 
+    def split_probe(self, seconds: float = 1.0) -> list[float]:
+        """(I + W) / B per repeat on this rank's stages (:mod:`vpipe.sweep.split_probe`); []
+        for torch's runtime, whose split backward is its own."""
+        if self.spec.impl != "vpipe":
+            return []
+        from vpipe.sweep.split_probe import probe_split
+
+        return probe_split(self.pipe.stages, self.targets, self.spec.schedule.n_microbatches,
+                           self.device, seconds=seconds)  # fmt: skip
+
     def memory_step(self) -> dict[str, Any]:
         """One step under the memory meter: the peak and samples of bytes saved for backward,
         the CUDA allocator's peak on GPUs, and the runtime's own live-activation peak."""

@@ -57,7 +57,8 @@ def plan_sections(
     try:
         errors = plan_errors(swept, res.events.get, base, res.spec.ranks, meta, loo)
         tie, tie_source = tie_band(errors, None)
-        own = {**meta, "comm_thread_cpu_s": getattr(base, "comm_thread_cpu_s", None)}
+        own = {**meta, "comm_thread_cpu_s": getattr(base, "comm_thread_cpu_s", None),
+               "split_backward_ratio": getattr(base, "split_backward_ratio", None)}  # fmt: skip
         costs = calibrated_costs(res.events[base.run_id], peaks, schedule, own,
                                  float(base.step_time_s))  # fmt: skip
         result = plan(costs, res.spec.ranks, res.spec.batch, budget, dp=dp, tie=tie,

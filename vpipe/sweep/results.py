@@ -299,6 +299,7 @@ def collect(
                 **dp_figures,
                 **_memory_kinds(results, cfg),
                 "comm_thread_cpu_s": _comm_thread_cpu_s(r0, i),
+                "split_backward_ratio": _split_ratio(results, cfg.key),
                 "run_id": run_id,
                 "source": "measured",
                 "status": "ok",
@@ -404,6 +405,15 @@ def _comm_thread_cpu_s(r0: dict[str, Any], i: int) -> float | None:
     per_round = np.asarray(r0["comm_thread_cpu_s"][i] if "comm_thread_cpu_s" in r0 else [])
     per_round = per_round[np.isfinite(per_round)]
     return float(np.median(per_round)) if len(per_round) else None
+
+
+def _split_ratio(results: list[dict[str, Any]], key: str) -> float | None:
+    """A config's split probe (:mod:`vpipe.sweep.split_probe`): the median of every rank's
+    (I + W) / B repeats; None where no rank probed (torch's runtime, a recomputing run)."""
+    import numpy as np
+
+    ratios = [x for r in results for x in r.get("split_probe", {}).get(key, [])]
+    return float(np.median(ratios)) if ratios else None
 
 
 def _memory_kinds(results: list[dict[str, Any]], cfg: Config) -> dict[str, int | None]:

@@ -146,6 +146,7 @@ def fidelity_sections(
                 f"|error|: {fidelity_worst(table) * 100:.1f}% (goal: within 5%). "
                 + sweep_timing_sentence(res.steps, res.measured, impl, m, table)
                 + comm_thread_sentence(res.measured, impl, m)
+                + split_sentence(res.measured, impl, m)
                 + (
                     ""
                     if impl == "vpipe"
@@ -174,6 +175,22 @@ def comm_thread_sentence(runs: pd.DataFrame, impl: str, m: int) -> str:
         f"all ranks together ({share.min() * 100:.1f}-{share.max() * 100:.1f}% of the ranks' "
         "time), on cores the compute threads needed; each prediction charges them per message "
         "posted."
+    )
+
+
+def split_sentence(runs: pd.DataFrame, impl: str, m: int) -> str:
+    """What a split backward cost over a fused B on the configs' stages, where the sweep
+    probed it (:mod:`vpipe.sweep.split_probe`); "" elsewhere."""
+    if "split_backward_ratio" not in runs.columns:
+        return ""
+    mine = runs[(runs["impl"] == impl) & (runs["microbatches"] == m)]
+    ratio = pd.to_numeric(mine["split_backward_ratio"], errors="coerce").dropna()
+    if ratio.empty:
+        return ""
+    return (
+        f" A split backward (I, then W) cost {ratio.min():.2f}-{ratio.max():.2f}x a fused B "
+        "on the configs' stages (each config's probe, before its profiled steps); predictions "
+        "between schedules that split and schedules that do not charge it."
     )
 
 
