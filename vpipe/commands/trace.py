@@ -308,6 +308,8 @@ def analysis_text(found: dict[str, Any]) -> str:
                 else ""
             )
             + (f"; I/W split assumed (W = {d['w_share']} of B)" if d["w_share"] is not None else "")
+            + (f"; a split backward: I + W = {d['split_ratio']}x B" if d.get("split_ratio")
+               else "; I + W taken as B (no split probe)")  # fmt: skip
             + (f"; model in {units} pieces" if units else "")
             + (
                 f"; compute x{d['compute_scale']:.3f}, anchored to the run's {d['anchored_to']}"
