@@ -7,7 +7,9 @@ communication latency:
 - **I/W split**: I and W spans give ``b`` and ``w``, and a B beside them (dualpipev) keeps its
   own cost; with only B (1f1b) the split is assumed, ``w = w_share * B`` (default 0.5: the
   two matmuls of a linear layer have equal FLOPs), except on stage 0, whose I computes
-  nothing (the batch needs no gradient): all of it is W.
+  nothing (the batch needs no gradient): all of it is W. Splitting costs more than one B: I + W
+  is B times ``split_ratio`` past the first stage, from the run's own B beside I and W or from
+  the sweep's probe (:mod:`vpipe.predict.split_cost`); the cost model keeps both prices.
 - **Overhead**: a rank's step holds more than compute and waits. Posting a SEND or RECV
   occupies the rank: ``post`` is the mean SEND/RECV span (a total over many actions is what
   matters, and posting times are heavy-tailed). Between spans the executor's own work leaves

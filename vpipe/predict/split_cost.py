@@ -1,11 +1,10 @@
 """What splitting a backward costs: (I + W) over one fused B of the same stage and microbatch.
 
 A split backward is not free. On a CPU host, vpipe's I then W of an MLP stage took 1.14-1.26x
-its fused B (one thread, stages of 1 to 3 blocks, interleaved repeats; docs/runtime.md): W
-roots one autograd call at each node where the input-gradient chain meets a weight, and the
-pass over the graph is paid twice. A calibration whose run had only B (1f1b) that assumed
-I + W = B predicted zbv 8-11% short, and one whose run had only I and W predicted 1f1b as
-much too long.
+its fused B alone (one thread, stages of 1 to 3 blocks, interleaved repeats), 1.00-1.22x in
+dualpipev's profiled steps, and how the work around them runs moves it (docs/runtime.md). A
+calibration whose run had only B (1f1b) that took I + W = B predicted zbv 8-11% short, and
+one whose run had only I and W predicted 1f1b 6-11% long.
 
 The ratio comes from the run itself where it ran B beside I and W on the same stage
 (dualpipev), else from the split probe a sweep runs on each config's stages
