@@ -58,7 +58,7 @@ from vpipe.metrics.per_run import KEYS, _union_ns, rank_metrics, step_metrics
 from vpipe.predict.links import comm_link_us
 from vpipe.predict.pieces import lcm, rescale_stages
 from vpipe.predict.recompute_share import recomputable_us
-from vpipe.predict.split_cost import in_run_ratio, split_factors
+from vpipe.predict.split_cost import in_run_ratio, run_figure, split_factors
 from vpipe.trace.operators import RUN_NAME
 
 US = 1e3  # ns per cost-model time unit
@@ -459,14 +459,8 @@ def judged_against(run: Any) -> float:
 def comm_thread_cpu_s(row: Any) -> float | None:
     """A run's communication threads' CPU seconds per timed step (its runs-table row, a row
     tuple or its metadata), or None where they were not measured."""
-    value = row.get("comm_thread_cpu_s") if hasattr(row, "get") else getattr(
-        row, "comm_thread_cpu_s", None
-    )
-    try:
-        value = float(value)
-    except (TypeError, ValueError):  # None, NA
-        return None
-    return value if value >= 0 else None  # NaN fails the comparison too
+    value = run_figure(row, "comm_thread_cpu_s")
+    return value if value is not None and value >= 0 else None
 
 
 def with_comm_threads(

@@ -19,7 +19,7 @@ from typing import Any
 
 import numpy as np
 
-__all__ = ["in_run_ratio", "split_backward_ratio", "split_factors"]
+__all__ = ["in_run_ratio", "run_figure", "split_backward_ratio", "split_factors"]
 
 
 def split_factors(n_stages: int, ratio: float | None) -> np.ndarray:
@@ -44,11 +44,16 @@ def in_run_ratio(b: np.ndarray, w: np.ndarray, full_b: np.ndarray | None) -> flo
 def split_backward_ratio(row: Any) -> float | None:
     """A run's probed split ratio (its runs-table row, a row tuple or its metadata), or None
     where the run has none (torch's configs, a recomputing run, a trace from elsewhere)."""
-    value = row.get("split_backward_ratio") if hasattr(row, "get") else getattr(
-        row, "split_backward_ratio", None
-    )
+    value = run_figure(row, "split_backward_ratio")
+    return value if value is not None and value > 0 else None
+
+
+def run_figure(row: Any, key: str) -> float | None:
+    """``key`` of a run's runs-table row, row tuple or metadata as a number; None where it is
+    missing, NA, NaN or not a number."""
+    value = row.get(key) if hasattr(row, "get") else getattr(row, key, None)
     try:
         value = float(value)
     except (TypeError, ValueError):  # None, NA
         return None
-    return value if value > 0 else None  # NaN fails the comparison too
+    return value if value == value else None  # NaN
