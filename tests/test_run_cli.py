@@ -41,6 +41,8 @@ def test_run_csv_schedule_gpt_with_check_and_profile(tmp_path):
         trace = json.loads((prof / f"rank{rank}.pt.trace.json").read_text())
         names = {e.get("name") for e in trace["traceEvents"]}
         assert any(str(n).startswith("PP:") for n in names)
+        # the split probe's (I + W) / B of stage 1, for analyze --predict
+        assert trace["vpipe"]["split_backward_ratio"] > 0
 
 
 def test_profiled_run_is_quiet_unless_verbose(tmp_path):

@@ -240,6 +240,8 @@ def run_rank(rank: int, n_ranks: int, cfg: RunConfig) -> dict[str, Any]:
 
     cfg.meta["cpu_allocator"] = apply_cpu_allocator(cfg.cpu_allocator)  # what is in effect
     h = build(cfg.rank, rank)
+    if cfg.profile:  # the traces carry what a split backward costs here, for analyze --predict
+        cfg.meta["split_backward_ratio"] = _split_probe(h, n_ranks)
     loss_rank = cfg.rank.schedule.loss_rank
     times: list[float] = []
     wait, warmup = int(cfg.steps >= 3), int(cfg.steps >= 2)  # skip shape inference if we can
@@ -288,6 +290,24 @@ def run_rank(rank: int, n_ranks: int, cfg: RunConfig) -> dict[str, Any]:
         "losses": None if h.losses is None else [float(t.detach()) for t in h.losses],
         "peak_memory": peaks[rank],
     }
+
+
+def _split_probe(h: Any, n_ranks: int) -> float | None:
+    """The run's split probe (:mod:`vpipe.sweep.split_probe`), the median over every rank's
+    repeats, after one untimed step (in which the stages learn their shapes); None for torch's
+    runtime and recomputing stages, which are not probed (and then take no extra step)."""
+    import statistics
+
+    import torch.distributed as dist
+
+    if h.spec.impl != "vpipe" or h.spec.recompute != "none":
+        return None
+    dist.barrier()
+    h.step()
+    everyone: list[Any] = [None] * n_ranks
+    dist.all_gather_object(everyone, h.split_probe())
+    ratios = [x for mine in everyone for x in mine]
+    return statistics.median(ratios) if ratios else None
 
 
 def _broadcast_mean_loss(losses: list[Any] | None, loss_rank: int, device: Any) -> float:
