@@ -49,6 +49,7 @@ def across_m_table(
     from vpipe.errors import ScheduleError
     from vpipe.predict.calibrate import comm_thread_cpu_s, judged_against
     from vpipe.predict.plan import calibrated_costs
+    from vpipe.predict.split_cost import split_backward_ratio
     from vpipe.schedules import make_schedule
     from vpipe.sim import simulate
 
@@ -60,7 +61,7 @@ def across_m_table(
         events = events_of(src.run_id)
         own = make_schedule(src.schedule, ranks, int(src.microbatches))
         src_meta = {**meta, "stages": own.n_stages, "comm_thread_cpu_s": comm_thread_cpu_s(src),
-                    "split_backward_ratio": getattr(src, "split_backward_ratio", None)}  # fmt: skip
+                    "split_backward_ratio": split_backward_ratio(src)}  # fmt: skip
         costs = calibrated_costs(events, {}, own, src_meta, judged_against(src))
         row: dict[str, Any] = {"calibrated on": label(src.schedule, int(src.microbatches))}
         for t in runs[runs["microbatches"] != src.microbatches].itertuples():

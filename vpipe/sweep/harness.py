@@ -296,7 +296,7 @@ class RankHarness:
             microbatches=meta.get("microbatches"),
         ).events  # fmt: skip
 
-    def split_probe(self, seconds: float = 1.0) -> list[float]:
+    def split_probe(self) -> list[float]:
         """(I + W) / B per repeat on this rank's stages (:mod:`vpipe.sweep.split_probe`); []
         for torch's runtime, whose split backward is its own."""
         if self.spec.impl != "vpipe":
@@ -304,7 +304,7 @@ class RankHarness:
         from vpipe.sweep.split_probe import probe_split
 
         return probe_split(self.pipe.stages, self.targets, self.spec.schedule.n_microbatches,
-                           self.device, seconds=seconds)  # fmt: skip
+                           self.device)  # fmt: skip
 
     def memory_step(self) -> dict[str, Any]:
         """One step under the memory meter: the peak and samples of bytes saved for backward,
