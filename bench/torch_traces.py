@@ -8,7 +8,13 @@ Each stage is a stack of residual MLP blocks (``--width`` wide, ``--rows`` rows 
 balanced too). One launch records every schedule given, each into ``OUT/<schedule>/`` (with a
 slow stage ``OUT/<schedule>-slow/``).
 
-Run: ``python -m bench.torch_traces OUT --ranks 4 [--schedules ZBVZeroBubble 1F1B] [--slow 1:3]``.
+``--dp N`` records a job of N pipelines, as torchtitan lays one out: a ``DeviceMesh`` with
+dims ("pp", "dp"), so the pipeline of global rank 0 is ranks 0, N, 2N, ...; each step ends with
+an all-reduce of every stage's gradients across the N replicas. There is one trace per global
+rank, P x N in all, and the profiler's ``distributedInfo`` lists each rank's process groups.
+
+Run: ``python -m bench.torch_traces OUT --ranks 4 [--schedules ZBVZeroBubble 1F1B] [--slow 1:3]
+[--dp 2]``.
 """
 
 from __future__ import annotations
@@ -58,22 +64,32 @@ def _rank(rank: int, n_ranks: int, out: str, init: str, opts: dict) -> None:
     import torch
     import torch.distributed as dist
     from torch.distributed import pipelining
+    from torch.distributed.device_mesh import init_device_mesh
     from torch.profiler import ProfilerActivity, profile, schedule
 
     torch.set_num_threads(1)
-    dist.init_process_group("gloo", init_method=f"file://{init}", rank=rank, world_size=n_ranks)
+    dp = opts["dp"]
+    dist.init_process_group(
+        "gloo", init_method=f"file://{init}", rank=rank, world_size=n_ranks * dp
+    )
+    mesh = init_device_mesh("cpu", (n_ranks, dp), mesh_dim_names=("pp", "dp")) if dp > 1 else None
+    pp_group, pp_rank = (mesh.get_group("pp"), mesh.get_local_rank("pp")) if mesh else (None, rank)
     try:
         m, width, rows = opts["microbatches"], opts["width"], opts["rows"]
         for name, slow in opts["configs"]:
             placement = CLASSES[name]
             n_stages = n_ranks if placement == "single" else 2 * n_ranks
             torch.manual_seed(0)
-            mine = stages_of(placement, rank, n_ranks)
+            mine = stages_of(placement, pp_rank, n_ranks)
             stages = []
             for s in mine:
                 blocks = opts["blocks"] * (slow[1] if slow and s == slow[0] else 1)
                 module = torch.nn.Sequential(*(_block(width) for _ in range(blocks)))
-                stages.append(pipelining.PipelineStage(module, s, n_stages, torch.device("cpu")))
+                stages.append(
+                    pipelining.PipelineStage(
+                        module, s, n_stages, torch.device("cpu"), group=pp_group
+                    )
+                )
             cls = getattr(pipelining, f"Schedule{name}")
             sched = cls(
                 stages[0] if placement == "single" else stages,
@@ -95,10 +111,26 @@ def _rank(rank: int, n_ranks: int, out: str, init: str, opts: dict) -> None:
                 for _ in range(steps):
                     kw = {"target": t, "losses": []} if last else {}
                     sched.step(*((x,) if first else ()), **kw)
+                    if mesh is not None:
+                        _average_gradients(stages, mesh.get_group("dp"), dp)
                     prof.step()
             dist.barrier()
     finally:
         dist.destroy_process_group()
+
+
+def _average_gradients(stages: list, group: object, dp: int) -> None:
+    """Each stage's gradients averaged over the replicas: one all-reduce per stage."""
+    import torch
+    import torch.distributed as dist
+
+    for stage in stages:
+        grads = [p.grad for p in stage.submod.parameters() if p.grad is not None]
+        if grads:
+            flat = torch.cat([g.reshape(-1) for g in grads])
+            dist.all_reduce(flat, group=group)
+            for g, part in zip(grads, flat.div_(dp).split([g.numel() for g in grads]), strict=True):
+                g.copy_(part.view_as(g))
 
 
 def record(
@@ -114,10 +146,12 @@ def record(
     both: bool = False,
     active: int = 1,
     wait: int = 1,
+    dp: int = 1,
 ) -> Path:
     """Record ``schedules`` (torch class names less "Schedule") on ``n_ranks`` spawned gloo
     ranks into ``out/<schedule>/rank<N>_trace.json`` (``<schedule>-slow`` with ``slow``'s
-    stage S K times slower; ``both``: each also balanced); returns ``out``."""
+    stage S K times slower; ``both``: each also balanced; ``dp``: that many pipelines, see the
+    module docstring); returns ``out``."""
     import torch.multiprocessing as mp
 
     unknown = [s for s in schedules if s not in CLASSES]
@@ -126,10 +160,10 @@ def record(
     variants = ([None] if both or not slow else []) + ([slow] if slow else [])
     configs = [(name, v) for v in variants for name in schedules]
     opts = dict(configs=configs, microbatches=microbatches, width=width, rows=rows,
-                blocks=blocks, active=active, wait=wait)  # fmt: skip
+                blocks=blocks, active=active, wait=wait, dp=dp)  # fmt: skip
     with tempfile.TemporaryDirectory() as tmp:
         init = os.path.join(tmp, "init")
-        mp.start_processes(_rank, args=(n_ranks, str(out), init, opts), nprocs=n_ranks,
+        mp.start_processes(_rank, args=(n_ranks, str(out), init, opts), nprocs=n_ranks * dp,
                            start_method="spawn")  # fmt: skip
     return Path(out)
 
@@ -146,10 +180,11 @@ def main(argv: Sequence[str] | None = None) -> None:
     ap.add_argument("--slow", metavar="S:K", help="stage S has K times the blocks")
     ap.add_argument("--both", action="store_true", help="with --slow: each balanced too")
     ap.add_argument("--active", type=int, default=1, help="profiled steps")
+    ap.add_argument("--dp", type=int, default=1, help="pipelines (data-parallel replicas)")
     a = ap.parse_args(argv)
     slow = tuple(int(v) for v in a.slow.split(":")) if a.slow else None
     record(a.out, a.ranks, a.schedules, microbatches=a.microbatches, width=a.width, rows=a.rows,
-           blocks=a.blocks, slow=slow, both=a.both, active=a.active)  # fmt: skip
+           blocks=a.blocks, slow=slow, both=a.both, active=a.active, dp=a.dp)  # fmt: skip
     for p in sorted(Path(a.out).rglob("*.json")):
         print(f"{p}: {p.stat().st_size:,} bytes")
 
