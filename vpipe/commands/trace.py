@@ -11,6 +11,11 @@ from typing import Any
 
 from vpipe.errors import TraceError
 
+PIPELINE_HELP = (
+    "which pipeline to read, of traces that hold several (a data- or tensor-parallel job: one "
+    "file per global rank); 0, the default, is the one holding the lowest global rank"
+)
+
 
 def register(subparsers: argparse._SubParsersAction) -> None:
     p = subparsers.add_parser(
@@ -29,6 +34,7 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     p.add_argument("--impl", help="implementation label (default: from the trace)")
     p.add_argument("--schedule", help="schedule name (default: from the trace)")
     p.add_argument("--batch", type=int, help="samples per step, for throughput in --store")
+    p.add_argument("--pipeline", type=int, metavar="K", help=PIPELINE_HELP)
     p.add_argument(
         "--csv",
         metavar="FILE",
@@ -58,6 +64,7 @@ def register(subparsers: argparse._SubParsersAction) -> None:
         help="schedules to predict; measured counterpart from the store or the given trace",
     )
     a.add_argument("--batch", type=int, help="samples per step (default: from the run's metadata)")
+    a.add_argument("--pipeline", type=int, metavar="K", help=PIPELINE_HELP)
     a.add_argument(
         "--microbatches",
         type=int,
@@ -101,7 +108,13 @@ def trace_command(args: argparse.Namespace) -> int:
     if args.csv:
         check_output_file(args.csv, "--csv")
     t0 = time.perf_counter()
-    tr = convert(args.paths, run_id=args.run_id, impl=args.impl, schedule=args.schedule)
+    tr = convert(
+        args.paths,
+        run_id=args.run_id,
+        impl=args.impl,
+        schedule=args.schedule,
+        pipeline=args.pipeline,
+    )
     dt = time.perf_counter() - t0
     meta = {k: v for k, v in tr.meta.items()}
     if args.csv:
@@ -143,6 +156,8 @@ def memory_path(events_path: Path) -> Path:
 
 def analyze_command(args: argparse.Namespace) -> int:
     if args.fidelity:
+        from vpipe.commands._analyze_fidelity import fidelity_text
+
         print(fidelity_text(args.source))
         return 0
     found = analyze(
@@ -153,14 +168,18 @@ def analyze_command(args: argparse.Namespace) -> int:
         w_share=args.w_share,
         stat=args.stat,
         microbatches=args.microbatches,
+        pipeline=args.pipeline,
     )
     print(analysis_json(found) if args.json else analysis_text(found))
     return 0
 
 
-def _load(source: str, run: str | None, microbatches: int | None = None) -> tuple[Any, Any, dict]:
+def _load(
+    source: str, run: str | None, microbatches: int | None = None, pipeline: int | None = None
+) -> tuple[Any, Any, dict]:
     """(events, memory, metadata) of one measured run from a store, trace or events file
-    (``microbatches``: M of a trace that names no actions, to name its runs of operators)."""
+    (``microbatches``: M of a trace that names no actions, to name its runs of operators;
+    ``pipeline``: which of a trace's pipelines, :mod:`vpipe.trace.pipelines`)."""
 
     from vpipe.trace.kineto import convert
     from vpipe.trace.store import Store, read_parquet
@@ -183,7 +202,7 @@ def _load(source: str, run: str | None, microbatches: int | None = None) -> tupl
         mem = memory_path(path)
         memory = read_parquet(mem)[0] if mem.exists() else None
         return events, memory, meta
-    tr = convert([path], run_id=run, microbatches=microbatches)
+    tr = convert([path], run_id=run, microbatches=microbatches, pipeline=pipeline)
     return tr.events, tr.memory, tr.meta
 
 
@@ -217,13 +236,17 @@ def analyze(
     w_share: float = 0.5,
     stat: str = "median",
     microbatches: int | None = None,
+    pipeline: int | None = None,
 ) -> dict[str, Any]:
     """Everything `vpipe analyze` reports about a run: its metrics, peaks, per-kind span
-    medians and, with ``predict``, the calibration and the predictions."""
+    medians and, with ``predict``, the calibration and the predictions (a trace of several
+    pipelines: ``pipeline``'s, and the same one of each ``SCHEDULE=TRACE``)."""
     from vpipe.metrics.catalogue import summarize
     from vpipe.metrics.per_run import kind_durations, peak_memory
 
-    events, memory, meta = _load(source, run, microbatches)
+    if pipeline is not None and (Path(source) / "runs").is_dir():
+        raise TraceError("--pipeline reads a trace of several pipelines, not a results store")
+    events, memory, meta = _load(source, run, microbatches, pipeline)
     if microbatches:
         meta = {**meta, "microbatches": microbatches}
     batch = batch or _int(meta.get("batch"))
@@ -239,7 +262,7 @@ def analyze(
         "note": meta.get("note"),
     }
     if predict:
-        found.update(_fidelity(source, events, meta, predict, w_share, stat))
+        found.update(_fidelity(source, events, meta, predict, w_share, stat, pipeline))
     return found
 
 
@@ -308,8 +331,11 @@ def analysis_text(found: dict[str, Any]) -> str:
                 else ""
             )
             + (f"; I/W split assumed (W = {d['w_share']} of B)" if d["w_share"] is not None else "")
-            + (f"; a split backward: I + W = {d['split_ratio']}x B" if d.get("split_ratio")
-               else "; I + W taken as B (no split probe)")  # fmt: skip
+            + (
+                f"; a split backward: I + W = {d['split_ratio']}x B"
+                if d.get("split_ratio")
+                else "; I + W taken as B (no split probe)"
+            )  # fmt: skip
             + (f"; model in {units} pieces" if units else "")
             + (
                 f"; compute x{d['compute_scale']:.3f}, anchored to the run's {d['anchored_to']}"
@@ -341,42 +367,6 @@ def analysis_json(found: dict[str, Any]) -> str:
     return json.dumps(plain(found))
 
 
-def fidelity_text(source: str) -> str:
-    """Leave-one-out fidelity of every sweep in a store, as the bench report has it."""
-    import pandas as pd
-
-    from vpipe.predict.leave_one_out import leave_one_out_tables
-    from vpipe.predict.timing_noise import sweep_timing_sentence
-    from vpipe.sweep.write import fidelity_shown, fidelity_worst
-    from vpipe.trace.store import Store
-
-    if not (Path(source) / "runs").is_dir():
-        raise TraceError(f"{source}: --fidelity needs a results store (a vpipe bench output)")
-    store = Store(source)
-    runs = store.runs()
-    runs = runs[runs["source"].fillna("measured") == "measured"]
-    sweeps = runs.groupby(runs["bench_id"].fillna(""), sort=True)
-    steps_file = Path(source) / "steps.parquet"  # a bench output: its one sweep's timed steps
-    steps = pd.read_parquet(steps_file) if steps_file.is_file() and len(sweeps) == 1 else None
-    lines = []
-    for bench_id, sweep in sweeps:
-        meta = store.run_meta(str(sweep["run_id"].iloc[0]))
-        events_of = lambda run_id: store.events([run_id])  # noqa: E731
-        for impl, m, table in leave_one_out_tables(sweep, events_of, int(meta["ranks"]), meta):
-            lines += [
-                f"{bench_id or 'runs'} {impl} M={m}: largest |error| "
-                f"{fidelity_worst(table) * 100:.1f}% (rows: calibrated on; columns: predicted; "
-                "errors vs timed medians)",
-                fidelity_shown(table).to_string(index=False),
-            ]
-            if steps is not None:
-                lines.append(sweep_timing_sentence(steps, sweep, impl, m, table))
-            lines.append("")
-    if not lines:
-        raise TraceError(f"{source}: no sweep with two profiled configs of one impl and M")
-    return "\n".join(lines).rstrip()
-
-
 def metric_lines(values: dict[str, Any]) -> list[str]:
     """The printout's lines of the registry's metrics (:mod:`vpipe.metrics.catalogue`) that apply to a
     run (not None), one line per group: ``  step time      12.345 ms median (IQR ...)``."""
@@ -398,7 +388,13 @@ def metric_lines(values: dict[str, Any]) -> list[str]:
 
 
 def _fidelity(
-    source: str, events: Any, meta: dict, predict: list[str], w_share: float, stat: str
+    source: str,
+    events: Any,
+    meta: dict,
+    predict: list[str],
+    w_share: float,
+    stat: str,
+    pipeline: int | None = None,
 ) -> dict[str, Any]:
     from vpipe.metrics.per_run import step_metrics
     from vpipe.predict.calibrate import (
@@ -444,7 +440,7 @@ def _fidelity(
         if name == own and not trace:
             continue  # the calibration run's own row above
         if trace:
-            measured, _, other = _load(trace, None)
+            measured, _, other = _load(trace, None, pipeline=pipeline)
             timed, per_rank = None, _per_rank(other, ranks)
         else:
             (measured, timed), per_rank = _counterpart(source, meta, name), None
