@@ -291,10 +291,11 @@ class RankHarness:
                 p.step({"activations": self.stats.get("peak_live_activation_bytes")})
         trace = p.path
         meta = dict(metadata)
+        # one file, read as its pipeline's rank; a sweep keeps the global rank (--dp replicas)
         return convert(
             [trace], run_id=meta.get("run_id"), impl=meta.get("impl"), schedule=meta.get("schedule"),
             microbatches=meta.get("microbatches"),
-        ).events  # fmt: skip
+        ).events.assign(rank=self.rank).astype({"rank": "int32"})  # fmt: skip
 
     def split_probe(self) -> list[float]:
         """(I + W) / B per repeat on this rank's stages (:mod:`vpipe.sweep.split_probe`); []

@@ -76,6 +76,18 @@ def rank_of(path: Path, header: Mapping[str, Any], n_files: int) -> int:
     raise TraceError(f"{path}: cannot tell its rank (no metadata, no rank<N> in the file name)")
 
 
+def by_rank(traces: Iterable[tuple[Path, RawTrace]]) -> dict[int, tuple[Path, RawTrace]]:
+    """The traces keyed by their rank (:func:`rank_of`); an error naming two files of one rank."""
+    traces = list(traces)
+    out: dict[int, tuple[Path, RawTrace]] = {}
+    for path, raw in traces:
+        rank = rank_of(path, raw.header, len(traces))
+        if rank in out:
+            raise TraceError(f"{path}: rank {rank} also comes from {out[rank][0]}")
+        out[rank] = (path, raw)
+    return out
+
+
 def world_size(files: Mapping[int, tuple[Path, Mapping[str, Any]]]) -> int | None:
     """The world size the files' ``distributedInfo`` states (None if none does); an error
     naming two files that disagree, or a rank outside it."""

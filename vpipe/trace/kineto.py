@@ -76,10 +76,11 @@ from vpipe.events import (
 from vpipe.ir import Kind, parse_action
 from vpipe.ir.reduction import parse_reduce
 from vpipe.trace.device_clock import SPAN, gpu_ops, to_device_clock
-from vpipe.trace.files import check_steps, rank_of, read_traces, world_size
+from vpipe.trace.files import by_rank, check_steps, read_traces, world_size
 from vpipe.trace.infer import inferred_meta
 from vpipe.trace.kineto_json import RawTrace
 from vpipe.trace.operators import no_actions_note, read_by_operators
+from vpipe.trace.pipelines import by_stages, from_headers, pick
 from vpipe.trace.run_actions import name_runs
 
 _STEP_MARK, _PROF_STEP_MARK = "STEP", "PROFSTEP"
@@ -379,6 +380,7 @@ def convert(
     impl: str | None = None,
     schedule: str | None = None,
     microbatches: int | None = None,
+    pipeline: int | None = None,
 ) -> Trace:
     """Convert the per-rank trace files of one run (files or directories) to tables.
 
@@ -387,21 +389,24 @@ def convert(
     ``PP:STEP`` spans and ``torch`` otherwise, and the schedule the catalogue family equal to
     the program the trace ran (``custom`` if none is, ``unknown`` if the trace names no actions).
     ``microbatches``: M of a run whose ranks name no actions (else counted from its runs).
+    ``pipeline``: which pipeline of a job that runs several (:mod:`vpipe.trace.pipelines`).
     """
     traces = read_traces(paths)
     files = [p for p, _ in traces]
-    ev_parts, mem_parts, metas, ranks = [], [], [], {}
+    ranked = by_rank(traces)
+    headers = {r: (path, raw.header) for r, (path, raw) in ranked.items()}
+    n_ranks = world_size(headers)
+    pipes = from_headers(headers)
+    group, pipe_note = pick(pipes, pipeline, len(ranked)) if pipes else (None, None)
+    if group is not None:  # one pipeline of several: its files, its ranks
+        ranked = {group[g]: v for g, v in ranked.items() if g in group}
+        headers = {r: (path, raw.header) for r, (path, raw) in ranked.items()}
+    ev_parts, mem_parts, metas = [], [], []
     clocks: set[str] = set()
     unnamed: list[int] = []  # ranks whose actions are not named
-    n_raw = 0
-    headers, steps = {}, {}
-    for path, raw in traces:
-        n_raw += raw.n_events
-        rank = rank_of(path, raw.header, len(files))
-        if rank in ranks:
-            raise TraceError(f"{path}: rank {rank} also comes from {ranks[rank]}")
-        ranks[rank] = path
-        headers[rank] = (path, raw.header)
+    n_raw = sum(raw.n_events for _, raw in traces)
+    steps = {}
+    for rank, (path, raw) in sorted(ranked.items()):
         try:
             ev, mem, vpipe_steps, clock, named = _convert_file(raw, rank)
         except TraceError as e:
@@ -423,17 +428,29 @@ def convert(
         meta = meta if isinstance(meta, dict) else {}
         metas.append((path, meta, vpipe_steps))
     check_steps(steps)
-    n_ranks = world_size(headers)
+    events = pd.concat(ev_parts, ignore_index=True).sort_values(["rank", "start_ns", "end_ns"])
+    memory = pd.concat(mem_parts, ignore_index=True).sort_values(["rank", "t_ns"], kind="stable")
+    if pipes is None:  # no groups in the headers: replicas told apart by their stages
+        events, memory, group, pipe_note = by_stages(events, memory, pipeline, len(ranked))
+        if group is not None:
+            ranked = {group[g]: v for g, v in ranked.items() if g in group}
+    if group is not None:
+        n_ranks = len(group)
     meta = _merge_meta(metas)
     meta["run_id"] = run_id or meta.get("run_id") or files[0].resolve().parent.name
     meta["impl"] = impl or meta.get("impl") or ("vpipe" if all(m[2] for m in metas) else "torch")
     meta["schedule"] = schedule or meta.get("schedule") or "unknown"
-    meta["ranks_in_trace"] = sorted(ranks)
+    meta["ranks_in_trace"] = sorted(ranked)
     meta["clock"] = clocks.pop() if len(clocks) == 1 else "mixed"
-    events = pd.concat(ev_parts, ignore_index=True).sort_values(["rank", "start_ns", "end_ns"])
+    notes = [pipe_note] if pipe_note else []
+    if group is not None:
+        meta["ranks"] = n_ranks
+        meta["global_ranks"] = sorted(group, key=group.get)
     if unnamed:  # runs of operators: actions where they follow a single-stage program
-        events, follows, why = name_runs(events, n_ranks or max(ranks) + 1, microbatches)
-        meta["note"] = no_actions_note(sorted(unnamed), follows, why)
+        events, follows, why = name_runs(events, n_ranks or max(ranked) + 1, microbatches)
+        notes.append(no_actions_note(sorted(unnamed), follows, why))
+    if notes:
+        meta["note"] = "; ".join(notes)
     if meta["impl"] != "vpipe":  # what vpipe's metadata would say, from the trace itself
         found = inferred_meta(events, n_ranks)
         if not schedule and meta["schedule"] == "unknown" and "schedule" in found:
@@ -449,7 +466,6 @@ def convert(
             "schedule": meta["schedule"],
         }
     )
-    memory = pd.concat(mem_parts, ignore_index=True).sort_values(["rank", "t_ns"], kind="stable")
     memory = memory_frame(
         {**{c: memory[c].to_numpy() for c in MEMORY_COLUMNS if c in memory}, **const}
     )
