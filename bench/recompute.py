@@ -9,10 +9,11 @@ none in W; torch's split backward recomputes in W too, per weight-gradient call)
 Then one launch (P=2 gloo ranks, GPT model, M=8) builds every config's rank harness: zbv and
 interleaved-1f1b x vpipe and torch x recompute none, full and selective (torch refuses
 selective checkpointing under zbv's split backward: shown as refused). Each config is warmed
-up, profiled ``--profiles`` times (default 2; per-action medians:
-:func:`vpipe.predict.calibrate.calibrate`), metered once
-(bytes saved for backward), then timed in rounds that alternate the configs' order; each step's
-time is the slowest rank's. Printed per schedule, implementation and mode:
+up, metered once (bytes saved for backward), then timed in rounds that alternate the configs'
+order, each step's time the slowest rank's; ``--profiles`` profiled steps per config
+(default 4; per-action medians: :func:`vpipe.predict.calibrate.calibrate`) are spread over
+those rounds, so that the calibration and the timed steps sample the same stretch of the host.
+Printed per schedule, implementation and mode:
 
 - the median step time (``step ms``) and the median of pairwise ratios to the same
   implementation's ``none`` with its bootstrap 95% interval (``ratio``), beside the ratio the
@@ -83,21 +84,22 @@ def _rank_job(rank: int, n_ranks: int, specs: list, rounds: int, steps: int, pro
         if specs[i].impl == "vpipe"
     }
     out["events"] = {i: [] for i in live}
-    with tempfile.TemporaryDirectory() as tmp:
-        for k in range(profiles):
-            for i in live:
-                meta = {
-                    "run_id": f"c{i}",
-                    "impl": specs[i].impl,
-                    "schedule": specs[i].schedule.name,
-                }
-                dist.barrier()
-                out["events"][i].append(hs[i].profiled_step(f"{tmp}/c{i}-{k}", meta))
     times: dict[int, list[float]] = {i: [] for i in live}
-    for r in range(rounds):
-        for i in live if r % 2 == 0 else live[::-1]:
-            for _ in range(steps):
-                times[i].append(hs[i].timed_step())
+    # the profiled steps spread over the timed rounds, as a sweep does, so that calibration and
+    # timing sample the same stretch of a host whose speed drifts
+    profile_in = [k * rounds // profiles for k in range(profiles)]
+    with tempfile.TemporaryDirectory() as tmp:
+        for r in range(rounds):
+            order = live if r % 2 == 0 else live[::-1]
+            for i in order:
+                for _ in range(steps):
+                    times[i].append(hs[i].timed_step())
+            for k in (k for k, at in enumerate(profile_in) if at == r):
+                for i in order:
+                    meta = {"run_id": f"c{i}", "impl": specs[i].impl,
+                            "schedule": specs[i].schedule.name}  # fmt: skip
+                    dist.barrier()
+                    out["events"][i].append(hs[i].profiled_step(f"{tmp}/c{i}-{k}", meta))
     out["times"] = times
     return out
 
@@ -327,7 +329,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     p.add_argument("--rounds", type=int, default=10, help="timed rounds (configs alternate)")
     p.add_argument("--steps", type=int, default=3, help="timed steps per config and round")
     p.add_argument("--batch", type=int, default=64, help="global batch (M=8 microbatches)")
-    p.add_argument("--profiles", type=int, default=2, help="profiled steps per config")
+    p.add_argument("--profiles", type=int, default=4, help="profiled steps per config")
     p.add_argument("--stage-repeats", type=int, default=30, help="repeats of the stage table")
     args = p.parse_args(argv)
     for line in stage_lines(args.stage_repeats, args.batch // M):
