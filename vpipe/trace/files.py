@@ -11,7 +11,7 @@ from __future__ import annotations
 import os
 import re
 import warnings
-from collections.abc import Iterable, Mapping
+from collections.abc import Iterable, Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -119,3 +119,18 @@ def check_steps(steps: Mapping[int, tuple[Path, list[int]]]) -> None:
                 f"{p.name} profiled steps {s}, {p0.name} steps {s0}: the ranks' traces "
                 "disagree (different runs or profiler schedules)"
             )
+
+
+def merged_meta(metas: Sequence[tuple[Path, Mapping[str, Any], bool]]) -> dict[str, Any]:
+    """Combine per-rank metadata; a disagreeing run_id is an error (files of different runs)."""
+    out: dict[str, Any] = {}
+    for path, meta, _ in metas:
+        for k, v in meta.items():
+            if k == "rank":
+                continue
+            if k == "run_id" and "run_id" in out and out["run_id"] != v:
+                raise TraceError(
+                    f"{path}: run_id {v!r} differs from {out['run_id']!r} of the other files"
+                )
+            out.setdefault(k, v)
+    return out

@@ -43,7 +43,8 @@ warning that its times are launch times. The run's ``meta["clock"]`` says which 
 ranks differ).
 
 Times are wall-clock nanoseconds (Kineto's ``baseTimeNanoseconds`` + ``ts``), comparable across
-the ranks of one host.
+the ranks of one host; ranks whose messages show their clocks apart (several hosts) are put on
+one clock (:mod:`vpipe.trace.clock_offsets`).
 
 Memory table rows: ``[memory]`` instant events (``profile_memory=True``) give ``what`` =
 ``cpu_allocated`` or ``cuda_allocated`` (allocator's bytes in use after each allocation or
@@ -59,7 +60,6 @@ import re
 import warnings
 from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
-from pathlib import Path
 from typing import Any
 
 import numpy as np
@@ -75,8 +75,9 @@ from vpipe.events import (
 )
 from vpipe.ir import Kind, parse_action
 from vpipe.ir.reduction import parse_reduce
+from vpipe.trace.clock_offsets import align_clocks
 from vpipe.trace.device_clock import SPAN, gpu_ops, to_device_clock
-from vpipe.trace.files import by_rank, check_steps, read_traces, world_size
+from vpipe.trace.files import by_rank, check_steps, merged_meta, read_traces, world_size
 from vpipe.trace.infer import inferred_meta
 from vpipe.trace.kineto_json import RawTrace
 from vpipe.trace.operators import no_actions_note, read_by_operators
@@ -436,13 +437,16 @@ def convert(
             ranked = {group[g]: v for g, v in ranked.items() if g in group}
     if group is not None:
         n_ranks = len(group)
-    meta = _merge_meta(metas)
+    events, memory, offsets, clock_note = align_clocks(events, memory)
+    meta = merged_meta(metas)
     meta["run_id"] = run_id or meta.get("run_id") or files[0].resolve().parent.name
     meta["impl"] = impl or meta.get("impl") or ("vpipe" if all(m[2] for m in metas) else "torch")
     meta["schedule"] = schedule or meta.get("schedule") or "unknown"
     meta["ranks_in_trace"] = sorted(ranked)
     meta["clock"] = clocks.pop() if len(clocks) == 1 else "mixed"
-    notes = [pipe_note] if pipe_note else []
+    notes = [n for n in (pipe_note, clock_note) if n]
+    if offsets:
+        meta["clock_offsets_ns"] = {str(r): o for r, o in offsets.items()}
     if group is not None:
         meta["ranks"] = n_ranks
         meta["global_ranks"] = sorted(group, key=group.get)
@@ -478,18 +482,3 @@ def _is_cuda_trace(header: Mapping[str, Any]) -> bool:
     if isinstance(meta, dict) and meta.get("device") is not None:
         return str(meta["device"]).startswith("cuda")
     return bool(header.get("deviceProperties"))
-
-
-def _merge_meta(metas: Sequence[tuple[Path, Mapping[str, Any], bool]]) -> dict[str, Any]:
-    """Combine per-rank metadata; a disagreeing run_id is an error (files of different runs)."""
-    out: dict[str, Any] = {}
-    for path, meta, _ in metas:
-        for k, v in meta.items():
-            if k == "rank":
-                continue
-            if k == "run_id" and "run_id" in out and out["run_id"] != v:
-                raise TraceError(
-                    f"{path}: run_id {v!r} differs from {out['run_id']!r} of the other files"
-                )
-            out.setdefault(k, v)
-    return out
