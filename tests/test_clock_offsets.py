@@ -30,6 +30,8 @@ def test_consistent_clocks_give_no_offsets():
     assert rank_offsets(_delays()) == {}
     # inconsistent by less than the tolerance: left
     assert rank_offsets(_delays((0, 1, 0.4), (1, 0, -TOLERANCE_NS / MS / 2))) == {}
+    # consumed "before sent" both ways: no offset explains it (sends not marked), so none
+    assert rank_offsets(_delays((0, 1, -0.3), (1, 0, -0.3))) == {}
 
 
 def test_an_offset_is_the_middle_of_what_the_messages_allow():

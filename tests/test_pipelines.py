@@ -24,7 +24,9 @@ from vpipe.trace.pipelines import Pipelines, from_headers, from_stages, pick, pi
 
 def _header(rank: int, *groups: tuple[str, list[int]]) -> dict:
     configs = [{"pg_name": "0", "pg_desc": "default_pg", "ranks": [0, 1, 2, 3]}]
-    configs += [{"pg_name": str(i + 1), "pg_desc": d, "ranks": r} for i, (d, r) in enumerate(groups)]
+    configs += [
+        {"pg_name": str(i + 1), "pg_desc": d, "ranks": r} for i, (d, r) in enumerate(groups)
+    ]
     return {"distributedInfo": {"rank": rank, "world_size": 4, "pg_config": configs}}
 
 
@@ -43,6 +45,9 @@ def test_a_headers_pipeline_group_is_the_one_named_pp():
     assert pipeline_group({}) is None
     # two different groups that both say pp: ambiguous, so none
     assert pipeline_group(_header(0, ("mesh_pp", [0, 2]), ("pp_other", [0, 1]))) is None
+    # a header that lists every pipeline: the one holding the file's rank
+    both = _header(3, ("mesh_pp", [0, 2]), ("mesh_pp", [1, 3]))
+    assert pipeline_group(both, 3) == ("mesh_pp", (1, 3)) and pipeline_group(both) is None
 
 
 def test_pipelines_from_headers_and_their_errors():
@@ -52,7 +57,9 @@ def test_pipelines_from_headers_and_their_errors():
     assert pipes.groups == ((0, 2), (1, 3)) and "'mesh_pp'" in pipes.source
     mapping, note = pipes.choose(1, 4)
     assert mapping == {1: 0, 3: 1}
-    assert "4 traces hold 2 pipelines of 2 ranks" in note and "pipeline 1, global ranks 1, 3" in note
+    assert (
+        "4 traces hold 2 pipelines of 2 ranks" in note and "pipeline 1, global ranks 1, 3" in note
+    )
     with pytest.raises(TraceError, match=r"--pipeline 2: the traces hold 2 pipelines .* 0-1"):
         pipes.choose(2, 4)
 
@@ -126,8 +133,10 @@ def test_without_process_groups_the_stages_tell_the_pipelines_apart(job, tmp_pat
     assert tr.meta["global_ranks"] == [0, 2] and tr.meta["schedule"] == "zbv"
     assert "(the stages each rank ran)" in tr.meta["note"]
     cols = ["rank", "stage", "microbatch", "kind", "start_ns"]
-    assert tr.events[cols].reset_index(drop=True).equals(
-        with_groups.events[cols].reset_index(drop=True)
+    assert (
+        tr.events[cols]
+        .reset_index(drop=True)
+        .equals(with_groups.events[cols].reset_index(drop=True))
     )
 
 

@@ -225,6 +225,11 @@ def test_rank_conflicts_and_missing_files(tmp_path):
     with pytest.raises(TraceError, match="no trace files"):
         (tmp_path / "empty").mkdir()
         convert([tmp_path / "empty"])
+    # torchtitan's layout: one subdirectory per profiled iteration
+    for it in (10, 20):
+        write_synthetic_run(tmp_path / "profile_traces" / f"iteration_{it}", PROGRAMS, meta=META)
+    with pytest.raises(TraceError, match="subdirectories iteration_10, iteration_20 hold some"):
+        convert([tmp_path / "profile_traces"])
     assert Path(tmp_path / "a" / "rank1.pt.trace.json").exists()
 
 

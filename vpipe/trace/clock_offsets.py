@@ -15,7 +15,9 @@ offset is 0 and lies inside every such interval, and nothing changes. Where 0 li
 pair's interval by more than :data:`TOLERANCE_NS`, the clocks differ by at least that much: the pair's offset is taken as the
 middle of its interval (what NTP assumes: equally fast both ways), the ranks are shifted along
 the pairs from the lowest rank, and a note says by how much. An offset smaller than the
-messages' transit cannot be seen and is left.
+messages' transit cannot be seen and is left, and so are bounds that no offset satisfies
+(messages seemingly consumed before they were sent both ways: the send rows do not mark when
+the messages left, as where one span posts a batch of them).
 """
 
 from __future__ import annotations
@@ -70,8 +72,8 @@ def rank_offsets(delays: pd.DataFrame) -> dict[int, int]:
         if a > b:
             continue
         lo = -bound.get((b, a), np.inf)  # from b -> a: o_a - o_b <= bound[b, a]
-        if lo - TOLERANCE_NS <= 0 <= hi + TOLERANCE_NS:
-            pairs[(a, b)] = 0.0
+        if lo - TOLERANCE_NS <= 0 <= hi + TOLERANCE_NS or lo > hi + TOLERANCE_NS:
+            pairs[(a, b)] = 0.0  # consistent; or no offset explains them (sends not marked)
         else:
             pairs[(a, b)] = (lo + hi) / 2 if np.isfinite(lo) else hi
     for (b, a), hi in bound.items():  # pairs with messages only from the higher rank

@@ -27,15 +27,34 @@ def trace_files(paths: Iterable[str | os.PathLike[str]]) -> list[tuple[Path, boo
     out: list[tuple[Path, bool]] = []
     for p in map(Path, paths):
         if p.is_dir():
-            found = sorted(q for q in p.iterdir() if q.name.endswith((".json", ".json.gz")))
+            found = sorted(q for q in p.iterdir() if q.name.endswith(_SUFFIXES))
             if not found:
-                raise TraceError(f"{p}: no trace files (*.json, *.json.gz) in this directory")
+                raise TraceError(
+                    f"{p}: no trace files (*.json, *.json.gz) in this directory" + _subdirs_hint(p)
+                )
             out.extend((q, True) for q in found if not q.name.startswith("."))
         elif p.exists():
             out.append((p, False))
         else:
             raise TraceError(f"{p}: no such trace file or directory")
     return out
+
+
+_SUFFIXES = (".json", ".json.gz")
+
+
+def _subdirs_hint(p: Path) -> str:
+    """Where a directory's subdirectories hold trace files (torchtitan writes one per profiled
+    iteration, ``iteration_10/``), the hint naming them."""
+    held = sorted(
+        q.name
+        for q in p.iterdir()
+        if q.is_dir() and any(f.name.endswith(_SUFFIXES) for f in q.iterdir())
+    )
+    if not held:
+        return ""
+    shown = ", ".join(held[:4]) + (f" and {len(held) - 4} more" if len(held) > 4 else "")
+    return f"; its subdirector{'ies' if len(held) > 1 else 'y'} {shown} hold some: give one"
 
 
 def read_traces(paths: Iterable[str | os.PathLike[str]]) -> list[tuple[Path, RawTrace]]:

@@ -75,9 +75,12 @@ def _mapping(group: tuple[int, ...]) -> dict[int, int]:
     return {g: i for i, g in enumerate(group)}
 
 
-def pipeline_group(header: Mapping[str, Any]) -> tuple[str, tuple[int, ...]] | None:
+def pipeline_group(
+    header: Mapping[str, Any], rank: int | None = None
+) -> tuple[str, tuple[int, ...]] | None:
     """A trace's pipeline process group from its ``distributedInfo.pg_config``: (its
-    description, its global ranks in order), or None when the header names none."""
+    description, its global ranks in order), or None when the header names none or several;
+    with ``rank``, among the groups that hold it (a header that lists other ranks' too)."""
     dist = header.get("distributedInfo")
     configs = dist.get("pg_config") if isinstance(dist, dict) else None
     if isinstance(configs, dict):  # keyed by group name in some versions
@@ -92,7 +95,9 @@ def pipeline_group(header: Mapping[str, Any]) -> tuple[str, tuple[int, ...]] | N
         words = set(re.split(r"[^a-z0-9]+", desc.lower()))
         ranks = cfg.get("ranks")
         if words & PIPELINE_WORDS and isinstance(ranks, list) and ranks:
-            found.append((desc, tuple(int(r) for r in ranks)))
+            members = tuple(int(r) for r in ranks)
+            if rank is None or rank in members:
+                found.append((desc, members))
     distinct = {ranks for _, ranks in found}
     return found[0] if len(distinct) == 1 else None  # none, or ambiguous
 
@@ -101,7 +106,9 @@ def from_headers(headers: Mapping[int, tuple[Path, Mapping[str, Any]]]) -> Pipel
     """The pipelines the files' headers name (global rank -> (file, header)); None when no file
     names its pipeline group. An error naming the files where some do and some do not, where a
     file's group leaves its own rank out, or where two files' groups overlap but differ."""
-    named = {r: (path, pipeline_group(h)) for r, (path, h) in headers.items()}
+    named = {
+        r: (path, pipeline_group(h, r) or pipeline_group(h)) for r, (path, h) in headers.items()
+    }
     have = {r: v for r, v in named.items() if v[1] is not None}
     if not have:
         return None
