@@ -28,7 +28,8 @@ Printed per schedule, implementation and mode:
   stages' input shapes, and the saved-tensor meter's (the only figure torch's runs have; it
   does not see what torch's checkpoint keeps inside its own hooks);
 - the simulator's step time predicted from the ``none`` run's calibration with the mode's
-  recomputation (full: one forward in each B and I; selective: per stage, the share of the
+  recomputation (full: in each B and I, each stage's forward as the ``none`` run's probe timed
+  it alone, :func:`vpipe.sweep.split_probe.probe_forwards`; selective: per stage, the share of the
   ``none`` run's forwards spent in the calls selective recomputation reruns, read from its
   ``PP:RECOMPUTABLE`` spans: :mod:`vpipe.predict.recompute_share`), its compute anchored to
   the ``none`` run's timed median (:func:`vpipe.predict.calibrate.anchor`: ``none``'s error
@@ -76,6 +77,9 @@ def _rank_job(rank: int, n_ranks: int, specs: list, rounds: int, steps: int, pro
         hs[i].timed_step()
         hs[i].timed_step()
     out["memory"] = {i: hs[i].memory_step() for i in live}
+    # each stage's forward alone (what a full recomputation reruns), on the runs that keep
+    # their activations: vpipe.sweep.split_probe.probe_forwards
+    out["forwards"] = {i: hs[i].forward_probe() for i in live}
     for v in out["memory"].values():
         v.pop("samples", None)
     out["stages"] = {
@@ -169,10 +173,11 @@ def measure(rounds: int, steps: int, batch: int, profiles: int) -> tuple[list, l
 
 def report(specs: list, per_rank: list[dict], rounds: int, steps: int, batch: int) -> list[str]:
     """The benchmark's printed lines."""
+    import numpy as np
     import pandas as pd
 
     from vpipe.predict.calibrate import anchor, calibrate
-    from vpipe.predict.recompute_share import selective_shares
+    from vpipe.predict.recompute_share import full_shares, selective_shares
     from vpipe.sim import simulate
     from vpipe.stats import paired_ratio
 
@@ -198,13 +203,19 @@ def report(specs: list, per_rank: list[dict], rounds: int, steps: int, batch: in
         slowest = list(map(max, *(r["times"][i] for r in per_rank)))
         base_slowest = list(map(max, *(r["times"][base] for r in per_rank)))
         cal, none_s = calibrate(events(i)), statistics.median(base_slowest)
-        cal_base = anchor(calibrate(events(base)), spec.schedule, none_s)  # none's timed level
+        cal_base = calibrate(events(base))
+        alone = {s: t for r in per_rank for s, t in r["forwards"][base].items()}
+        cal_base.forward_alone = np.array([alone.get(s, np.nan) * 1e6 for s in range(cal.n_stages)])
+        cal_base = anchor(cal_base, spec.schedule, none_s)  # none's timed level
         ratio = paired_ratio(slowest, base_slowest)
         extra_bi, extra_w = _backward_extra(cal, cal_base)
         cm = cal_base.cost_model(spec.schedule)
         n = spec.schedule.n_stages
-        share = {"none": 0.0, "full": 1.0, "selective": selective_shares(cal_base, n, n)}[mode]
-        cm = replace(cm, recompute=list(share) if mode == "selective" else share)
+        share = {"none": 0.0, "full": full_shares(cal_base, n, n),
+                 "selective": selective_shares(cal_base, n, n)}[mode]  # fmt: skip
+        cm = replace(
+            cm, recompute=share if mode == "none" else list(np.atleast_1d(share) * np.ones(n))
+        )
         sim_ms = simulate(spec.schedule, cm).makespan / 1e3
         sim_ratio = sim_ms / (simulate(spec.schedule, replace(cm, recompute=0.0)).makespan / 1e3)
         step_ms = statistics.median(slowest) * 1e3
@@ -213,8 +224,8 @@ def report(specs: list, per_rank: list[dict], rounds: int, steps: int, batch: in
         by_rank = [sum(cal_base.f[s] for s in spec.schedule.stages_of(r)) for r in range(P)]
         per = none_s * 1e3 / (M * max(by_rank) / 1e3)
         step_f = f"{(ratio.value - 1) * per:5.2f} ({(ratio.low - 1) * per:5.2f}-{(ratio.high - 1) * per:4.2f})"
-        if mode == "selective":
-            shares.append(f"{name} {impl}: " + "/".join(f"{x:.2f}" for x in share))
+        if mode != "none":
+            shares.append(f"{mode} {name} {impl}: " + "/".join(f"{x:.2f}" for x in cm.recompute))
         meter = [r["memory"][i]["peak_bytes"] for r in per_rank]
         count = predicted = "-"
         if impl == "vpipe":
@@ -228,7 +239,8 @@ def report(specs: list, per_rank: list[dict], rounds: int, steps: int, batch: in
             f"{sim_ms:7.1f} {100 * (sim_ms / step_ms - 1):+5.1f}% "
             f"{'yes' if ratio.low <= sim_ratio <= ratio.high else 'no':>9s}"
         )
-    lines.append("selective's share of each stage's forward, per stage (none run's spans): "
+    lines.append("what each B or I reruns, in shares of the none run's F per stage (full: the "
+                 "forward alone, as probed; selective: its RECOMPUTABLE spans): "
                  + "; ".join(shares))  # fmt: skip
     return lines
 

@@ -195,6 +195,14 @@ def test_quick_sweep_writes_store_plots_and_report(tmp_path, capsys):
     split = pd.to_numeric(measured["split_backward_ratio"], errors="coerce")
     assert (split[measured["impl"] == "vpipe"] > 0).all()
     assert split[measured["impl"] == "torch"].isna().all()
+    # the forward probe: every stage's forward alone on vpipe's configs (4 stages each)
+    from vpipe.predict.recompute_share import forward_alone_us
+
+    for r in measured.itertuples():
+        alone = forward_alone_us(r)
+        assert (alone is None) == (r.impl == "torch"), r.impl
+        if alone is not None:
+            assert len(alone) == 4 and (alone > 0).all(), alone
     # the communication threads' CPU per step: measured where the 2 ranks' compute threads
     # take every core (they do by default: cores // ranks each), else left out
     from vpipe.trace.thread_cpu import cores_shared

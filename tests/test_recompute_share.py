@@ -105,3 +105,37 @@ def test_a_profiled_gpt_run_marks_attention_and_the_activation_functions(tmp_pat
     assert 0 < share[0] < 1
     pipe.step(x, y)  # not profiling: nothing marks, nothing fails
     assert not torch._C._autograd._profiler_enabled()
+
+
+def test_full_recompute_reruns_the_forward_as_probed_alone():
+    """A run whose probe timed each stage's forward alone at half its F in the pipeline: full
+    recomputation reruns half an F in each B and I (the pipeline's own extra is not rerun);
+    without the probe, the whole F; a stage not probed, its whole F."""
+    import json
+
+    from vpipe.predict.plan import Budget, calibrated_costs, plan
+    from vpipe.predict.recompute_share import forward_alone_us, full_shares
+
+    zbv, events = _simulated()
+    sizes = {"vocab": 512, "d_model": 128, "n_heads": 4, "n_layers": 2, "seq_len": 64}
+    meta = {"model": "gpt", "sizes": sizes, "batch": 32, "stages": 4, "dtype": "fp32"}
+    probed = {**meta, "forward_alone_us": json.dumps([50.0, 50.0, None, 50.0])}
+    np.testing.assert_allclose(forward_alone_us(probed), [50, 50, np.nan, 50])
+    assert forward_alone_us(meta) is None and forward_alone_us({"forward_alone_us": "[]"}) is None
+    cal = calibrate(events)
+    assert full_shares(cal, 4, 4) == 1.0
+    cal.forward_alone = forward_alone_us(probed)
+    np.testing.assert_allclose(full_shares(cal, 4, 4), [0.5, 0.5, 1.0, 0.5])
+    np.testing.assert_allclose(full_shares(cal, 2, 4), [0.5, 0.75])  # two pieces each
+    kw = {"microbatches": [4], "schedules": ["zbv"]}
+    step = {}
+    for name, m in (("plain", meta), ("probed", probed)):
+        costs = calibrated_costs(events, {0: 8e6, 1: 14e6}, zbv, m)
+        got = plan(costs, 2, 32, Budget(1e12), recompute=("none", "full"), **kw)
+        step[name] = {c["recompute"]: c["predicted_step_s"] for c in got["candidates"]}
+        cm = costs.cost_model(zbv, 8)
+        share = 1.0 if name == "plain" else [0.5, 0.5, 1.0, 0.5]
+        want = [simulate(zbv, CostModel(**{**cm.to_dict(), "recompute": r})).makespan
+                for r in (0.0, share)]  # fmt: skip
+        assert step[name]["full"] / step[name]["none"] == pytest.approx(want[1] / want[0], rel=1e-6)
+    assert step["probed"]["full"] < step["plain"]["full"]

@@ -43,6 +43,9 @@ def test_run_csv_schedule_gpt_with_check_and_profile(tmp_path):
         assert any(str(n).startswith("PP:") for n in names)
         # the split probe's (I + W) / B of stage 1, for analyze --predict
         assert trace["vpipe"]["split_backward_ratio"] > 0
+        # and each stage's forward alone, what a full recomputation reruns
+        alone = trace["vpipe"]["forward_alone_us"]
+        assert len(alone) == 2 and all(t > 0 for t in alone), alone
 
 
 def test_profiled_run_is_quiet_unless_verbose(tmp_path):

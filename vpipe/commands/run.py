@@ -240,8 +240,9 @@ def run_rank(rank: int, n_ranks: int, cfg: RunConfig) -> dict[str, Any]:
 
     cfg.meta["cpu_allocator"] = apply_cpu_allocator(cfg.cpu_allocator)  # what is in effect
     h = build(cfg.rank, rank)
-    if cfg.profile:  # the traces carry what a split backward costs here, for analyze --predict
+    if cfg.profile:  # the traces carry what a split backward and a forward alone cost here
         cfg.meta["split_backward_ratio"] = _split_probe(h, n_ranks)
+        cfg.meta["forward_alone_us"] = _forward_probe(h, n_ranks)
     loss_rank = cfg.rank.schedule.loss_rank
     times: list[float] = []
     wait, warmup = int(cfg.steps >= 3), int(cfg.steps >= 2)  # skip shape inference if we can
@@ -308,6 +309,20 @@ def _split_probe(h: Any, n_ranks: int) -> float | None:
     dist.all_gather_object(everyone, h.split_probe())
     ratios = [x for mine in everyone for x in mine]
     return statistics.median(ratios) if ratios else None
+
+
+def _forward_probe(h: Any, n_ranks: int) -> list[float | None] | None:
+    """Every stage's forward alone in microseconds (:func:`vpipe.sweep.split_probe.
+    probe_forwards`), gathered from every rank after the split probe's untimed step; None
+    where no rank probed (torch's runtime, recomputing stages)."""
+    import torch.distributed as dist
+
+    everyone: list[Any] = [None] * n_ranks
+    dist.all_gather_object(everyone, h.forward_probe() if h.spec.recompute == "none" else {})
+    got = {s: t for mine in everyone for s, t in mine.items()}
+    if not got:
+        return None
+    return [round(got[s] * 1e6, 1) if s in got else None for s in range(max(got) + 1)]
 
 
 def _broadcast_mean_loss(losses: list[Any] | None, loss_rank: int, device: Any) -> float:

@@ -86,6 +86,9 @@ class Calibration:
     comm_threads: float = 0.0
     # (I + W) over a fused B past the first stage (vpipe.predict.split_cost); None: unknown, 1
     split_ratio: float | None = None
+    # per stage, one forward run alone (the forward probe; NaN where not probed): what a full
+    # recomputation reruns (vpipe.predict.recompute_share.full_shares)
+    forward_alone: np.ndarray | None = None
 
     @property
     def n_stages(self) -> int:

@@ -178,6 +178,7 @@ def calibrated_costs(
     model, its sizes, stages and batch (the global batch of ``meta["dp"]`` replicas, if any)."""
     from vpipe.predict.calibrate import anchor, calibrate, comm_thread_cpu_s, model_units
     from vpipe.predict.pieces import split_sizes
+    from vpipe.predict.recompute_share import forward_alone_us
     from vpipe.predict.split_cost import split_backward_ratio
     from vpipe.sim import simulate
 
@@ -191,6 +192,7 @@ def calibrated_costs(
     sim = simulate(schedule, CostModel(activation_bytes=[u * rows for u in units]))
     ratios = [peak_bytes.get(r, 0) / p for r, p in enumerate(sim.peak_activation_bytes) if p]
     cal = calibrate(events, split_ratio=split_backward_ratio(meta))
+    cal.forward_alone = forward_alone_us(meta)  # what a full recomputation reruns
     cal = anchor(cal, schedule, timed_s, pieces, comm_thread_cpu_s=comm_thread_cpu_s(meta))
     return CalibratedCosts(cal, pieces, rows, float(max(ratios, default=0.0)), meta)
 

@@ -3,7 +3,9 @@
 From a run without recomputation (:class:`vpipe.predict.plan.CalibratedCosts`), each stage's
 costs under a mode (:mod:`vpipe.runtime.recompute`):
 
-- time: each B and I reruns a share of the stage's measured forward: all of it under ``full``;
+- time: each B and I reruns a share of the stage's measured forward: under ``full`` the
+  forward as the run's probe timed it alone, else all of it
+  (:func:`vpipe.predict.recompute_share.full_shares`);
   under ``selective`` the share of it the run spent in the calls selective recomputation
   reruns (:mod:`vpipe.predict.recompute_share`); for a run recorded without those spans, the
   share of attention's core in a GPT block's multiply-adds (activation functions left out);
@@ -55,7 +57,7 @@ class _Recomputing:
     def cost_model(self, schedule: Any, rows: float) -> Any:
         from vpipe.models import resolve_sizes
         from vpipe.predict.pieces import split_sizes
-        from vpipe.predict.recompute_share import selective_shares
+        from vpipe.predict.recompute_share import full_shares, selective_shares
 
         cm = self.base.cost_model(schedule, rows)
         meta = self.base.meta
@@ -70,7 +72,8 @@ class _Recomputing:
                 per_row *= sizes["seq_len"]
             kept = [rows * (sizes["seq_len"] * 8 if model == "gpt" and s == 0 else per_row)
                     for s in range(n)]  # fmt: skip
-            share = 1.0
+            share = full_shares(self.base.calibration, n, self.base.pieces)
+            share = share if isinstance(share, float) else share.tolist()
         else:
             blocks = list(pieces)
             if model == "gpt":  # the embedding and the head are pieces without a block

@@ -11,6 +11,13 @@ CPU, attention's softmax and the activation functions take far more than their s
 arithmetic.
 
 Read only from host-clock F rows: on a CUDA trace the spans are launch times, not the device's.
+
+Full recomputation reruns the whole forward in each B or I, but not what an F action pays in a
+pipeline beyond its forward: on a 2-core host the F actions of small GPT stages took 1.1-2.2x
+the same forward run alone, and a recomputation priced at them came out 9-14% long
+(docs/runtime.md). Where the run probed each stage's forward alone
+(:func:`vpipe.sweep.split_probe.probe_forwards`, the runs table's ``forward_alone_us``),
+:func:`full_shares` prices it at that; else at the whole F.
 """
 
 from __future__ import annotations
@@ -22,7 +29,7 @@ import pandas as pd
 
 from vpipe.events import RECOMPUTABLE
 
-__all__ = ["recomputable_us", "selective_shares"]
+__all__ = ["forward_alone_us", "full_shares", "recomputable_us", "selective_shares"]
 
 
 def recomputable_us(events: pd.DataFrame, n_stages: int) -> np.ndarray | None:
@@ -60,3 +67,41 @@ def selective_shares(cal: Any, n_stages: int, n_units: int) -> np.ndarray | None
     if n_stages != cal.n_stages:
         rec, f = (rescale_stages(x, n_units, n_stages) for x in (rec, f))
     return np.clip(rec / f, 0.0, 1.0)
+
+
+def forward_alone_us(row: Any) -> np.ndarray | None:
+    """A run's forward probe per stage in microseconds (its runs-table row, a row tuple or its
+    metadata: ``forward_alone_us``, a JSON list), NaN where a stage was not probed; None where
+    the run has none."""
+    import json
+
+    value = (
+        row.get("forward_alone_us")
+        if hasattr(row, "get")
+        else getattr(row, "forward_alone_us", None)
+    )
+    if isinstance(value, str):
+        try:
+            value = json.loads(value)
+        except ValueError:
+            return None
+    if not isinstance(value, list) or not value:
+        return None
+    out = np.array([np.nan if v is None else float(v) for v in value])
+    return out if np.isfinite(out).any() else None
+
+
+def full_shares(cal: Any, n_stages: int, n_units: int) -> np.ndarray | float:
+    """Per stage of an ``n_stages`` split of the calibrated model, the share of its calibrated
+    F that a full recomputation reruns: its forward alone over its F (at most 1; 1 for a stage
+    not probed), both summed over its pieces; 1 without a probe."""
+    from vpipe.predict.pieces import rescale_stages
+
+    alone = getattr(cal, "forward_alone", None)
+    if alone is None or len(alone) != cal.n_stages:
+        return 1.0
+    alone = np.where(np.isfinite(alone), alone, cal.f)  # not probed: the whole F
+    f = cal.f
+    if n_stages != cal.n_stages:
+        alone, f = (rescale_stages(x, n_units, n_stages) for x in (alone, f))
+    return np.clip(alone / f, 0.0, 1.0)

@@ -346,6 +346,7 @@ def rank_worker(
                        comm_thread_clock(world) if not on_gpu and spec.dp == 1 else None)  # fmt: skip
         traced: dict[str, list[Any]] = {cfg.key: [] for cfg in configs}
         probes: dict[str, list[float]] = {}
+        forwards: dict[str, dict[int, float]] = {}
 
         def profile_round(r: int) -> None:  # interleaved with the timed rounds
             for cfg, h in zip(configs, harnesses, strict=True):
@@ -353,8 +354,9 @@ def rank_worker(
                 meta = _trace_meta(spec, cfg, h, run_id)
                 # torch's runtime marks no waits: they are read from its operators
                 ops = spec.profile_ops or cfg.impl == "torch"
-                if r == 0:  # what a split backward costs on its stages (vpipe.sweep.split_probe)
+                if r == 0:  # a split backward and a forward alone (vpipe.sweep.split_probe)
                     probes[cfg.key] = h.split_probe()
+                    forwards[cfg.key] = h.forward_probe()
                 ev = h.profiled_step(out, meta, verbose=spec.verbose, ops=ops)
                 # one recorded step per round: number it by its round (torch's traces count
                 # their ProfilerStep from 1 again in every round)
@@ -401,6 +403,7 @@ def rank_worker(
         "rounds": timed.rounds,
         "comm_thread_cpu_s": timed.comm_cpu_s,
         "split_probe": probes,
+        "forward_probe": forwards,
         "stop": timed.stop,
         "reference": ref_shape,
         "host_rounds": host,

@@ -307,6 +307,16 @@ class RankHarness:
         return probe_split(self.pipe.stages, self.targets, self.spec.schedule.n_microbatches,
                            self.device)  # fmt: skip
 
+    def forward_probe(self) -> dict[int, float]:
+        """Seconds of one forward alone per stage of this rank (:func:`vpipe.sweep.split_probe.
+        probe_forwards`); {} for torch's runtime and recomputing stages."""
+        if self.spec.impl != "vpipe":
+            return {}
+        from vpipe.sweep.split_probe import probe_forwards
+
+        return probe_forwards(self.pipe.stages, self.targets, self.spec.schedule.n_microbatches,
+                              self.device)  # fmt: skip
+
     def memory_step(self) -> dict[str, Any]:
         """One step under the memory meter: the peak and samples of bytes saved for backward,
         the CUDA allocator's peak on GPUs, and the runtime's own live-activation peak."""

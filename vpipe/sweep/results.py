@@ -300,6 +300,7 @@ def collect(
                 **_memory_kinds(results, cfg),
                 "comm_thread_cpu_s": _comm_thread_cpu_s(r0, i),
                 "split_backward_ratio": _split_ratio(results, cfg.key),
+                "forward_alone_us": _forwards_alone(results, cfg.key),
                 "run_id": run_id,
                 "source": "measured",
                 "status": "ok",
@@ -414,6 +415,16 @@ def _split_ratio(results: list[dict[str, Any]], key: str) -> float | None:
 
     ratios = [x for r in results for x in r.get("split_probe", {}).get(key, [])]
     return float(np.median(ratios)) if ratios else None
+
+
+def _forwards_alone(results: list[dict[str, Any]], key: str) -> str | None:
+    """A config's forward probe (:func:`vpipe.sweep.split_probe.probe_forwards`) as the runs
+    table's ``forward_alone_us``: a JSON list of microseconds per stage (null where no rank
+    probed it); None where no stage was probed."""
+    got = {int(s): v for r in results for s, v in r.get("forward_probe", {}).get(key, {}).items()}
+    if not got:
+        return None
+    return json.dumps([round(got[s] * 1e6, 1) if s in got else None for s in range(max(got) + 1)])
 
 
 def _memory_kinds(results: list[dict[str, Any]], cfg: Config) -> dict[str, int | None]:

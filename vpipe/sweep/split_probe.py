@@ -9,7 +9,12 @@ second (``seconds``; at most 48 repeats), and keeps each repeat's (I + W) / B: a
 ratio, so a host whose speed drifts moves both sides. Inputs and output gradients are random tensors of the shapes
 the stage exchanged in its last step (its metadata), the target the rank's first microbatch's.
 
-Nothing of the probe is left behind: its microbatches are keyed outside any step's, its
+:func:`probe_forwards` times, the same way, one microbatch's forward of each stage alone (then
+drops it with a B): what a full recomputation reruns in each B or I. In a pipeline the F
+actions of a small stage took up to twice that (docs/runtime.md, "Activation recomputation"),
+and a recomputation priced at them came out 9-14% long.
+
+Nothing of either probe is left behind: its microbatches are keyed outside any step's, its
 gradients are dropped (every step starts from zeroed gradients) and the random draws of its
 forwards come from a forked RNG. A recomputing stage is not probed (its backward reruns the
 forward, which the simulator charges on its own), nor torch's runtime.
@@ -17,6 +22,7 @@ forward, which the simulator charges on its own), nor torch's runtime.
 
 from __future__ import annotations
 
+import statistics
 import time
 from collections.abc import Callable, Mapping
 from typing import Any
@@ -25,7 +31,7 @@ import torch
 
 from vpipe.runtime.meta import as_tuple
 
-__all__ = ["probe_split"]
+__all__ = ["probe_forwards", "probe_split"]
 
 _FUSED, _SPLIT = -1, -2  # microbatch keys no step uses
 
@@ -69,6 +75,38 @@ def probe_split(
         for p in st.module.parameters():
             p.grad = None
     return ratios
+
+
+def probe_forwards(
+    stages: Mapping[int, Any],
+    targets: Any,
+    n_microbatches: int,
+    device: torch.device,
+    *,
+    repeats: int = 8,
+) -> dict[int, float]:
+    """Per stage of this rank that keeps its activations (no recomputation) and knows its
+    shapes, the median seconds of one microbatch's forward run alone, over ``repeats`` after
+    one untimed (see the module docstring); {} where none does."""
+    mine = [st for st in stages.values() if st.recompute == "none" and st.in_meta]
+    target = _first_microbatch(targets, n_microbatches)
+    sync = (lambda: torch.cuda.synchronize(device)) if device.type == "cuda" else (lambda: None)
+    times: dict[int, list[float]] = {st.index: [] for st in mine}
+    with torch.random.fork_rng(devices=[device] if device.type == "cuda" else []):
+        for rep in range(repeats + 1):
+            for st in mine:
+                values = _values(st.in_meta, device)
+                sync()
+                t0 = time.perf_counter()
+                st.forward(_FUSED, values, target)
+                sync()
+                if rep:
+                    times[st.index].append(time.perf_counter() - t0)
+                st.backward(_FUSED, None if st.is_last else _values(st.float_out_meta, device))
+    for st in mine:
+        for p in st.module.parameters():
+            p.grad = None
+    return {s: statistics.median(v) for s, v in times.items() if v}
 
 
 def _probed(stage: Any) -> bool:
