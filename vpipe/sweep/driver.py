@@ -11,7 +11,7 @@ each round records the host's state (:mod:`vpipe.trace.host_state`) and the comm
 threads' CPU (:mod:`vpipe.trace.thread_cpu`). After each of the first rounds each config runs
 one profiled step (interleaved, so calibration and timing see the same host; converted to the
 event table on its own rank: no shared filesystem needed; a vpipe config's first is preceded by
-its split probe, :mod:`vpipe.sweep.split_probe`), and at the end one memory step
+its split and forward probes, :mod:`vpipe.sweep.split_probe`), and at the end one memory step
 (bytes saved for backward, from autograd's hooks, alike for both implementations; the CUDA
 allocator's peak on GPUs). It imports torch only in the rank worker and the post-processing.
 """
