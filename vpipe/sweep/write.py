@@ -40,8 +40,9 @@ def write_outputs(res: BenchResults, out: str | Path) -> dict[str, Path]:
 
     out = Path(out)
     store = Store(out)
-    for row in res.runs.to_dict("records"):
-        rid = row["run_id"]
+    for k in range(len(res.runs)):  # one-row frames keep the columns' types (text stays text)
+        row = res.runs.iloc[[k]]
+        rid = row["run_id"].iloc[0]
         store.append_run(row, res.events.get(rid), res.memory.get(rid))
     meta = {"table": "steps", "bench_id": res.bench_id}
     write_parquet(res.steps, out / "steps.parquet", meta)

@@ -172,6 +172,10 @@ def runs_frame(
             else pd.Series(pd.NA, index=df.index, dtype=dtype)
         )
     extra = [c for c in df.columns if c not in columns]
+    for col in extra:  # text (JSON) where a run has it: text in every run's file, never NaN
+        values = df[col].dropna()
+        if df[col].dtype == object and len(values) and values.map(type).eq(str).all():
+            df[col] = df[col].astype("string")
     return df[list(columns) + extra]
 
 
