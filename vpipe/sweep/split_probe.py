@@ -53,9 +53,9 @@ def probe_split(
     if not probed:
         return []
     target = _first_microbatch(targets, n_microbatches)
-    sync = (lambda: torch.cuda.synchronize(device)) if device.type == "cuda" else (lambda: None)
+    sync = _synchronizer(device)
     ratios: list[float] = []
-    with torch.random.fork_rng(devices=[device] if device.type == "cuda" else []):
+    with _forked_rng(device):
         for st in probed:  # gradients exist from here on: every timed pass accumulates
             _fused(st, device, target, sync)
             _split(st, device, target, sync)
@@ -71,9 +71,7 @@ def probe_split(
                     iw = _split(st, device, target, sync)
                 ratios.append(iw / b)
             rep += 1
-    for st in probed:
-        for p in st.module.parameters():
-            p.grad = None
+    _drop_grads(probed)
     return ratios
 
 
@@ -90,9 +88,9 @@ def probe_forwards(
     one untimed (see the module docstring); {} where none does."""
     mine = [st for st in stages.values() if st.recompute == "none" and st.in_meta]
     target = _first_microbatch(targets, n_microbatches)
-    sync = (lambda: torch.cuda.synchronize(device)) if device.type == "cuda" else (lambda: None)
+    sync = _synchronizer(device)
     times: dict[int, list[float]] = {st.index: [] for st in mine}
-    with torch.random.fork_rng(devices=[device] if device.type == "cuda" else []):
+    with _forked_rng(device):
         for rep in range(repeats + 1):
             for st in mine:
                 values = _values(st.in_meta, device)
@@ -103,10 +101,25 @@ def probe_forwards(
                 if rep:
                     times[st.index].append(time.perf_counter() - t0)
                 st.backward(_FUSED, None if st.is_last else _values(st.float_out_meta, device))
-    for st in mine:
+    _drop_grads(mine)
+    return {s: statistics.median(v) for s, v in times.items() if v}
+
+
+def _synchronizer(device: torch.device) -> Callable[[], None]:
+    """What waits for the device's queued work (nothing on a CPU)."""
+    return (lambda: torch.cuda.synchronize(device)) if device.type == "cuda" else (lambda: None)
+
+
+def _forked_rng(device: torch.device) -> Any:
+    """The random state restored on exit: the probes' draws leave a step's unchanged."""
+    return torch.random.fork_rng(devices=[device] if device.type == "cuda" else [])
+
+
+def _drop_grads(stages: list[Any]) -> None:
+    """The probes' accumulated gradients dropped (every step starts from zeroed ones)."""
+    for st in stages:
         for p in st.module.parameters():
             p.grad = None
-    return {s: statistics.median(v) for s, v in times.items() if v}
 
 
 def _probed(stage: Any) -> bool:
