@@ -507,6 +507,23 @@ def _run(versions, out, **kw):
     )  # fmt: skip
 
 
+def test_a_side_that_exited_is_judged_by_all_it_printed(tmp_path):
+    """A side that wrote its blocks and exited before vpipe ab asks, and whose last line the
+    reader thread has not read yet: what it wrote, not "nothing written" (a race seen once in
+    CI, in the test below)."""
+    from vpipe.sweep.ab import SideProcess
+    from vpipe.sweep.paced import PREFIX
+
+    reply = PREFIX + json.dumps({"written": 2, "out": "DIR"})
+    proc = subprocess.Popen([sys.executable, "-c", f"print({reply!r})"], stdin=subprocess.PIPE,
+                            stdout=subprocess.PIPE, text=True)  # fmt: skip
+    proc.wait(timeout=30)
+    side = SideProcess(Version("A", "HEAD", tmp_path, Path(sys.executable), None, True), proc,
+                       (tmp_path / "A.log").open("w"))  # fmt: skip
+    threading.Timer(0.3, side._read).start()  # the reader thread, late
+    assert side.finish() == "A: 2 blocks in DIR"
+
+
 def test_a_session_alternates_and_each_side_writes_its_blocks(tmp_path, fake_versions):
     versions, log = fake_versions
     session, wrote = _run(versions, tmp_path / "out")

@@ -183,9 +183,8 @@ class SideProcess:
 
     def finish(self) -> str:
         """Have the side write its finished blocks (:meth:`end`, unless asked already) and wait
-        for it; what it wrote, in words."""
-        if self.proc.poll() is not None and self.messages.empty():
-            return f"{self.version.label}: nothing written ({self.exit_reason()})"
+        for it; what it wrote, in words. A side that has exited is judged by what the reader
+        thread reads of its output up to its end, not by whether that was read yet."""
         self.end()
         try:
             while True:  # skip the answer to an interrupted launch
