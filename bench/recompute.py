@@ -180,6 +180,7 @@ def report(specs: list, per_rank: list[dict], rounds: int, steps: int, batch: in
     from vpipe.predict.recompute_share import full_shares, selective_shares
     from vpipe.sim import simulate
     from vpipe.stats import paired_ratio
+    from vpipe.sweep.split_probe import forwards_us
 
     def events(i: int) -> Any:
         return pd.concat([e for r in per_rank for e in r["events"][i]], ignore_index=True)
@@ -203,9 +204,9 @@ def report(specs: list, per_rank: list[dict], rounds: int, steps: int, batch: in
         slowest = list(map(max, *(r["times"][i] for r in per_rank)))
         base_slowest = list(map(max, *(r["times"][base] for r in per_rank)))
         cal, none_s = calibrate(events(i)), statistics.median(base_slowest)
-        cal_base = calibrate(events(base))
-        alone = {s: t for r in per_rank for s, t in r["forwards"][base].items()}
-        cal_base.forward_alone = np.array([alone.get(s, np.nan) * 1e6 for s in range(cal.n_stages)])
+        alone = forwards_us(r["forwards"][base] for r in per_rank)  # vpipe's runs: probed
+        cal_base = calibrate(events(base), forward_alone=None if alone is None else
+                             np.array(alone, dtype=float))  # fmt: skip
         cal_base = anchor(cal_base, spec.schedule, none_s)  # none's timed level
         ratio = paired_ratio(slowest, base_slowest)
         extra_bi, extra_w = _backward_extra(cal, cal_base)

@@ -317,12 +317,11 @@ def _forward_probe(h: Any, n_ranks: int) -> list[float | None] | None:
     where no rank probed (torch's runtime, recomputing stages)."""
     import torch.distributed as dist
 
+    from vpipe.sweep.split_probe import forwards_us
+
     everyone: list[Any] = [None] * n_ranks
     dist.all_gather_object(everyone, h.forward_probe() if h.spec.recompute == "none" else {})
-    got = {s: t for mine in everyone for s, t in mine.items()}
-    if not got:
-        return None
-    return [round(got[s] * 1e6, 1) if s in got else None for s in range(max(got) + 1)]
+    return forwards_us(everyone)
 
 
 def _broadcast_mean_loss(losses: list[Any] | None, loss_rank: int, device: Any) -> float:

@@ -174,10 +174,12 @@ def calibrate(
     w_share: float = 0.5,
     stat: str = "median",
     split_ratio: float | None = None,
+    forward_alone: np.ndarray | None = None,
 ) -> Calibration:
     """Calibrate from one measured run's event table (see the module docstring);
     ``split_ratio``, the run's probe of its split backward, where the run did not measure it
-    itself (:mod:`vpipe.predict.split_cost`)."""
+    itself (:mod:`vpipe.predict.split_cost`); ``forward_alone``, its probe of each stage's
+    forward alone (:func:`vpipe.predict.recompute_share.full_shares`)."""
     if events.empty:
         raise TraceError("cannot calibrate from an empty event table")
     in_steps = events[events["step"] >= 0]
@@ -226,6 +228,7 @@ def calibrate(
         full_b if np.isfinite(full_b).any() else None,
         recomputable=recomputable_us(ev, n_stages),
         split_ratio=in_run_ratio(b, w, full_b) or split_ratio,
+        forward_alone=forward_alone,
     )
 
 

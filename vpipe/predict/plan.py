@@ -191,8 +191,8 @@ def calibrated_costs(
     units = split_sizes(pieces, schedule.n_stages)
     sim = simulate(schedule, CostModel(activation_bytes=[u * rows for u in units]))
     ratios = [peak_bytes.get(r, 0) / p for r, p in enumerate(sim.peak_activation_bytes) if p]
-    cal = calibrate(events, split_ratio=split_backward_ratio(meta))
-    cal.forward_alone = forward_alone_us(meta)  # what a full recomputation reruns
+    cal = calibrate(events, split_ratio=split_backward_ratio(meta),
+                    forward_alone=forward_alone_us(meta))  # fmt: skip
     cal = anchor(cal, schedule, timed_s, pieces, comm_thread_cpu_s=comm_thread_cpu_s(meta))
     return CalibratedCosts(cal, pieces, rows, float(max(ratios, default=0.0)), meta)
 

@@ -75,11 +75,9 @@ def forward_alone_us(row: Any) -> np.ndarray | None:
     the run has none."""
     import json
 
-    value = (
-        row.get("forward_alone_us")
-        if hasattr(row, "get")
-        else getattr(row, "forward_alone_us", None)
-    )
+    from vpipe.predict.split_cost import run_value
+
+    value = run_value(row, "forward_alone_us")
     if isinstance(value, str):
         try:
             value = json.loads(value)
@@ -87,7 +85,7 @@ def forward_alone_us(row: Any) -> np.ndarray | None:
             return None
     if not isinstance(value, list) or not value:
         return None
-    out = np.array([np.nan if v is None else float(v) for v in value])
+    out = np.array(value, dtype=float)  # None -> NaN
     return out if np.isfinite(out).any() else None
 
 

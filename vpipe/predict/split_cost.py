@@ -19,7 +19,7 @@ from typing import Any
 
 import numpy as np
 
-__all__ = ["in_run_ratio", "run_figure", "split_backward_ratio", "split_factors"]
+__all__ = ["in_run_ratio", "run_figure", "run_value", "split_backward_ratio", "split_factors"]
 
 
 def split_factors(n_stages: int, ratio: float | None) -> np.ndarray:
@@ -48,10 +48,15 @@ def split_backward_ratio(row: Any) -> float | None:
     return value if value is not None and value > 0 else None
 
 
+def run_value(row: Any, key: str) -> Any:
+    """``key`` of a run's runs-table row, row tuple or metadata as stored; None where missing."""
+    return row.get(key) if hasattr(row, "get") else getattr(row, key, None)
+
+
 def run_figure(row: Any, key: str) -> float | None:
     """``key`` of a run's runs-table row, row tuple or metadata as a number; None where it is
     missing, NA, NaN or not a number."""
-    value = row.get(key) if hasattr(row, "get") else getattr(row, key, None)
+    value = run_value(row, key)
     try:
         value = float(value)
     except (TypeError, ValueError):  # None, NA

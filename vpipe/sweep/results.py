@@ -418,13 +418,12 @@ def _split_ratio(results: list[dict[str, Any]], key: str) -> float | None:
 
 
 def _forwards_alone(results: list[dict[str, Any]], key: str) -> str | None:
-    """A config's forward probe (:func:`vpipe.sweep.split_probe.probe_forwards`) as the runs
-    table's ``forward_alone_us``: a JSON list of microseconds per stage (null where no rank
-    probed it); None where no stage was probed."""
-    got = {int(s): v for r in results for s, v in r.get("forward_probe", {}).get(key, {}).items()}
-    if not got:
-        return None
-    return json.dumps([round(got[s] * 1e6, 1) if s in got else None for s in range(max(got) + 1)])
+    """A config's forward probe as the runs table's ``forward_alone_us`` (JSON text:
+    :func:`vpipe.sweep.split_probe.forwards_us`)."""
+    from vpipe.sweep.split_probe import forwards_us
+
+    per_stage = forwards_us(r.get("forward_probe", {}).get(key, {}) for r in results)
+    return None if per_stage is None else json.dumps(per_stage)
 
 
 def _memory_kinds(results: list[dict[str, Any]], cfg: Config) -> dict[str, int | None]:

@@ -24,14 +24,14 @@ from __future__ import annotations
 
 import statistics
 import time
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Iterable, Mapping
 from typing import Any
 
 import torch
 
 from vpipe.runtime.meta import as_tuple
 
-__all__ = ["probe_forwards", "probe_split"]
+__all__ = ["forwards_us", "probe_forwards", "probe_split"]
 
 _FUSED, _SPLIT = -1, -2  # microbatch keys no step uses
 
@@ -103,6 +103,16 @@ def probe_forwards(
                 st.backward(_FUSED, None if st.is_last else _values(st.float_out_meta, device))
     _drop_grads(mine)
     return {s: statistics.median(v) for s, v in times.items() if v}
+
+
+def forwards_us(per_rank: Iterable[Mapping[int, float]]) -> list[float | None] | None:
+    """Every rank's :func:`probe_forwards` as one list of microseconds per stage (None where
+    no rank probed a stage): the runs table's and a trace's ``forward_alone_us``; None where
+    no stage was probed."""
+    got = {int(s): t for mine in per_rank for s, t in mine.items()}
+    if not got:
+        return None
+    return [round(got[s] * 1e6, 1) if s in got else None for s in range(max(got) + 1)]
 
 
 def _synchronizer(device: torch.device) -> Callable[[], None]:
